@@ -1,0 +1,1 @@
+"""Data-only package: model, mesh and server configs (YAML)."""

@@ -1,0 +1,64 @@
+"""The one dispatch point for paged attention.
+
+``attention_impl``: "xla" (the pure-XLA reference, the CPU default), or
+"auto" (today: xla everywhere; the Pallas kernels slot in here behind the same
+signatures). The model calls only :func:`paged_attention` and
+:func:`write_kv_pages`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.paged_attention_xla import (
+    paged_decode_attention_xla,
+    paged_prefill_attention_xla,
+    write_kv_pages,
+)
+
+ATTENTION_IMPLS = ("auto", "xla")
+
+__all__ = ["ATTENTION_IMPLS", "paged_attention", "write_kv_pages"]
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md,
+    *,
+    scale: float,
+    sliding_window=None,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Attention of a step's queries over the paged KV cache.
+
+    Args:
+      q: [T, num_heads, head_dim]: one row per slot in decode mode, the ragged
+        chunk tokens in prefill mode.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], already
+        holding this step's K/V.
+      md: ``model.attention_metadata.AttentionMetadata``.
+      scale, sliding_window, soft_cap: see ``paged_attention_xla``.
+      impl: one of ATTENTION_IMPLS.
+
+    Returns:
+      [T, num_heads, head_dim] in q's dtype.
+
+    Raises:
+      ValueError: unknown impl or mode.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if md.mode == "decode":
+        return paged_decode_attention_xla(
+            q, k_pages, v_pages, md.kv_lens, md.page_table,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
+    if md.mode == "prefill":
+        return paged_prefill_attention_xla(
+            q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
+    raise ValueError(f"unknown attention mode {md.mode!r}")

@@ -1,0 +1,194 @@
+"""Paged attention in plain XLA: the reference implementation and the CPU path.
+
+Layout (shared with the Pallas kernels that replace these behind the same
+signatures)::
+
+    k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim]
+    page_table:       [seqs, pages_per_seq] int32   row i = sequence i's pages, in order
+    token t of sequence i lives at  page_table[i, t // page_size], offset t % page_size
+
+    page 0 is the engine's null page: padding rows and padding tokens point at it,
+    and it is never read unmasked.
+
+Both functions gather the pages named by ``page_table`` (its width is the
+caller's length bucket, so work follows the longest sequence in the step),
+mask by length, causality and sliding window, and run a dense softmax in
+float32. Masked probabilities are exactly zero and masked values are replaced
+by zero before the weighted sum, so garbage (even NaN) in pages a sequence
+does not own never reaches the output.
+
+Sliding window semantics (Gemma 3, see the reference README): query at
+position i sees key j iff ``j <= i and i - j < window``; ``window <= 0``
+means unlimited. ``window`` may be a traced int32 scalar so a layer scan can
+carry one window per layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -1e30
+
+
+def _gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """[kv_heads, num_pages, page_size, d] x [seqs, P] -> [seqs, kv_heads, P * page_size, d]."""
+    kv_heads, _, page_size, head_dim = pages.shape
+    seqs, num_cols = page_table.shape
+    g = pages[:, page_table]  # [kv_heads, seqs, P, page_size, d]
+    return g.reshape(kv_heads, seqs, num_cols * page_size, head_dim).transpose(1, 0, 2, 3)
+
+
+def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
+    """True where key position k_pos is inside query q_pos's (causal, sliding) window."""
+    causal = k_pos <= q_pos
+    if window is None:
+        return causal
+    window = jnp.asarray(window, jnp.int32)
+    return causal & ((window <= 0) | (q_pos - k_pos < window))
+
+
+def _softmax_weighted_sum(scores, mask, v, soft_cap):
+    """scores: [..., L] f32, mask broadcastable, v gathered; returns probabilities [..., L]."""
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask, scores, _MASK_VALUE)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.maximum(denom, 1e-30)
+
+
+def paged_decode_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_table: jax.Array,
+    *,
+    scale: float,
+    sliding_window=None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """One query token per slot against that slot's pages.
+
+    Args:
+      q: [slots, num_heads, head_dim], any float dtype.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
+      lengths: [slots] int32, tokens in the cache including the current one;
+        the query sits at position lengths - 1. 0 marks a padding slot (output 0).
+      page_table: [slots, P] int32, P * page_size >= max(lengths).
+      scale: multiplies q.k (e.g. 1/sqrt(head_dim)).
+      sliding_window: None, or an int / int32 scalar (<= 0: unlimited).
+      soft_cap: optional tanh soft-cap on scores.
+
+    Returns:
+      [slots, num_heads, head_dim] in q's dtype.
+    """
+    slots, num_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    group = num_heads // kv_heads
+    k = _gather_pages(k_pages, page_table)  # [slots, kv, L, d]
+    v = _gather_pages(v_pages, page_table)
+    qg = q.reshape(slots, kv_heads, group, head_dim)
+    scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
+    k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
+    q_pos = (lengths - 1)[:, None]
+    mask = _window_mask(q_pos, k_pos, sliding_window) & (k_pos < lengths[:, None])  # [slots, L]
+    probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap)
+    v = jnp.where(mask[:, None, :, None], v, 0)
+    out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(slots, num_heads, head_dim).astype(q.dtype)
+
+
+def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """[num_tokens] int32: the sequence each ragged token belongs to (cu_q_lens: [S + 1])."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    return jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+
+
+def paged_prefill_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    sliding_window=None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """A ragged batch of prompt chunks against their sequences' pages (chunk included).
+
+    The chunk's own K/V must already be written into the pages. Sequence i owns
+    query tokens ``cu_q_lens[i]:cu_q_lens[i+1]``, whose positions are the last
+    ``q_len_i`` positions before ``kv_lens[i]``; so a chunk may start mid-sequence
+    (a later chunk, or a prompt that hit the prefix cache).
+
+    Args:
+      q: [num_tokens, num_heads, head_dim]; tokens past cu_q_lens[num_seqs] are padding.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
+      cu_q_lens: [S + 1] int32, cumulative query lengths (non-decreasing).
+      kv_lens: [S] int32, tokens in the cache for sequence i after this chunk.
+      page_table: [S, P] int32.
+      num_seqs: [] int32, rows that are real.
+      scale, sliding_window, soft_cap: as in :func:`paged_decode_attention_xla`.
+
+    Returns:
+      [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
+
+    Cost: this dense reference scores every token against every sequence's
+    pages (S x the useful work), so the engine keeps S small on CPU.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    group = num_heads // kv_heads
+    max_seqs = kv_lens.shape[0]
+    k = _gather_pages(k_pages, page_table)  # [S, kv, L, d]
+    v = _gather_pages(v_pages, page_table)
+    seq = token_sequence_ids(cu_q_lens, num_tokens)  # [T]
+    valid_tok = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)
+    seq = jnp.minimum(seq, max_seqs - 1)
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_pos = kv_lens[seq] - q_len[seq] + (jnp.arange(num_tokens) - cu_q_lens[seq])  # [T]
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
+    L = k.shape[2]
+    k_pos = jnp.arange(L, dtype=jnp.int32)
+    out = jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32)
+    # One pass per sequence slot (S is small and static); each token only
+    # keeps the pass of its own sequence.
+    for s in range(max_seqs):
+        scores = jnp.einsum("tkgd,kld->tkgl", qg, k[s], preferred_element_type=jnp.float32) * scale
+        mask = (
+            _window_mask(q_pos[:, None], k_pos[None, :], sliding_window)
+            & (k_pos[None, :] < kv_lens[s])
+            & ((seq == s) & valid_tok)[:, None]
+        )  # [T, L]
+        probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap)
+        vs = jnp.where((k_pos < kv_lens[s])[None, :, None], v[s], 0)
+        out = out + jnp.einsum("tkgl,kld->tkgd", probs.astype(vs.dtype), vs, preferred_element_type=jnp.float32)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def write_kv_pages(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters new K/V rows into their pages (a fused XLA scatter, in place when donated).
+
+    Args:
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
+      k, v: [num_tokens, kv_heads, head_dim].
+      slot_mapping: [num_tokens] int32 flat cache slot ``page * page_size + offset``;
+        padding tokens point into the null page 0.
+
+    Returns:
+      The updated (k_pages, v_pages).
+    """
+    page_size = k_pages.shape[2]
+    page = slot_mapping // page_size
+    off = slot_mapping % page_size
+    k_pages = k_pages.at[:, page, off].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
+    v_pages = v_pages.at[:, page, off].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
+    return k_pages, v_pages

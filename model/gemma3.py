@@ -1,0 +1,259 @@
+"""Gemma 3 text decoder in Flax NNX, over a paged KV cache.
+
+Architecture (Gemma 3 technical report; checked against the reference README):
+
+    x = embed[tokens] * sqrt(hidden)
+    per layer:  h = x + post_attn_norm(attn(input_norm(x)))
+                x = h + post_ffw_norm(down(gelu_tanh(gate(pre_ffw_norm(h))) * up(...)))
+    attn:       q, k = rms_norm_per_head(q), rms_norm_per_head(k)   (QK-norm, before RoPE)
+                q, k = rope(q, k; theta = 1e6 global / 1e4 sliding)  (rotate-half pairing)
+                scores * 1/sqrt(query_pre_attn_scalar); sliding window on 5 of every 6 layers
+    logits = final_norm(x) @ embed.T                                  (tied output)
+
+RMSNorm weights are stored as the full multiplier (``1 + w`` in HF terms), as
+the GGUF stores them: ``y = x * rsqrt(mean(x^2) + eps) * scale``.
+
+The layer weights are stacked on a leading ``layers`` axis and the decoder
+runs as one ``lax.scan``, so a step compiles one layer body instead of 18.
+The model knows nothing of serving: it maps (tokens, positions, kv_cache,
+attention metadata, logits_indices) to (logits, kv_cache).
+
+Parameters carry logical axis names (``logical_axes`` metadata) for
+``sharding/`` to map onto a mesh; the model itself has no parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels_pallas.attention import paged_attention, write_kv_pages
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The paged KV cache of all layers.
+
+    Attributes:
+      k, v: [num_layers, kv_heads, num_pages, page_size, head_dim], the model's
+        KV dtype. Page 0 is the null page (padding writes land there).
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x: [..., d] (computed in float32), scale: [d] (the full multiplier). Returns float32."""
+    x = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta) -> jax.Array:
+    """Rotary embedding, rotate-half (NeoX) pairing: element d pairs with d + head_dim/2.
+
+    Args:
+      x: [T, heads, head_dim] float32.
+      positions: [T] int32 absolute positions.
+      theta: RoPE base (python float or traced scalar).
+    """
+    half = x.shape[-1] // 2
+    exponent = jnp.arange(half, dtype=jnp.float32) * (2.0 / x.shape[-1])
+    inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)  # [half]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """einsum with both inputs in the compute dtype and float32 accumulation."""
+    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Gemma3(nnx.Module):
+    """Gemma 3 decoder with stacked layer weights.
+
+    Parameter shapes (L = num_layers, D = hidden, N = heads, K = kv heads, H = head_dim, F = mlp):
+      embed [V, D]; final_norm [D];
+      attn_norm, post_attn_norm, ffw_norm, post_ffw_norm [L, D]; q_norm, k_norm [L, H];
+      wq [L, D, N, H]; wk, wv [L, D, K, H]; wo [L, N, H, D];
+      w_gate, w_up [L, D, F]; w_down [L, F, D].
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_impl: str = "auto",
+                 rngs: nnx.Rngs | None = None, params: dict | None = None):
+        """Builds the model from ``params`` (a dict of arrays in the layout above,
+        e.g. from ``model.gguf_loader``) or with random weights from ``rngs``.
+
+        Args:
+          cfg: shapes.
+          dtype: weight and matmul-input dtype (float32 or bfloat16); norms,
+            softmax and accumulation are float32 regardless.
+          attention_impl: see ``kernels_pallas.attention``.
+        """
+        self.cfg = cfg
+        self.dtype = dtype
+        self.attention_impl = attention_impl
+        if params is None:
+            params = init_random_params(cfg, rngs or nnx.Rngs(0))
+        L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
+        expected = {
+            "embed": ((V, D), ("vocab", "embed")),
+            "final_norm": ((D,), ("embed",)),
+            "attn_norm": ((L, D), ("layers", "embed")),
+            "post_attn_norm": ((L, D), ("layers", "embed")),
+            "ffw_norm": ((L, D), ("layers", "embed")),
+            "post_ffw_norm": ((L, D), ("layers", "embed")),
+            "q_norm": ((L, H), ("layers", "head_dim")),
+            "k_norm": ((L, H), ("layers", "head_dim")),
+            "wq": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+            "wk": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+            "wv": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+            "wo": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+            "w_gate": ((L, D, F), ("layers", "embed", "mlp")),
+            "w_up": ((L, D, F), ("layers", "embed", "mlp")),
+            "w_down": ((L, F, D), ("layers", "mlp", "embed")),
+        }
+        missing = set(expected) - set(params)
+        if missing:
+            raise ValueError(f"missing parameters: {sorted(missing)}")
+        for name, (shape, axes) in expected.items():
+            value = params[name]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
+            # Norm scales stay float32 (tiny, and precision-sensitive).
+            p_dtype = jnp.float32 if name.endswith("norm") else dtype
+            setattr(self, name, _param(jnp.asarray(value, p_dtype), axes))
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        logits_indices: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs the decoder over a step's tokens.
+
+        Args:
+          tokens: [T] int32.
+          positions: [T] int32 absolute positions.
+          kv_cache: all layers' pages; this step's K/V are written into it.
+          md: the step's attention metadata.
+          logits_indices: [S] int32, the tokens whose logits are returned.
+
+        Returns:
+          (logits [S, vocab] float32, updated kv_cache).
+        """
+        cfg = self.cfg
+        dtype = self.dtype
+        x = self.embed[...][tokens].astype(jnp.float32) * jnp.float32(math.sqrt(cfg.hidden_size))
+        windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
+        thetas = jnp.asarray(cfg.layer_rope_thetas(), jnp.float32)
+        layer_params = {
+            name: getattr(self, name)[...]
+            for name in ("attn_norm", "post_attn_norm", "ffw_norm", "post_ffw_norm", "q_norm",
+                         "k_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        }
+        eps = cfg.rms_norm_eps
+        use_window = cfg.sliding_window_pattern != 1  # some layers are sliding
+
+        def layer(carry, xs):
+            x, k_cache, v_cache = carry
+            p, l, window, theta = xs
+            h = rms_norm(x, p["attn_norm"], eps)
+            q = _dot("td,dnh->tnh", h, p["wq"], dtype)
+            k = _dot("td,dkh->tkh", h, p["wk"], dtype)
+            v = _dot("td,dkh->tkh", h, p["wv"], dtype)
+            q = apply_rope(rms_norm(q, p["q_norm"], eps), positions, theta)
+            k = apply_rope(rms_norm(k, p["k_norm"], eps), positions, theta)
+            k_pages, v_pages = write_kv_pages(k_cache[l], v_cache[l], k, v, md.slot_mapping)
+            k_cache = k_cache.at[l].set(k_pages)
+            v_cache = v_cache.at[l].set(v_pages)
+            attn = paged_attention(
+                q.astype(dtype), k_cache[l], v_cache[l], md,
+                scale=cfg.attn_scale,
+                sliding_window=window if use_window else None,
+                soft_cap=cfg.attn_logit_softcap,
+                impl=self.attention_impl,
+            )
+            o = _dot("tnh,nhd->td", attn, p["wo"], dtype)
+            x = x + rms_norm(o, p["post_attn_norm"], eps)
+            h = rms_norm(x, p["ffw_norm"], eps)
+            gate = _dot("td,df->tf", h, p["w_gate"], dtype)
+            up = _dot("td,df->tf", h, p["w_up"], dtype)
+            mlp = _dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
+            x = x + rms_norm(mlp, p["post_ffw_norm"], eps)
+            return (x, k_cache, v_cache), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(
+            layer, (x, kv_cache.k, kv_cache.v), (layer_params, layer_ids, windows, thetas)
+        )
+        x = rms_norm(x[logits_indices], self.final_norm[...], eps)
+        logits = _dot("sd,vd->sv", x, self.embed[...], dtype)
+        if cfg.final_logit_softcap is not None:
+            c = cfg.final_logit_softcap
+            logits = c * jnp.tanh(logits / c)
+        return logits, KVCache(k_cache, v_cache)
+
+
+def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:
+    """Random weights in the Gemma3 layout (float32), for tests and benchmarks.
+
+    Scaled so activations stay O(1) through the stack (normal / sqrt(fan_in)).
+    """
+    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
+
+    def normal(shape, fan_in):
+        return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+
+    def norm_scale(shape):
+        return 1.0 + 0.1 * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+    return {
+        "embed": normal((V, D), D),
+        "final_norm": norm_scale((D,)),
+        "attn_norm": norm_scale((L, D)),
+        "post_attn_norm": norm_scale((L, D)),
+        "ffw_norm": norm_scale((L, D)),
+        "post_ffw_norm": norm_scale((L, D)),
+        "q_norm": norm_scale((L, H)),
+        "k_norm": norm_scale((L, H)),
+        "wq": normal((L, D, N, H), D),
+        "wk": normal((L, D, K, H), D),
+        "wv": normal((L, D, K, H), D),
+        "wo": normal((L, N, H, D), N * H),
+        "w_gate": normal((L, D, F), D),
+        "w_up": normal((L, D, F), D),
+        "w_down": normal((L, F, D), F),
+    }

@@ -1,0 +1,117 @@
+"""The one narrow interface between the gateway and an engine.
+
+The gateway (HTTP, auth, detokenization, stop strings) talks to an engine only
+through :class:`EngineClient`: submit a tokenized request, receive an async
+stream of :class:`TokenEvent`, cancel by id. The in-process engine implements it
+today; the gRPC engine service exposes the same three calls so a gateway can
+drive remote replicas. Nothing here imports JAX.
+
+Token-level contract (as in vLLM v1's EngineCore / OutputProcessor split):
+the engine deals in token ids only. Text (detokenization, stop strings) is the
+caller's business; a caller that sees a stop string calls :meth:`cancel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import AsyncIterator, Protocol, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, applied on device per slot.
+
+    Attributes:
+      max_tokens: the most new tokens to generate (>= 1).
+      temperature: 0.0 means greedy (argmax); otherwise logits are divided by it.
+      top_k: keep the k most likely tokens; 0 disables.
+      top_p: nucleus sampling mass in (0, 1]; 1.0 disables.
+      seed: seeds the request's random stream. The stream is keyed by
+        (seed, position), so a sample never depends on batch neighbours.
+        None lets the engine pick one.
+      stop_token_ids: generation finishes (reason "stop") after emitting any of
+        these; the token is reported but is not part of the returned text.
+      ignore_eos: generate exactly max_tokens tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """A tokenized generation request.
+
+    Attributes:
+      request_id: unique per engine; used by :meth:`EngineClient.cancel`.
+      prompt_ids: prompt token ids, BOS included where the model expects it.
+      sampling: see :class:`SamplingParams`.
+      arrival_time: wall-clock seconds (time.time()) when the gateway received it.
+    """
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """New tokens for one request, in order.
+
+    Attributes:
+      request_id: the request these tokens belong to.
+      token_ids: new token ids since the previous event (may be empty on the
+        final event of a cancelled or failed request).
+      finish_reason: None while running; "stop" (a stop token), "length"
+        (max_tokens reached), "cancelled", or "error" on the last event.
+      prompt_tokens: prompt length in tokens.
+      cached_tokens: prompt tokens served from the prefix cache.
+      completion_tokens: tokens generated so far, including these.
+      first_token_time: wall-clock seconds of the first generated token, or None.
+      error: a human-readable message when finish_reason == "error".
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_time: float | None = None
+    error: str | None = None
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine cannot admit more requests now; the caller should retry later."""
+
+
+class RequestRejectedError(ValueError):
+    """The request can never be served as asked (e.g. longer than the KV cache)."""
+
+
+class EngineClient(Protocol):
+    """What a gateway needs from an engine (in-process or over gRPC)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Context window in tokens (prompt + generated)."""
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Start generating; returns the request's event stream.
+
+        Raises:
+          EngineOverloadedError: the waiting queue is full.
+          RequestRejectedError: the request can never fit.
+        """
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request within one step and free its pages. Unknown ids are ignored."""
+
+    def is_ready(self) -> bool:
+        """True once weights are loaded and step functions compiled."""

@@ -1,0 +1,32 @@
+"""What the gateway needs from a tokenizer: text <-> ids and the chat format.
+
+`model.tokenizer.Tokenizer` (SentencePiece) implements it; the gateway only
+sees this protocol, so it never imports the model package's JAX code.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class TextTokenizer(Protocol):
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation (e.g. Gemma's <eos> and <end_of_turn>)."""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Encode user text; control-token spellings stay plain text."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids to text; control tokens decode to the empty string."""
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        """Render chat messages ([{"role", "content"}]) with the generation prompt.
+
+        Raises:
+          ValueError: unknown role, misplaced system message, or non-text content.
+        """
