@@ -1,0 +1,577 @@
+"""OpenAI completions and chat completions on top of an :class:`EngineClient`.
+
+Per request: validate -> tokenize (``encode(prompt, add_bos=True)`` or the chat
+template) -> check the context window -> ``engine.submit`` -> run the token
+stream through :class:`~serving.detokenizer.IncrementalDetokenizer` (stop token
+ids are never fed to it) -> JSON or SSE. A stop string ends the request with
+``engine.cancel`` and finish_reason "stop". A client that disconnects, while
+streaming or not, cancels its engine request.
+
+The first engine event is awaited before the response starts, so admission
+errors (overloaded: 503, rejected: 400) get a proper HTTP status even when
+streaming. Errors after streaming has started are sent as an SSE ``data:
+{"error": ...}`` event followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from serving.detokenizer import IncrementalDetokenizer
+from serving.engine_client import (
+    EngineClient,
+    EngineRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from serving.gateway.errors import (
+    SERVER_ERROR,
+    ClientDisconnected,
+    OpenAIError,
+    context_length_exceeded,
+    model_not_found,
+)
+from serving.gateway.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    Usage,
+)
+from serving.tokenizer_protocol import TextTokenizer
+
+logger = logging.getLogger("xlaserve.gateway")
+
+T = TypeVar("T")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+REQUEST_ID_SCOPE_KEY = "xlaserve.request_id"
+REQUEST_ID_GIVEN_SCOPE_KEY = "xlaserve.request_id_given"
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """A model the gateway serves.
+
+    Attributes:
+      name: the id clients pass as ``model``.
+      engine: generates tokens for it.
+      tokenizer: its text <-> ids mapping and chat template.
+      max_model_len: context window in tokens (prompt + completion).
+      created: Unix seconds reported by ``/v1/models``.
+    """
+
+    name: str
+    engine: EngineClient
+    tokenizer: TextTokenizer
+    max_model_len: int
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+class EngineFailure(OpenAIError):
+    """The engine ended a request with an error (HTTP 500)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status_code=500, type=SERVER_ERROR, code="engine_error")
+
+
+# ------------------------------------------------------------ generation
+
+
+class _Generation:
+    """One engine request: submit, stream text deltas, cancel when abandoned."""
+
+    def __init__(self, served: ServedModel, request: EngineRequest, stop: list[str]) -> None:
+        self.served = served
+        self.request = request
+        self.id = request.request_id
+        self.detok = IncrementalDetokenizer(served.tokenizer, stop)
+        self.stop_ids = frozenset(request.sampling.stop_token_ids)
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self._events: AsyncIterator[TokenEvent] | None = None
+        self._first: TokenEvent | None = None
+        self._submitted = False
+        self._done = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def start(self) -> None:
+        """Submit and wait for the first event.
+
+        Raises:
+          EngineOverloadedError, RequestRejectedError: from the engine.
+          EngineFailure: the stream ended without any event.
+        """
+        try:
+            self._events = aiter(self.served.engine.submit(self.request))
+            self._submitted = True
+            self._first = await anext(self._events)
+        except StopAsyncIteration:
+            self._done = True
+            raise EngineFailure("The engine ended the request without a result.") from None
+        except BaseException:
+            await self.abort()
+            raise
+
+    async def abort(self) -> None:
+        """Cancel the engine request unless it already finished. Idempotent."""
+        if not self._submitted or self._done:
+            return
+        self._done = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.served.engine.cancel(self.id)
+            except Exception:
+                logger.exception("engine.cancel(%s) failed", self.id)
+            await self._close_events()
+
+    async def _close_events(self) -> None:
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await aclose()
+                except Exception:
+                    logger.exception("closing the event stream of %s failed", self.id)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas until the request finishes; sets ``finish_reason``.
+
+        Raises:
+          EngineFailure: the engine reported "error"/"cancelled" or the stream
+            ended early.
+        """
+        assert self._first is not None, "start() first"
+        event: TokenEvent = self._first
+        try:
+            while True:
+                self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+                for tid in event.token_ids:
+                    self.completion_tokens += 1
+                    if tid in self.stop_ids:
+                        continue
+                    delta = self.detok.add((tid,))
+                    if delta:
+                        yield delta
+                    if self.detok.stopped:
+                        break
+                if self.detok.stopped:
+                    self.finish_reason = "stop"
+                    if event.finish_reason is None:
+                        await self.abort()  # stop string: the engine can stop now
+                    self._done = True
+                    return
+                if event.finish_reason is not None:
+                    if event.finish_reason not in _FINISH_REASONS:
+                        self._done = True
+                        raise EngineFailure(
+                            event.error or f"The engine ended the request ({event.finish_reason})."
+                        )
+                    delta = self.detok.flush()
+                    if delta:
+                        yield delta
+                    if self.detok.stopped:
+                        self.finish_reason = "stop"
+                    else:
+                        self.finish_reason = _FINISH_REASONS[event.finish_reason]
+                        self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
+                    self._done = True
+                    return
+                try:
+                    event = await anext(self._events)  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    self._done = True
+                    raise EngineFailure("The engine stream ended without a finish reason.") from None
+        finally:
+            if not self._done:
+                await self.abort()
+            else:
+                await self._close_events()
+
+    async def collect(self) -> str:
+        """The whole completion text (non-streaming)."""
+        parts = []
+        async with contextlib.aclosing(self.deltas()) as it:
+            async for d in it:
+                parts.append(d)
+        return "".join(parts)
+
+
+# ------------------------------------------------------------ disconnects
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw`, cancelling it if the client disconnects first.
+
+    Raises:
+      ClientDisconnected: the client went away (after `aw` was cancelled and
+        had cleaned up).
+    """
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        completed = task.done()
+    finally:
+        if not watcher.cancel() and not watcher.cancelled():
+            watcher.exception()  # mark retrieved
+        if not task.done():
+            task.cancel()
+    if completed:
+        return task.result()
+    # Disconnected: wait for the cancelled work to clean up (engine.cancel).
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved; the client is gone anyway
+    raise ClientDisconnected()
+
+
+class CancellingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that always stops and closes its body on disconnect.
+
+    Starlette only listens for ``http.disconnect`` under ASGI spec < 2.4 and
+    otherwise leaves the body generator unclosed when a send fails. This class
+    listens in every case and ``aclose()``-s the body iterator afterwards, so
+    the generator's ``finally`` (which cancels the engine request) always runs
+    promptly.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        logger.info("client went away while streaming")
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+# --------------------------------------------------------------- helpers
+
+
+async def _read_json(request: Request) -> Any:
+    """The parsed JSON body.
+
+    Raises:
+      OpenAIError: 400 ``invalid_json`` for a malformed or non-UTF-8 body.
+    """
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as e:
+        detail = f"{e.msg} at line {e.lineno} column {e.colno}"
+    except UnicodeDecodeError as e:
+        detail = str(e)
+    raise OpenAIError(f"The request body is not valid JSON ({detail}).", code="invalid_json")
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+def _dump_chunk(chunk: Any, include_usage: bool) -> str:
+    d = chunk.model_dump(mode="json")
+    if not include_usage:
+        d.pop("usage", None)
+    return _sse(d)
+
+
+def request_id_of(request: Request) -> tuple[str, bool]:
+    """(X-Request-ID value, whether the client sent it) for `request`."""
+    rid = request.scope.get(REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex
+    return rid, bool(request.scope.get(REQUEST_ID_GIVEN_SCOPE_KEY))
+
+
+# --------------------------------------------------------------- serving
+
+
+class OpenAIServing:
+    """Request handlers for ``/v1/completions`` and ``/v1/chat/completions``.
+
+    Args:
+      models: served models by the name clients pass as ``model``.
+    """
+
+    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+        self.models = dict(models)
+
+    def model(self, name: str) -> ServedModel:
+        """The served model called `name`.
+
+        Raises:
+          OpenAIError: 404 ``model_not_found``.
+        """
+        served = self.models.get(name)
+        if served is None:
+            raise model_not_found(name)
+        return served
+
+    # ---------------------------------------------------------- building
+
+    @staticmethod
+    def _check_context(served: ServedModel, prompt_tokens: int, max_tokens: int, where: str) -> None:
+        if prompt_tokens + max_tokens > served.max_model_len:
+            raise context_length_exceeded(served.max_model_len, prompt_tokens, max_tokens, where=where)
+
+    @staticmethod
+    def _sampling(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int, tok: TextTokenizer
+    ) -> SamplingParams:
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_k=top_k,
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            seed=req.seed,
+            stop_token_ids=tuple(tok.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+        )
+
+    def _generation(
+        self,
+        request: Request,
+        served: ServedModel,
+        prefix: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stop: list[str],
+    ) -> _Generation:
+        rid, given = request_id_of(request)
+        engine_id = f"{prefix}-{uuid.uuid4().hex if given else rid}"
+        logger.info(
+            "request %s (X-Request-ID %s): model=%s prompt_tokens=%d max_tokens=%d",
+            engine_id, rid, served.name, len(prompt_ids), sampling.max_tokens,
+        )
+        er = EngineRequest(
+            request_id=engine_id, prompt_ids=prompt_ids, sampling=sampling, arrival_time=time.time()
+        )
+        return _Generation(served, er, stop)
+
+    def _streaming_response(self, body: AsyncIterator[str]) -> Response:
+        return CancellingStreamingResponse(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @staticmethod
+    def _log_done(gen: _Generation) -> None:
+        logger.info(
+            "request %s finished: %s, prompt_tokens=%d completion_tokens=%d cached_tokens=%d",
+            gen.id, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens,
+        )
+
+    # -------------------------------------------------------- completions
+
+    async def create_completion(self, request: Request) -> Response:
+        """``POST /v1/completions``.
+
+        Raises:
+          OpenAIError: 400 (bad request, context overflow), 404 (unknown model).
+          pydantic.ValidationError: invalid fields (turned into 400).
+          EngineOverloadedError, RequestRejectedError: from the engine.
+          ClientDisconnected: the client went away.
+        """
+        req = CompletionRequest.model_validate(await _read_json(request))
+        served = self.model(req.model)
+        tok = served.tokenizer
+        if isinstance(req.prompt, str):
+            prompt_ids = tok.encode(req.prompt, add_bos=True)
+        else:
+            prompt_ids = list(req.prompt)
+            bad = next((t for t in prompt_ids if not 0 <= t < tok.vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(
+                    f"Token id {bad} in 'prompt' is outside the vocabulary [0, {tok.vocab_size}).",
+                    param="prompt",
+                )
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        self._check_context(served, len(prompt_ids), max_tokens, "prompt")
+        gen = self._generation(
+            request, served, "cmpl", prompt_ids, self._sampling(req, max_tokens, tok), req.stop_strings
+        )
+        await _until_disconnect(request, gen.start())
+        created = int(time.time())
+        if req.stream:
+            return self._streaming_response(self._completion_stream(gen, req, created))
+        try:
+            text = await _until_disconnect(request, gen.collect())
+        finally:
+            await gen.abort()
+        self._log_done(gen)
+        body = CompletionResponse(
+            id=gen.id,
+            created=created,
+            model=req.model,
+            choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason)],
+            usage=gen.usage(),
+        )
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _completion_stream(
+        self, gen: _Generation, req: CompletionRequest, created: int
+    ) -> AsyncIterator[str]:
+        usage = req.include_usage
+
+        def chunk(text: str, finish: str | None = None) -> str:
+            c = CompletionResponse(
+                id=gen.id, created=created, model=req.model,
+                choices=[CompletionChoice(text=text, finish_reason=finish)],
+            )
+            return _dump_chunk(c, usage)
+
+        try:
+            async with contextlib.aclosing(gen.deltas()) as deltas:
+                async for delta in deltas:
+                    yield chunk(delta)
+            yield chunk("", gen.finish_reason)
+            if usage:
+                c = CompletionResponse(
+                    id=gen.id, created=created, model=req.model, choices=[], usage=gen.usage()
+                )
+                yield _dump_chunk(c, True)
+            self._log_done(gen)
+        except OpenAIError as e:
+            logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
+            yield _sse(e.to_body())
+        except Exception:
+            logger.exception("request %s failed mid-stream", gen.id)
+            yield _sse(_internal_error().to_body())
+        finally:
+            await gen.abort()
+        yield _SSE_DONE
+
+    # --------------------------------------------------------------- chat
+
+    async def create_chat_completion(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``.
+
+        ``max_tokens`` defaults to the rest of the context window
+        (``max_model_len - prompt_tokens``).
+
+        Raises:
+          Same as :meth:`create_completion`; 400 also for messages the chat
+          template rejects.
+        """
+        req = ChatCompletionRequest.model_validate(await _read_json(request))
+        served = self.model(req.model)
+        tok = served.tokenizer
+        try:
+            prompt_ids = list(tok.apply_chat_template([m.to_template() for m in req.messages]))
+        except ValueError as e:
+            raise OpenAIError(f"Invalid 'messages': {e}", param="messages") from None
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, served.max_model_len - len(prompt_ids))
+        self._check_context(served, len(prompt_ids), max_tokens, "messages")
+        gen = self._generation(
+            request, served, "chatcmpl", prompt_ids, self._sampling(req, max_tokens, tok), req.stop_strings
+        )
+        await _until_disconnect(request, gen.start())
+        created = int(time.time())
+        if req.stream:
+            return self._streaming_response(self._chat_stream(gen, req, created))
+        try:
+            text = await _until_disconnect(request, gen.collect())
+        finally:
+            await gen.abort()
+        self._log_done(gen)
+        body = ChatCompletionResponse(
+            id=gen.id,
+            created=created,
+            model=req.model,
+            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=gen.finish_reason)],
+            usage=gen.usage(),
+        )
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _chat_stream(
+        self, gen: _Generation, req: ChatCompletionRequest, created: int
+    ) -> AsyncIterator[str]:
+        usage = req.include_usage
+
+        def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
+            c = ChatCompletionChunk(
+                id=gen.id, created=created, model=req.model,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+            )
+            return _dump_chunk(c, usage)
+
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""))
+            async with contextlib.aclosing(gen.deltas()) as deltas:
+                async for delta in deltas:
+                    yield chunk(DeltaMessage(content=delta))
+            yield chunk(DeltaMessage(), gen.finish_reason)
+            if usage:
+                c = ChatCompletionChunk(
+                    id=gen.id, created=created, model=req.model, choices=[], usage=gen.usage()
+                )
+                yield _dump_chunk(c, True)
+            self._log_done(gen)
+        except OpenAIError as e:
+            logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
+            yield _sse(e.to_body())
+        except Exception:
+            logger.exception("request %s failed mid-stream", gen.id)
+            yield _sse(_internal_error().to_body())
+        finally:
+            await gen.abort()
+        yield _SSE_DONE
+
+
+def _internal_error() -> OpenAIError:
+    return OpenAIError(
+        "The server had an error while processing your request.", status_code=500, type=SERVER_ERROR
+    )

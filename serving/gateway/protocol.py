@@ -1,0 +1,409 @@
+"""Pydantic models for the OpenAI-compatible API (requests, responses, errors).
+
+Requests follow OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], ...).
+Unknown fields (``user``, ``metadata``, ...) are ignored; fields that would
+change the output but are not implemented here (logprobs, echo, best_of > 1,
+tools, non-text response formats, penalties, n > 1) fail validation with a
+message naming the field, so a client never silently gets something other than
+what it asked for. Validation errors become HTTP 400 (see ``errors.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+)
+
+MAX_STOP_STRINGS = 4
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------- requests
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a final usage-only chunk."""
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM extension; 0 or -1 disable
+    n: int | None = 1
+    stop: list[str] | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM extension
+
+    @field_validator("n")
+    @classmethod
+    def _only_n_1(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"Only n=1 is supported (got n={v}); send separate requests.")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("'stop' must be a string or a list of strings.")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"'stop' accepts at most {MAX_STOP_STRINGS} strings (got {len(v)}).")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None, info) -> float | None:
+        if v:
+            raise ValueError(f"'{info.field_name}' is not supported by this server; omit it or use 0.")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("'logit_bias' is not supported by this server.")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list ([] when none)."""
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streaming response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``.
+
+    ``prompt`` is normalized to either a string or a list of token ids; a
+    one-element list of either is unwrapped, several prompts are rejected.
+    ``max_tokens`` defaults (in the serving layer) to 16, as in OpenAI's API.
+    """
+
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("'prompt' must not be an empty list.")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                return v
+            if all(isinstance(p, (str, list)) for p in v):
+                if len(v) > 1:
+                    raise ValueError(
+                        f"Only a single prompt per request is supported (got {len(v)} prompts)."
+                    )
+                return cls._one_prompt(v[0])
+        raise ValueError("'prompt' must be a string or a list of token ids.")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("'logprobs' is not supported by this server.")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("'echo' is not supported by this server.")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"'best_of' > 1 is not supported by this server (got {v}).")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("'suffix' is not supported by this server.")
+        return v
+
+
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatMessage(_Request):
+    """One chat message; text content only (a list of text parts is joined with "\\n")."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v in ("tool", "function"):
+            raise ValueError(f"Role '{v}' is not supported (tools are not supported by this server).")
+        if v not in _CHAT_ROLES:
+            raise ValueError(f"Unknown role '{v}'; expected one of system, developer, user, assistant.")
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            texts = []
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        f"Only text content parts are supported (part {i} has type {kind!r})."
+                    )
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError("'content' must be a string or a list of text parts.")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError("'tool_calls' is not supported by this server.")
+        return v
+
+    def to_template(self) -> dict:
+        """The ``{"role", "content"}`` dict the tokenizer's chat template takes."""
+        return {"role": _CHAT_ROLES[self.role], "content": self.content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` (newer name) takes precedence over ``max_tokens``;
+    when neither is given the serving layer uses the rest of the context window.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("'logprobs' is not supported by this server.")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("'top_logprobs' is not supported by this server.")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list | None, info) -> list | None:
+        if v:
+            raise ValueError(f"'{info.field_name}' is not supported by this server.")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: Any, info) -> Any:
+        if v is not None and v != "none":
+            raise ValueError(f"'{info.field_name}' is not supported by this server.")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(
+                f"'response_format' type {v.get('type')!r} is not supported; only 'text' is."
+            )
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` or ``max_tokens``, None when neither is set."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# -------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts: ``total_tokens = prompt_tokens + completion_tokens``."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+        """Usage from token counts (total computed)."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionChoice(BaseModel):
+    """One ``/v1/completions`` choice (``text`` is the delta in streaming chunks)."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Non-streaming ``/v1/completions`` body; streaming chunks share this shape."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    """The assistant message of a non-streaming chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One non-streaming chat choice."""
+
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """Non-streaming ``/v1/chat/completions`` body."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streaming delta; unset (None) fields are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a streaming chat chunk."""
+
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """A ``chat.completion.chunk`` SSE payload (``choices == []`` on the usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """An entry of ``GET /v1/models`` (``max_model_len`` in tokens, as vLLM reports it)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "xlaserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models`` body."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail

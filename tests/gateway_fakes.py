@@ -1,0 +1,198 @@
+"""Test doubles for the gateway: a byte-level tokenizer and a scripted engine.
+
+Nothing here imports JAX or the ``model`` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator, Callable, Sequence
+
+from serving.engine_client import (
+    EngineOverloadedError,
+    EngineRequest,
+    RequestRejectedError,
+    TokenEvent,
+)
+
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+BYTE_OFFSET = 3  # id = 3 + one UTF-8 byte
+START_OF_TURN_ID = BYTE_OFFSET + 256  # 259
+END_OF_TURN_ID = START_OF_TURN_ID + 1  # 260
+VOCAB_SIZE = END_OF_TURN_ID + 1
+
+
+class FakeTokenizer:
+    """Byte-level tokenizer implementing ``TextTokenizer``.
+
+    Every UTF-8 byte is its own token (id = 3 + byte), so a multi-byte
+    character always spans several tokens, as with SentencePiece byte fallback.
+    Ids 0 (pad), 1 (eos), 2 (bos), 259 (<start_of_turn>), 260 (<end_of_turn>)
+    are control tokens that decode to "".
+    """
+
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+    vocab_size = VOCAB_SIZE
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (EOS_ID, END_OF_TURN_ID)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = [BYTE_OFFSET + b for b in text.encode("utf-8")]
+        return [BOS_ID, *ids] if add_bos else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            if not 0 <= i < VOCAB_SIZE:
+                raise ValueError(f"token id {i} is outside [0, {VOCAB_SIZE})")
+            if BYTE_OFFSET <= i < START_OF_TURN_ID:
+                out.append(i - BYTE_OFFSET)
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        """Gemma-3-like: a leading system message is folded into the first user turn."""
+        msgs = list(messages)
+        if not msgs:
+            raise ValueError("messages must not be empty")
+        system = None
+        if msgs[0]["role"] == "system":
+            system = str(msgs[0]["content"]).strip()
+            msgs = msgs[1:]
+        ids = [BOS_ID]
+        for i, m in enumerate(msgs):
+            role, content = m["role"], m["content"]
+            if role == "system":
+                raise ValueError("a system message is only allowed first")
+            if role not in ("user", "assistant"):
+                raise ValueError(f"unknown role {role!r}")
+            if not isinstance(content, str):
+                raise ValueError("only text content is supported")
+            content = content.strip()
+            if i == 0 and system is not None:
+                content = f"{system}\n\n{content}"
+            name = "model" if role == "assistant" else "user"
+            ids += [START_OF_TURN_ID, *self.encode(f"{name}\n{content}"), END_OF_TURN_ID]
+            ids += self.encode("\n")
+        ids += [START_OF_TURN_ID, *self.encode("model\n")]
+        return ids
+
+
+Responder = Callable[[EngineRequest], Sequence[int]]
+
+
+@dataclasses.dataclass
+class FakeEngine:
+    """A scripted ``EngineClient``.
+
+    For each request, ``responder(request)`` gives the token ids to generate
+    (default: the bytes of ``text``). Tokens are streamed in events of
+    ``chunk`` ids, ``delay`` seconds apart. Generation ends with "stop" after a
+    stop token, "length" at ``max_tokens``; when the script runs out an EOS is
+    generated. ``fail_after`` ends with "error" after that many tokens.
+
+    Flags: ``overloaded`` / ``reject`` make ``submit`` raise
+    ``EngineOverloadedError`` / ``RequestRejectedError``; ``ready`` is what
+    ``is_ready`` returns.
+
+    Records: ``submitted`` (EngineRequests), ``cancelled`` (request ids passed
+    to ``cancel``), ``first_token`` (set once any request emits a token).
+    """
+
+    text: str = "Hello world"
+    responder: Responder | None = None
+    chunk: int = 1
+    delay: float = 0.0
+    cached_tokens: int = 0
+    fail_after: int | None = None
+    overloaded: bool = False
+    reject: bool = False
+    ready: bool = True
+    model_len: int = 512
+    submitted: list[EngineRequest] = dataclasses.field(default_factory=list)
+    cancelled: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._cancel_flags: dict[str, asyncio.Event] = {}
+        self.first_token = asyncio.Event()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_len
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+        flag = self._cancel_flags.get(request_id)
+        if flag is not None:
+            flag.set()
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        if self.overloaded:
+            raise EngineOverloadedError("waiting queue is full")
+        if self.reject:
+            raise RequestRejectedError("request can never fit in the KV cache")
+        self.submitted.append(request)
+        flag = self._cancel_flags[request.request_id] = asyncio.Event()
+        if self.responder is not None:
+            script = list(self.responder(request))
+        else:
+            script = [BYTE_OFFSET + b for b in self.text.encode("utf-8")]
+        return self._run(request, script, flag)
+
+    async def _run(
+        self, request: EngineRequest, script: list[int], flag: asyncio.Event
+    ) -> AsyncIterator[TokenEvent]:
+        sp = request.sampling
+        stops = set(sp.stop_token_ids)
+        n_prompt = len(request.prompt_ids)
+        done = 0
+        pending: list[int] = []
+        finish = None
+        error = None
+        try:
+            while finish is None:
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                else:
+                    await asyncio.sleep(0)
+                if flag.is_set():
+                    finish = "cancelled"
+                    break
+                tok = script[done] if done < len(script) else EOS_ID
+                pending.append(tok)
+                done += 1
+                self.first_token.set()
+                if self.fail_after is not None and done >= self.fail_after:
+                    finish, error = "error", "device fell over"
+                elif tok in stops and not sp.ignore_eos:
+                    finish = "stop"
+                elif done >= sp.max_tokens:
+                    finish = "length"
+                if finish is None and len(pending) < self.chunk:
+                    continue
+                yield TokenEvent(
+                    request.request_id,
+                    tuple(pending),
+                    finish_reason=finish,
+                    prompt_tokens=n_prompt,
+                    cached_tokens=self.cached_tokens,
+                    completion_tokens=done,
+                    error=error,
+                )
+                pending = []
+            if finish == "cancelled":
+                yield TokenEvent(
+                    request.request_id,
+                    (),
+                    finish_reason="cancelled",
+                    prompt_tokens=n_prompt,
+                    completion_tokens=done,
+                )
+        finally:
+            self._cancel_flags.pop(request.request_id, None)
