@@ -30,6 +30,7 @@ def paged_attention(
     scale: float,
     sliding_window=None,
     soft_cap: float | None = None,
+    layer=None,
     impl: str = "auto",
 ) -> jax.Array:
     """Attention of a step's queries over the paged KV cache.
@@ -40,7 +41,7 @@ def paged_attention(
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], already
         holding this step's K/V.
       md: ``model.attention_metadata.AttentionMetadata``.
-      scale, sliding_window, soft_cap: see ``paged_attention_xla``.
+      scale, sliding_window, soft_cap, layer: see ``paged_attention_xla``.
       impl: one of ATTENTION_IMPLS.
 
     Returns:
@@ -54,11 +55,11 @@ def paged_attention(
     if md.mode == "decode":
         return paged_decode_attention_xla(
             q, k_pages, v_pages, md.kv_lens, md.page_table,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
         )
     if md.mode == "prefill":
         return paged_prefill_attention_xla(
             q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
         )
     raise ValueError(f"unknown attention mode {md.mode!r}")

@@ -31,11 +31,18 @@ import jax.numpy as jnp
 _MASK_VALUE = -1e30
 
 
-def _gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """[kv_heads, num_pages, page_size, d] x [seqs, P] -> [seqs, kv_heads, P * page_size, d]."""
-    kv_heads, _, page_size, head_dim = pages.shape
+def _gather_pages(pages: jax.Array, page_table: jax.Array, layer) -> jax.Array:
+    """[(layers,) kv_heads, num_pages, page_size, d] x [seqs, P] -> [seqs, kv_heads, P * page_size, d].
+
+    With ``layer`` given, ``pages`` is the stacked cache of all layers and the
+    layer is selected inside the same gather, so no per-layer copy is made.
+    """
+    kv_heads, _, page_size, head_dim = pages.shape[-4:]
     seqs, num_cols = page_table.shape
-    g = pages[:, page_table]  # [kv_heads, seqs, P, page_size, d]
+    if layer is None:
+        g = pages[:, page_table]  # [kv_heads, seqs, P, page_size, d]
+    else:
+        g = pages[layer, :, page_table].transpose(2, 0, 1, 3, 4)  # [seqs, P, kv, ...] -> [kv, seqs, P, ...]
     return g.reshape(kv_heads, seqs, num_cols * page_size, head_dim).transpose(1, 0, 2, 3)
 
 
@@ -69,6 +76,7 @@ def paged_decode_attention_xla(
     scale: float,
     sliding_window=None,
     soft_cap: float | None = None,
+    layer=None,
 ) -> jax.Array:
     """One query token per slot against that slot's pages.
 
@@ -81,15 +89,18 @@ def paged_decode_attention_xla(
       scale: multiplies q.k (e.g. 1/sqrt(head_dim)).
       sliding_window: None, or an int / int32 scalar (<= 0: unlimited).
       soft_cap: optional tanh soft-cap on scores.
+      layer: None, or an int / int32 scalar: then k_pages and v_pages are the
+        stacked cache [num_layers, kv_heads, num_pages, page_size, head_dim]
+        and this layer's pages are read (a layer scan passes its index).
 
     Returns:
       [slots, num_heads, head_dim] in q's dtype.
     """
     slots, num_heads, head_dim = q.shape
-    kv_heads = k_pages.shape[0]
+    kv_heads = k_pages.shape[-4]
     group = num_heads // kv_heads
-    k = _gather_pages(k_pages, page_table)  # [slots, kv, L, d]
-    v = _gather_pages(v_pages, page_table)
+    k = _gather_pages(k_pages, page_table, layer)  # [slots, kv, L, d]
+    v = _gather_pages(v_pages, page_table, layer)
     qg = q.reshape(slots, kv_heads, group, head_dim)
     scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
     k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
@@ -119,6 +130,7 @@ def paged_prefill_attention_xla(
     scale: float,
     sliding_window=None,
     soft_cap: float | None = None,
+    layer=None,
 ) -> jax.Array:
     """A ragged batch of prompt chunks against their sequences' pages (chunk included).
 
@@ -134,7 +146,7 @@ def paged_prefill_attention_xla(
       kv_lens: [S] int32, tokens in the cache for sequence i after this chunk.
       page_table: [S, P] int32.
       num_seqs: [] int32, rows that are real.
-      scale, sliding_window, soft_cap: as in :func:`paged_decode_attention_xla`.
+      scale, sliding_window, soft_cap, layer: as in :func:`paged_decode_attention_xla`.
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
@@ -143,11 +155,11 @@ def paged_prefill_attention_xla(
     pages (S x the useful work), so the engine keeps S small on CPU.
     """
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_pages.shape[0]
+    kv_heads = k_pages.shape[-4]
     group = num_heads // kv_heads
     max_seqs = kv_lens.shape[0]
-    k = _gather_pages(k_pages, page_table)  # [S, kv, L, d]
-    v = _gather_pages(v_pages, page_table)
+    k = _gather_pages(k_pages, page_table, layer)  # [S, kv, L, d]
+    v = _gather_pages(v_pages, page_table, layer)
     seq = token_sequence_ids(cu_q_lens, num_tokens)  # [T]
     valid_tok = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)
     seq = jnp.minimum(seq, max_seqs - 1)
@@ -173,12 +185,14 @@ def paged_prefill_attention_xla(
 
 
 def write_kv_pages(
-    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+    layer=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters new K/V rows into their pages (a fused XLA scatter, in place when donated).
 
     Args:
-      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], or with
+        ``layer`` the stacked [num_layers, kv_heads, num_pages, page_size, head_dim].
       k, v: [num_tokens, kv_heads, head_dim].
       slot_mapping: [num_tokens] int32 flat cache slot ``page * page_size + offset``;
         padding tokens point into the null page 0.
@@ -186,9 +200,13 @@ def write_kv_pages(
     Returns:
       The updated (k_pages, v_pages).
     """
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     page = slot_mapping // page_size
     off = slot_mapping % page_size
-    k_pages = k_pages.at[:, page, off].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
-    v_pages = v_pages.at[:, page, off].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
+    if layer is None:
+        k_pages = k_pages.at[:, page, off].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
+        v_pages = v_pages.at[:, page, off].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
+    else:  # indices (layer, :, page, off): the advanced dims lead -> [T, kv_heads, d]
+        k_pages = k_pages.at[layer, :, page, off].set(k.astype(k_pages.dtype))
+        v_pages = v_pages.at[layer, :, page, off].set(v.astype(v_pages.dtype))
     return k_pages, v_pages

@@ -184,28 +184,29 @@ class Gemma3(nnx.Module):
                          "k_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         }
         eps = cfg.rms_norm_eps
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         use_window = cfg.sliding_window_pattern != 1  # some layers are sliding
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, l, window, theta = xs
             h = rms_norm(x, p["attn_norm"], eps)
-            q = _dot("td,dnh->tnh", h, p["wq"], dtype)
-            k = _dot("td,dkh->tkh", h, p["wk"], dtype)
-            v = _dot("td,dkh->tkh", h, p["wv"], dtype)
+            # 2-D dots (heads folded into columns): XLA:CPU runs N-D bf16 einsums slowly.
+            T = h.shape[0]
+            q = _dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
+            k = _dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
+            v = _dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
             q = apply_rope(rms_norm(q, p["q_norm"], eps), positions, theta)
             k = apply_rope(rms_norm(k, p["k_norm"], eps), positions, theta)
-            k_pages, v_pages = write_kv_pages(k_cache[l], v_cache[l], k, v, md.slot_mapping)
-            k_cache = k_cache.at[l].set(k_pages)
-            v_cache = v_cache.at[l].set(v_pages)
+            k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=l)
             attn = paged_attention(
-                q.astype(dtype), k_cache[l], v_cache[l], md,
+                q.astype(k_cache.dtype), k_cache, v_cache, md, layer=l,
                 scale=cfg.attn_scale,
                 sliding_window=window if use_window else None,
                 soft_cap=cfg.attn_logit_softcap,
                 impl=self.attention_impl,
             )
-            o = _dot("tnh,nhd->td", attn, p["wo"], dtype)
+            o = _dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
             x = x + rms_norm(o, p["post_attn_norm"], eps)
             h = rms_norm(x, p["ffw_norm"], eps)
             gate = _dot("td,df->tf", h, p["w_gate"], dtype)

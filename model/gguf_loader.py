@@ -12,6 +12,7 @@ so a restart skips dequantization.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,25 +45,9 @@ _LAYER_TENSORS = {
 }
 
 
-def read_metadata(reader) -> dict:
-    """GGUF key/values as python scalars, strings and lists (the vocab as a list)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # pragma: no cover - exotic field types we do not use
-            continue
-    return meta
-
-
-def load_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig:
-    """Reads just the metadata of a GGUF into a :class:`ModelConfig`."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+def _config_from_reader(reader, name: str | None) -> ModelConfig:
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith(("tokenizer.", "GGUF."))}
     meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     return ModelConfig.from_gguf_metadata(meta, name=name)
 
@@ -100,38 +85,45 @@ def _cache_key(path: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def load_params(
+def load_gguf(
     path: str | os.PathLike,
-    cfg: ModelConfig,
+    name: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
-) -> dict[str, np.ndarray]:
-    """Loads a Gemma 3 GGUF into the Gemma3 parameter dict (float32 numpy arrays).
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Loads a Gemma 3 GGUF: its config and its weights in the Gemma3 layout.
 
     Args:
       path: the GGUF file.
-      cfg: its config (``load_config``).
-      cache_dir: where dequantized arrays are cached; None disables caching.
+      name: the served model name for the config (default "gemma-3").
+      cache_dir: where the config and dequantized arrays are cached; None
+        disables caching. A cache hit never opens the GGUF (parsing its
+        262k-entry vocabulary alone takes ~12 s on a 2-core machine).
       progress: show a tqdm bar while dequantizing.
 
     Returns:
-      {"embed": [V, D], "final_norm": [D], "wq": [L, D, N, H], ...} float32;
-      see ``model.gemma3.Gemma3`` for every shape.
+      (config, {"embed": [V, D], "final_norm": [D], "wq": [L, D, N, H], ...})
+      with float32 numpy arrays; see ``model.gemma3.Gemma3`` for every shape.
 
     Raises:
-      ValueError: a tensor is missing or has an unexpected shape.
+      ValueError: not a gemma3 GGUF, or a tensor is missing / misshapen.
     """
     path = Path(path)
-    if cache_dir is not None:
-        cached = _load_cache(Path(cache_dir) / f"gguf-{_cache_key(path)}")
+    cache = Path(cache_dir) / f"gguf-{_cache_key(path)}" if cache_dir is not None else None
+    if cache is not None:
+        cached = _load_cache(cache)
         if cached is not None:
-            return cached
+            cfg_dict, params = cached
+            if name:
+                cfg_dict["name"] = name
+            return ModelConfig.from_dict(cfg_dict), params
 
     from gguf import GGUFReader
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     reader = GGUFReader(str(path))
+    cfg = _config_from_reader(reader, name)
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:
@@ -139,10 +131,10 @@ def load_params(
             raise ValueError(f"GGUF {path.name} lacks tensor {name!r}")
         return _dequantize(tensors[name])
 
-    names = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{g}.weight" for i in range(cfg.num_layers) for g, _ in _LAYER_TENSORS.values()
-    ]
-    bar = tqdm(total=len(names), desc=f"dequantizing {path.name}", unit="tensor", disable=not progress)
+    if "output.weight" in tensors:
+        raise ValueError("untied output.weight is not supported by the Gemma3 model")
+    total = 2 + cfg.num_layers * len(_LAYER_TENSORS)
+    bar = tqdm(total=total, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
     params["embed"] = get("token_embd.weight")
     bar.update()
@@ -155,32 +147,31 @@ def load_params(
             bar.update()
         params[ours] = np.stack(stacked)
     bar.close()
-    if "output.weight" in tensors:
-        raise ValueError("untied output.weight is not supported by the Gemma3 model")
     log.info("dequantized %s in %.1f s", path.name, time.perf_counter() - t0)
-    if cache_dir is not None:
-        _save_cache(Path(cache_dir) / f"gguf-{_cache_key(path)}", params)
-    return params
+    if cache is not None:
+        _save_cache(cache, cfg, params)
+    return cfg, params
 
 
-def _load_cache(d: Path) -> dict[str, np.ndarray] | None:
+def _load_cache(d: Path) -> tuple[dict, dict[str, np.ndarray]] | None:
     index = d / "index.json"
     if not index.exists():
         return None
     try:
-        names = json.loads(index.read_text())["arrays"]
-        return {n: np.load(d / f"{n}.npy", mmap_mode="r") for n in names}
+        idx = json.loads(index.read_text())
+        return idx["config"], {n: np.load(d / f"{n}.npy", mmap_mode="r") for n in idx["arrays"]}
     except (OSError, ValueError, KeyError) as e:
         log.warning("ignoring unreadable weight cache %s: %s", d, e)
         return None
 
 
-def _save_cache(d: Path, params: dict[str, np.ndarray]) -> None:
+def _save_cache(d: Path, cfg: ModelConfig, params: dict[str, np.ndarray]) -> None:
     tmp = d.with_name(d.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for n, a in params.items():
         np.save(tmp / f"{n}.npy", a)
-    (tmp / "index.json").write_text(json.dumps({"arrays": sorted(params)}))
+    (tmp / "index.json").write_text(
+        json.dumps({"arrays": sorted(params), "config": dataclasses.asdict(cfg)}))
     try:
         tmp.rename(d)
     except OSError:  # another process won the race; theirs is as good as ours

@@ -1,0 +1,310 @@
+"""The engine: device state and the two jitted step functions.
+
+It owns the parameters (split once from the NNX model), the paged KV cache
+and a per-slot "last token" buffer, and executes the steps that the batching
+loop (``serving.engine_loop``) plans. Step functions are pure and the cache is
+donated, so a step updates the cache in place::
+
+    prefill_step(params, kv_cache, tokens [T], positions [T], cu_q_lens [S+1],
+                 kv_lens [S], page_table [S, P], num_seqs [], logits_indices [S],
+                 sampling [S], slot_ids [S], slot_tokens [slots])
+        -> (kv_cache, next_tokens [S], slot_tokens)
+    decode_step(params, kv_cache, slot_ids [B], positions [B], page_table [B, P],
+                lengths [B], sampling [B], slot_tokens [slots])
+        -> (kv_cache, next_tokens [B], slot_tokens)
+
+Shapes are fixed per compilation and come from small bucket sets (JetStream's
+approach), so the number of compiled programs stays small:
+  * T: token-count buckets, powers of two from 16 up to the prefill chunk.
+  * B: decode batch buckets, powers of two from ``min_decode_batch`` up to
+    the slot count; a step's rows are the running slots (gathered by
+    ``slot_ids``), so a lone stream does not pay for 32 slots.
+  * P: page-table width buckets, powers of two (in pages) up to
+    ``max_pages_per_seq``, covering the longest sequence in the step, so
+    attention work follows the real context length.
+
+The decode step reads its input tokens from ``slot_tokens`` on device and
+writes its outputs back there, so the host never has to wait for step n's
+tokens before dispatching step n+1 (JetStream-style pipelining).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.attention_metadata import AttentionMetadata
+from model.gemma3 import Gemma3, KVCache
+from serving.sampling import SamplingArrays, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static sizes of the engine.
+
+    Attributes:
+      max_slots: decode rows (concurrently running sequences).
+      page_size: tokens per KV page.
+      num_pages: KV pool size in pages, including the null page 0.
+      max_model_len: context window in tokens (prompt + generated).
+      prefill_chunk: most tokens in one prefill step (a power of two >= 16).
+      max_prefill_seqs: sequences packed into one prefill step (S).
+      min_decode_batch: smallest decode batch bucket (XLA:CPU runs bf16
+        matrix-vector products far slower than small matrix products).
+      kv_dtype: KV cache dtype name ("float32" or "bfloat16").
+    """
+
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int = 4096
+    max_model_len: int = 8192
+    prefill_chunk: int = 512
+    max_prefill_seqs: int = 1
+    min_decode_batch: int = 8
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.max_model_len % self.page_size:
+            raise ValueError("max_model_len must be a multiple of page_size")
+        if self.num_pages - 1 < self.max_pages_per_seq:
+            raise ValueError(
+                f"num_pages ({self.num_pages}) must exceed max_model_len / page_size "
+                f"({self.max_pages_per_seq}) so one full-length sequence fits"
+            )
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.max_model_len // self.page_size
+
+
+def _pow2_at_least(n: int, lo: int, hi: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+def token_bucket(n: int, cfg: EngineConfig) -> int:
+    """Prefill token-count bucket for n tokens (16, 32, ..., prefill_chunk)."""
+    return _pow2_at_least(n, 16, cfg.prefill_chunk)
+
+
+def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
+    """Page-table width bucket covering num_pages (powers of two, >= 16 pages)."""
+    return _pow2_at_least(num_pages, min(16, cfg.max_pages_per_seq), cfg.max_pages_per_seq)
+
+
+def batch_bucket(n: int, cfg: EngineConfig) -> int:
+    """Decode batch bucket for n running slots."""
+    return _pow2_at_least(n, min(cfg.min_decode_batch, cfg.max_slots), cfg.max_slots)
+
+
+def _prefill_step(graphdef, params, kv_cache, tokens, positions, cu_q_lens, kv_lens, page_table,
+                  num_seqs, logits_indices, sampling, slot_ids, slot_tokens):
+    model = nnx.merge(graphdef, params)
+    page_size = kv_cache.page_size
+    seq = jnp.searchsorted(cu_q_lens[1:], jnp.arange(tokens.shape[0]), side="right")
+    valid = jnp.arange(tokens.shape[0]) < cu_q_lens[num_seqs]
+    seq = jnp.minimum(seq, page_table.shape[0] - 1)
+    page = page_table[seq, positions // page_size]
+    slot_mapping = jnp.where(valid, page * page_size + positions % page_size, 0).astype(jnp.int32)
+    md = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, kv_lens=kv_lens,
+                           cu_q_lens=cu_q_lens, num_seqs=num_seqs, mode="prefill")
+    logits, kv_cache = model(tokens, positions, kv_cache, md, logits_indices)
+    next_tokens = sample(logits, kv_lens, sampling)
+    real = jnp.arange(slot_ids.shape[0]) < num_seqs
+    # Padding rows scatter out of bounds and are dropped.
+    slot_tokens = slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(
+        next_tokens, mode="drop")
+    return kv_cache, next_tokens, slot_tokens
+
+
+def _decode_step(graphdef, params, kv_cache, slot_ids, positions, page_table, lengths, sampling,
+                 slot_tokens):
+    model = nnx.merge(graphdef, params)
+    page_size = kv_cache.page_size
+    rows = slot_ids.shape[0]
+    tokens = slot_tokens[jnp.minimum(slot_ids, slot_tokens.shape[0] - 1)]
+    real = lengths > 0
+    page = page_table[jnp.arange(rows), positions // page_size]
+    slot_mapping = jnp.where(real, page * page_size + positions % page_size, 0).astype(jnp.int32)
+    md = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, kv_lens=lengths,
+                           cu_q_lens=jnp.arange(rows + 1, dtype=jnp.int32),
+                           num_seqs=jnp.asarray(rows, jnp.int32), mode="decode")
+    logits, kv_cache = model(tokens, positions, kv_cache, md, jnp.arange(rows, dtype=jnp.int32))
+    next_tokens = sample(logits, lengths, sampling)
+    slot_tokens = slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(
+        next_tokens, mode="drop")
+    return kv_cache, next_tokens, slot_tokens
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """One sequence's share of a prefill step (host side).
+
+    Attributes:
+      slot: the slot the sequence runs in.
+      tokens: this chunk's token ids.
+      start: position of the chunk's first token (tokens before it are cached).
+      pages: the sequence's pages, in order (covering at least start + len(tokens)).
+      sampling: (temperature, top_k, top_p, seed), used if this chunk ends the prompt.
+    """
+
+    slot: int
+    tokens: list[int]
+    start: int
+    pages: list[int]
+    sampling: tuple[float, int, float, int]
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    """One running slot's share of a decode step (host side).
+
+    Attributes:
+      slot: the slot; its input token is the slot's last token on device.
+      position: position of that input token (= tokens in cache before this step).
+      pages: the sequence's pages.
+      sampling: (temperature, top_k, top_p, seed).
+    """
+
+    slot: int
+    position: int
+    pages: list[int]
+    sampling: tuple[float, int, float, int]
+
+
+class Engine:
+    """Device state plus compiled steps. Not thread-safe: one caller (the batching loop)."""
+
+    def __init__(self, model: Gemma3, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model_cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        kv_dtype = jnp.dtype(cfg.kv_dtype)
+        self.kv_cache = KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_dtype)
+        self.slot_tokens = jnp.zeros((cfg.max_slots,), jnp.int32)
+        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef), donate_argnums=(1, 11))
+        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef), donate_argnums=(1, 7))
+        self.compile_times: dict[tuple, float] = {}
+
+    # -- prefill ---------------------------------------------------------------
+
+    def prefill(self, chunks: list[PrefillChunk]) -> jax.Array:
+        """Dispatches one prefill step over up to max_prefill_seqs chunks.
+
+        Returns:
+          next_tokens: [S] int32 device array (not yet synced); row i is the
+          token sampled after chunk i (meaningful only for a prompt's last chunk).
+
+        Raises:
+          ValueError: too many chunks or tokens for one step.
+        """
+        cfg = self.cfg
+        S = cfg.max_prefill_seqs
+        n_tok = sum(len(c.tokens) for c in chunks)
+        if not chunks or len(chunks) > S or n_tok > cfg.prefill_chunk:
+            raise ValueError(f"prefill step takes 1..{S} chunks and <= {cfg.prefill_chunk} tokens")
+        T = token_bucket(n_tok, cfg)
+        max_kv = max(c.start + len(c.tokens) for c in chunks)
+        P = page_bucket(-(-max_kv // cfg.page_size), cfg)
+        tokens = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        cu = np.full(S + 1, n_tok, np.int32)
+        kv_lens = np.zeros(S, np.int32)
+        page_table = np.zeros((S, P), np.int32)
+        logits_indices = np.zeros(S, np.int32)
+        slot_ids = np.zeros(S, np.int32)
+        off = 0
+        for i, c in enumerate(chunks):
+            n = len(c.tokens)
+            tokens[off:off + n] = c.tokens
+            positions[off:off + n] = np.arange(c.start, c.start + n)
+            cu[i] = off
+            kv_lens[i] = c.start + n
+            used = -(-(c.start + n) // cfg.page_size)
+            page_table[i, :used] = c.pages[:used]
+            logits_indices[i] = off + n - 1
+            slot_ids[i] = c.slot
+            off += n
+        cu[len(chunks)] = off
+        sampling = SamplingArrays.from_rows([c.sampling for c in chunks], S)
+        key = ("prefill", T, P)
+        t0 = time.perf_counter()
+        self.kv_cache, next_tokens, self.slot_tokens = self._prefill(
+            self.params, self.kv_cache, tokens, positions, cu, kv_lens, page_table,
+            np.int32(len(chunks)), logits_indices, sampling, slot_ids, self.slot_tokens)
+        self._note_compile(key, t0)
+        return next_tokens
+
+    # -- decode ----------------------------------------------------------------
+
+    def decode(self, rows: list[DecodeRow]) -> jax.Array:
+        """Dispatches one decode step for the given running slots.
+
+        Returns:
+          next_tokens: [B] int32 device array (not yet synced); row i belongs to rows[i].
+        """
+        cfg = self.cfg
+        B = batch_bucket(len(rows), cfg)
+        max_len = max(r.position + 1 for r in rows)
+        P = page_bucket(-(-max_len // cfg.page_size), cfg)
+        slot_ids = np.full(B, cfg.max_slots, np.int32)  # padding rows: out of range -> dropped
+        positions = np.zeros(B, np.int32)
+        lengths = np.zeros(B, np.int32)
+        page_table = np.zeros((B, P), np.int32)
+        for i, r in enumerate(rows):
+            slot_ids[i] = r.slot
+            positions[i] = r.position
+            lengths[i] = r.position + 1
+            used = -(-(r.position + 1) // cfg.page_size)
+            page_table[i, :used] = r.pages[:used]
+        sampling = SamplingArrays.from_rows([r.sampling for r in rows], B)
+        key = ("decode", B, P)
+        t0 = time.perf_counter()
+        self.kv_cache, next_tokens, self.slot_tokens = self._decode(
+            self.params, self.kv_cache, slot_ids, positions, page_table, lengths, sampling,
+            self.slot_tokens)
+        self._note_compile(key, t0)
+        return next_tokens
+
+    def _note_compile(self, key: tuple, t0: float) -> None:
+        if key not in self.compile_times:
+            # The first call of a shape includes tracing and compiling (or a
+            # persistent-cache hit); dispatch of later calls is asynchronous.
+            self.compile_times[key] = time.perf_counter() - t0
+            log.info("compiled %s in %.2f s", key, self.compile_times[key])
+
+    def warmup(self, max_prompt_len: int | None = None) -> None:
+        """Compiles the common shapes up front: every prefill token bucket for a
+        fresh prompt, and every decode batch bucket at the smallest page bucket.
+        Uses page 0 only, so the cache content is unaffected."""
+        cfg = self.cfg
+        limit = min(max_prompt_len or cfg.prefill_chunk, cfg.prefill_chunk)
+        T = 16
+        while True:
+            n = min(T, limit)
+            pages = [0] * cfg.max_pages_per_seq
+            self.prefill([PrefillChunk(0, [0] * n, 0, pages, (0.0, 0, 1.0, 0))])
+            if T >= limit:
+                break
+            T *= 2
+        B = batch_bucket(1, cfg)
+        while True:
+            rows = [DecodeRow(0, 0, [0], (0.0, 0, 1.0, 0))] * min(B, cfg.max_slots)
+            self.decode(rows)
+            if B >= cfg.max_slots:
+                break
+            B = batch_bucket(B + 1, cfg)
+        jax.block_until_ready(self.slot_tokens)

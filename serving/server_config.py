@@ -1,0 +1,94 @@
+"""Server settings: ``configs/server.yaml`` overlaid with command-line overrides.
+
+Also the data directory (``XLASERVE_DATA_DIR``, default: the user's data dir)
+under which caches (dequantized weights, tokenizer, compiled programs) live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """See configs/server.yaml for each field's meaning and unit."""
+
+    model: str = "gemma-3-270m"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    kv_dtype: str | None = None
+    max_model_len: int = 8192
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int = 4096
+    prefill_chunk: int = 512
+    max_prefill_seqs: int = 1
+    min_decode_batch: int = 8
+    max_waiting: int = 256
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "ServerConfig":
+        """Returns a copy with the non-None overrides applied. Raises ValueError on unknown keys."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown server settings {sorted(unknown)}; known: {sorted(known)}")
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_yaml_config(name: str) -> dict:
+    """Reads ``configs/NAME`` (shipped as package data)."""
+    return yaml.safe_load(resources.files("configs").joinpath(name).read_text()) or {}
+
+
+def load_server_config(path: str | os.PathLike | None = None, **overrides) -> ServerConfig:
+    """Defaults from configs/server.yaml (or ``path``), then ``overrides``.
+
+    Raises:
+      ValueError: unknown keys or invalid values.
+    """
+    data = yaml.safe_load(Path(path).read_text()) if path else load_yaml_config("server.yaml")
+    return ServerConfig().with_overrides(data or {}).with_overrides(overrides)
+
+
+def data_dir() -> Path:
+    """``$XLASERVE_DATA_DIR``, else the platform's user data directory for xlaserve."""
+    env = os.environ.get("XLASERVE_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("xlaserve"))
+
+
+def cache_dir(kind: str) -> Path:
+    """A cache folder under the data dir: "weights", "tokenizer" or "jax"."""
+    d = data_dir() / "cache" / kind
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def enable_compilation_cache() -> None:
+    """Persists XLA programs under the data dir, so a restart does not recompile.
+
+    ``JAX_COMPILATION_CACHE_DIR`` in the environment wins (``.ci/run`` sets it).
+    """
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir("jax")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
