@@ -1,0 +1,175 @@
+"""The ``xlaserve`` command: ``serve`` and ``generate``.
+
+    xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
+    xlaserve serve --model tiny-random --port 8100
+    xlaserve generate "The capital of France is" --max-tokens 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+
+log = logging.getLogger("xlaserve")
+
+_SETTINGS = [
+    # (flag, type, help)
+    ("model", str, "model name from configs/models.yaml, or a path to a .gguf file"),
+    ("dtype", str, "float32 | bfloat16: weights and matmul inputs"),
+    ("kv_dtype", str, "KV cache dtype (default: same as --dtype)"),
+    ("max_model_len", int, "context window in tokens (prompt + completion)"),
+    ("max_slots", int, "concurrently decoding sequences"),
+    ("page_size", int, "tokens per KV-cache page"),
+    ("num_pages", int, "KV-cache pool size in pages"),
+    ("prefill_chunk", int, "most prompt tokens per prefill step (power of two)"),
+    ("max_prefill_seqs", int, "sequences packed into one prefill step"),
+    ("min_decode_batch", int, "smallest decode batch bucket"),
+    ("max_waiting", int, "waiting requests before new ones get 503"),
+    ("attention_impl", str, "auto | xla"),
+]
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="server YAML (default: configs/server.yaml)")
+    for name, typ, help_ in _SETTINGS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+
+
+def _overrides(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
+    names = [n for n, _, _ in _SETTINGS] + list(extra)
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def build_engine(cfg, warmup: bool = True):
+    """Loads the model and starts the batching loop. Returns (EngineLoop, tokenizer, model name)."""
+    from serving.engine import Engine, EngineConfig
+    from serving.engine_loop import EngineLoop
+    from serving.model_registry import load_model
+    from serving.server_config import enable_compilation_cache
+
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, attention_impl=cfg.attention_impl)
+    max_len = min(cfg.max_model_len, model.cfg.max_position)
+    engine = Engine(model, EngineConfig(
+        max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
+        max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
+        max_prefill_seqs=cfg.max_prefill_seqs, min_decode_batch=cfg.min_decode_batch,
+        kv_dtype=cfg.kv_dtype or cfg.dtype))
+    loop = EngineLoop(engine, max_waiting=cfg.max_waiting)
+    loop.start(warmup=warmup)
+    log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
+             time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
+    return loop, tokenizer, model.cfg.name
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serving.gateway.app import ServedModel, create_app
+    from serving.server_config import load_server_config
+
+    cfg = load_server_config(args.config, **_overrides(args, ("host", "port")))
+    loop, tokenizer, name = build_engine(cfg)
+    app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
+                                         max_model_len=loop.max_model_len)})
+    log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower())
+    finally:
+        loop.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from serving.detokenizer import IncrementalDetokenizer
+    from serving.engine_client import EngineRequest, SamplingParams
+    from serving.server_config import load_server_config
+
+    overrides = _overrides(args)
+    overrides.setdefault("max_slots", 8)
+    overrides.setdefault("num_pages", 1024)
+    overrides.setdefault("max_model_len", 4096)
+    cfg = load_server_config(args.config, **overrides)
+    loop, tokenizer, _ = build_engine(cfg, warmup=False)
+    if args.chat:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt, add_bos=True)
+    request = EngineRequest(
+        request_id=uuid.uuid4().hex, prompt_ids=prompt_ids,
+        sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                stop_token_ids=tokenizer.stop_token_ids),
+        arrival_time=time.time())
+
+    async def run() -> None:
+        detok = IncrementalDetokenizer(tokenizer, stop=args.stop or ())
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        async for ev in loop.submit(request):
+            ids = [t for t in ev.token_ids if t not in tokenizer.stop_token_ids]
+            n += len(ev.token_ids)
+            if first is None and ev.token_ids:
+                first = time.perf_counter() - t0
+            sys.stdout.write(detok.add(ids))
+            sys.stdout.flush()
+            if detok.stopped:
+                await loop.cancel(request.request_id)
+                break
+            if ev.finish_reason:
+                break
+        if not detok.stopped:
+            sys.stdout.write(detok.flush())
+        total = time.perf_counter() - t0
+        sys.stdout.write("\n")
+        print(f"[{len(prompt_ids)} prompt tokens, {n} generated; TTFT {first or 0:.3f} s, "
+              f"{n / total:.1f} tokens/s overall (includes compiling)]", file=sys.stderr)
+
+    try:
+        asyncio.run(run())
+    finally:
+        loop.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xlaserve", description="LLM inference on JAX/XLA")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_settings(serve)
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
+    _add_settings(gen)
+    gen.add_argument("prompt", help="prompt text (BOS is added)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad settings: a clear message, not a traceback
+        print(f"xlaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
