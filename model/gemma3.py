@@ -152,6 +152,12 @@ class Gemma3(nnx.Module):
             # Norm scales stay float32 (tiny, and precision-sensitive).
             p_dtype = jnp.float32 if name.endswith("norm") else dtype
             setattr(self, name, _param(jnp.asarray(value, p_dtype), axes))
+        # The input lookup is not a matmul: with low-precision weights it reads a
+        # float32 copy of the table, as the reference's bf16 simulation does
+        # (only matmul inputs are rounded). The tied output head reads `embed`.
+        self.embed_lookup = (
+            None if jnp.dtype(dtype) == jnp.float32
+            else _param(jnp.asarray(params["embed"], jnp.float32), ("vocab", "embed")))
 
     def __call__(
         self,
@@ -175,7 +181,8 @@ class Gemma3(nnx.Module):
         """
         cfg = self.cfg
         dtype = self.dtype
-        x = self.embed[...][tokens].astype(jnp.float32) * jnp.float32(math.sqrt(cfg.hidden_size))
+        table = self.embed if self.embed_lookup is None else self.embed_lookup
+        x = table[...][tokens].astype(jnp.float32) * jnp.float32(math.sqrt(cfg.hidden_size))
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
         thetas = jnp.asarray(cfg.layer_rope_thetas(), jnp.float32)
         layer_params = {
