@@ -79,7 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          max_model_len=loop.max_model_len)})
     log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower())
+        # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=cfg.drain_timeout)
     finally:
         loop.stop()
     return 0

@@ -33,6 +33,7 @@ class ServerConfig:
     min_decode_batch: int = 8
     max_waiting: int = 256
     attention_impl: str = "auto"
+    drain_timeout: float = 30.0
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
