@@ -179,8 +179,12 @@ def paged_prefill_attention_xla(
             & ((seq == s) & valid_tok)[:, None]
         )  # [T, L]
         probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap)
-        vs = jnp.where((k_pos < kv_lens[s])[None, :, None], v[s], 0)
-        out = out + jnp.einsum("tkgl,kld->tkgd", probs.astype(vs.dtype), vs, preferred_element_type=jnp.float32)
+        vs = jnp.where(((k_pos < kv_lens[s]) & (s < num_seqs))[None, :, None], v[s], 0)
+        # kv head leads on both operands: XLA:CPU has no bf16 x bf16 -> f32 dot for the
+        # "tkgl,kld" form when kv_heads > 1 (fails at run time), but runs this one.
+        pv = jnp.einsum("ktgl,kld->ktgd", probs.transpose(1, 0, 2, 3).astype(vs.dtype), vs,
+                        preferred_element_type=jnp.float32)
+        out = out + pv.transpose(1, 0, 2, 3)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 

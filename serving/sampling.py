@@ -6,10 +6,11 @@ depends only on its own logits, seed and position: never on batch neighbours
 or on which slot it occupies.
 
 Top-k and top-p are applied exactly without sorting the 262k-entry vocabulary:
-each finds its logit threshold by bisection (32 halvings of the value range,
-i.e. exact up to float32 ties), which is O(vocab) per halving instead of a
-sort. When every row is greedy the sampling branch is skipped entirely
-(``lax.cond``), so a greedy batch pays only an argmax.
+each finds its logit threshold by bisection (32 halvings of the uint32 space of
+order-preserving float32 keys, i.e. exact up to float32 ties whatever the value
+range), which is O(vocab) per halving instead of a sort. When every row is
+greedy the sampling branch is skipped entirely (``lax.cond``), so a greedy
+batch pays only an argmax.
 """
 
 from __future__ import annotations
@@ -52,34 +53,45 @@ class SamplingArrays:
         return cls(t, k, p, s)
 
 
-def _threshold_for_count(logits: jax.Array, k: jax.Array) -> jax.Array:
-    """Largest t with count(logits >= t) >= k, per row, by bisection. logits [R, V], k [R]."""
-    lo = jnp.min(logits, axis=-1)
-    hi = jnp.max(logits, axis=-1)
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (a < b iff key(a) < key(b), -inf..+inf; -0.0 < +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key(lo: jax.Array, hi: jax.Array, ok) -> jax.Array:
+    """Largest t in [lo, hi] with ok(t), per row; ok is monotone (true then false) and lo counts as ok.
+
+    Bisects the uint32 key space, so _BISECT_STEPS = 32 halvings always reach a
+    single key: exact whatever the value range (-inf, -1e30 or a tiny temperature
+    included), unlike halving the float range, whose resolution is range / 2**32.
+    """
 
     def body(_, lohi):
         lo, hi = lohi
-        mid = 0.5 * (lo + hi)
-        ok = jnp.sum(logits >= mid[:, None], axis=-1) >= k
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2  # upper middle, no uint32 overflow
+        good = ok(mid) | (mid == lo)  # only once lo == hi: converged, never step below lo
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
 
-    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
+    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
     return lo
 
 
-def _threshold_for_mass(probs: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Largest t with sum(probs[probs >= t]) >= top_p, per row. probs [R, V], top_p [R]."""
-    lo = jnp.zeros(probs.shape[0], probs.dtype)
-    hi = jnp.max(probs, axis=-1)
+def _threshold_for_count(keys: jax.Array, k: jax.Array) -> jax.Array:
+    """Largest key t with count(keys >= t) >= k, per row. keys [R, V] (ordered keys of the logits), k [R]."""
+    return _largest_key(
+        jnp.min(keys, axis=-1), jnp.max(keys, axis=-1), lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k)
 
-    def body(_, lohi):
-        lo, hi = lohi
-        mid = 0.5 * (lo + hi)
-        ok = jnp.sum(jnp.where(probs >= mid[:, None], probs, 0.0), axis=-1) >= top_p
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
-    return lo
+def _threshold_for_mass(probs: jax.Array, keys: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Largest key t with sum(probs[keys >= t]) >= top_p, per row.
+
+    probs [R, V]; keys [R, V], their ordered keys; top_p [R]. If rounding leaves
+    the total mass below top_p, the minimum key comes back: every token is kept.
+    """
+    return _largest_key(
+        jnp.min(keys, axis=-1), jnp.max(keys, axis=-1),
+        lambda t: jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p)
 
 
 def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -100,12 +112,14 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Ar
         scaled = logits / temp[:, None]
         vocab = logits.shape[-1]
         use_k = (s.top_k > 0) & (s.top_k < vocab)
-        kth = _threshold_for_count(scaled, jnp.where(use_k, s.top_k, 1))
-        scaled = jnp.where(use_k[:, None] & (scaled < kth[:, None]), -jnp.inf, scaled)
+        scaled_keys = _ordered_keys(scaled)
+        kth = _threshold_for_count(scaled_keys, jnp.where(use_k, s.top_k, 1))
+        scaled = jnp.where(use_k[:, None] & (scaled_keys < kth[:, None]), -jnp.inf, scaled)
         use_p = s.top_p < 1.0
         probs = jax.nn.softmax(scaled, axis=-1)
-        pth = _threshold_for_mass(probs, s.top_p)
-        scaled = jnp.where(use_p[:, None] & (probs < pth[:, None]), -jnp.inf, scaled)
+        prob_keys = _ordered_keys(probs)
+        pth = _threshold_for_mass(probs, prob_keys, s.top_p)
+        scaled = jnp.where(use_p[:, None] & (prob_keys < pth[:, None]), -jnp.inf, scaled)
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(
             s.seed, positions
         )
