@@ -286,25 +286,21 @@ class Engine:
             self.compile_times[key] = time.perf_counter() - t0
             log.info("compiled %s in %.2f s", key, self.compile_times[key])
 
-    def warmup(self, max_prompt_len: int | None = None) -> None:
-        """Compiles the common shapes up front: every prefill token bucket for a
-        fresh prompt, and every decode batch bucket at the smallest page bucket.
-        Uses page 0 only, so the cache content is unaffected."""
+    def warmup(self) -> None:
+        """Compiles (or loads from the persistent cache) the common programs up front:
+        every prefill token bucket for a fresh prompt, and every decode
+        (batch, page-table width) bucket, so no running stream stalls on a
+        compile. Prefill of later chunks (a prefix in the cache) compiles on
+        first use. Writes go to the null page 0 only, so the cache is unaffected."""
         cfg = self.cfg
-        limit = min(max_prompt_len or cfg.prefill_chunk, cfg.prefill_chunk)
+        null_pages = [0] * cfg.max_pages_per_seq
+        greedy = (0.0, 0, 1.0, 0)
         T = 16
-        while True:
-            n = min(T, limit)
-            pages = [0] * cfg.max_pages_per_seq
-            self.prefill([PrefillChunk(0, [0] * n, 0, pages, (0.0, 0, 1.0, 0))])
-            if T >= limit:
-                break
+        while T <= cfg.prefill_chunk:
+            self.prefill([PrefillChunk(0, [0] * T, 0, null_pages, greedy)])
             T *= 2
-        B = batch_bucket(1, cfg)
-        while True:
-            rows = [DecodeRow(0, 0, [0], (0.0, 0, 1.0, 0))] * min(B, cfg.max_slots)
-            self.decode(rows)
-            if B >= cfg.max_slots:
-                break
-            B = batch_bucket(B + 1, cfg)
+        for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}):
+            for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
+                position = min(P * cfg.page_size, cfg.max_model_len) - 1
+                self.decode([DecodeRow(0, position, null_pages, greedy)] * B)
         jax.block_until_ready(self.slot_tokens)

@@ -264,52 +264,76 @@ class EngineLoop:
     def _run(self) -> None:
         pending: list[tuple[object, list[tuple[_Sequence, int]]]] = []
         while not self._stop.is_set():
-            idle = not pending and not self._waiting and all(s is None for s in self._slots)
-            self._drain_inbox(block=idle)
-            self._admit()
-            dispatched = []
-            plan = self._plan_prefill()
-            if plan:
-                seqs = [seq for _, seq, _ in plan]
-                try:
-                    out = self.engine.prefill([c for c, _, _ in plan])
-                except Exception as e:  # a failed step fails its requests, not the server
-                    log.exception("prefill step failed")
-                    for seq in seqs:
-                        self._finish(seq, "error", f"prefill failed: {e}")
-                else:
-                    owners = []
-                    for i, (chunk, seq, last) in enumerate(plan):
-                        seq.num_prefilled += len(chunk.tokens)
-                        if last:
-                            seq.num_dispatched = 1
-                            owners.append((seq, i))
-                    dispatched.append((out, owners))
-            rows, row_seqs = [], []
-            for seq in self._slots:
-                if (seq is None or seq.num_prefilled < seq.prompt_len or seq.num_dispatched == 0
-                        or seq.num_dispatched >= seq.req.sampling.max_tokens):
-                    continue
-                rows.append(DecodeRow(seq.slot, seq.prompt_len + seq.num_dispatched - 1, seq.pages,
-                                      seq.sampling_row))
-                row_seqs.append(seq)
-            if rows:
-                try:
-                    out = self.engine.decode(rows)
-                except Exception as e:
-                    log.exception("decode step failed")
-                    for seq in row_seqs:
-                        self._finish(seq, "error", f"decode failed: {e}")
-                else:
-                    for seq in row_seqs:
-                        seq.num_dispatched += 1
-                    dispatched.append((out, [(seq, i) for i, seq in enumerate(row_seqs)]))
-            # Read back the previous iteration's tokens while this one runs.
-            for out, owners in pending:
-                self._process(out, owners)
-            pending = dispatched
+            try:
+                pending = self._iteration(pending)
+            except Exception as e:  # a bug in planning must not kill the loop thread
+                log.exception("engine loop iteration failed; failing the running requests")
+                pending = []
+                for seq in [s for s in self._slots if s is not None]:
+                    self._finish(seq, "error", f"engine error: {e}")
         for seq in list(self._by_id.values()):
             self._finish(seq, "cancelled")
+
+    def _iteration(self, pending):
+        """One loop turn: admit, dispatch a prefill and a decode step, then read back ``pending``.
+
+        Returns the steps dispatched this turn (read back next turn).
+        """
+        idle = not pending and not self._waiting and all(s is None for s in self._slots)
+        self._drain_inbox(block=idle)
+        self._admit()
+        dispatched = [d for d in (self._dispatch_prefill(), self._dispatch_decode()) if d]
+        # Read back the previous turn's tokens while this turn's steps run.
+        for out, owners in pending:
+            self._process(out, owners)
+        return dispatched
+
+    def _dispatch_prefill(self):
+        """Dispatches one prefill step; returns (tokens, [(seq, row)]) for prompts it completes."""
+        plan = self._plan_prefill()
+        if not plan:
+            return None
+        try:
+            out = self.engine.prefill([c for c, _, _ in plan])
+        except Exception as e:  # a failed step fails its requests, not the server
+            log.exception("prefill step failed")
+            for _, seq, _ in plan:
+                self._finish(seq, "error", f"prefill failed: {e}")
+            return None
+        owners = []
+        for i, (chunk, seq, last) in enumerate(plan):
+            seq.num_prefilled += len(chunk.tokens)
+            if last:
+                seq.num_dispatched = 1
+                owners.append((seq, i))
+        return out, owners
+
+    def _dispatch_decode(self):
+        """Dispatches one decode step over every running slot with tokens left to generate.
+
+        A slot whose prompt finished in this turn's prefill joins at once: its
+        first token is already in the device's slot_tokens, and device steps run in order.
+        """
+        rows, row_seqs = [], []
+        for seq in self._slots:
+            if (seq is None or seq.num_prefilled < seq.prompt_len or seq.num_dispatched == 0
+                    or seq.num_dispatched >= seq.req.sampling.max_tokens):
+                continue
+            rows.append(DecodeRow(seq.slot, seq.prompt_len + seq.num_dispatched - 1, seq.pages,
+                                  seq.sampling_row))
+            row_seqs.append(seq)
+        if not rows:
+            return None
+        try:
+            out = self.engine.decode(rows)
+        except Exception as e:
+            log.exception("decode step failed")
+            for seq in row_seqs:
+                self._finish(seq, "error", f"decode failed: {e}")
+            return None
+        for seq in row_seqs:
+            seq.num_dispatched += 1
+        return out, [(seq, i) for i, seq in enumerate(row_seqs)]
 
     def _process(self, out, owners: list[tuple[_Sequence, int]]) -> None:
         try:
