@@ -30,7 +30,7 @@ class ServerConfig:
     num_pages: int = 4096
     prefill_chunk: int = 512
     max_prefill_seqs: int = 1
-    min_decode_batch: int = 8
+    min_decode_batch: int | None = None
     max_waiting: int = 256
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
