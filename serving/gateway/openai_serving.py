@@ -437,19 +437,11 @@ class OpenAIServing:
                     param="prompt",
                 )
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        self._check_context(served, len(prompt_ids), max_tokens, "prompt")
-        gen = self._generation(
-            request, served, "cmpl", prompt_ids, self._sampling(req, max_tokens, tok), req.stop_strings
-        )
-        await _until_disconnect(request, gen.start())
+        gen = await self._start(request, served, "cmpl", prompt_ids, req, max_tokens, "prompt")
         created = int(time.time())
         if req.stream:
             return self._streaming_response(self._completion_stream(gen, req, created))
-        try:
-            text = await _until_disconnect(request, gen.collect())
-        finally:
-            await gen.abort()
-        self._log_done(gen)
+        text = await self._collect(request, gen)
         body = CompletionResponse(
             id=gen.id,
             created=created,
@@ -458,6 +450,29 @@ class OpenAIServing:
             usage=gen.usage(),
         )
         return JSONResponse(body.model_dump(mode="json"))
+
+    async def _start(self, request: Request, served: ServedModel, id_prefix: str,
+                     prompt_ids: list[int], req, max_tokens: int, param: str) -> _Generation:
+        """Context check, then submit; returns once the engine has admitted the request.
+
+        Raises:
+          OpenAIError: 400 when the prompt plus max_tokens exceeds the context
+            window, or the engine's admission errors (503 overloaded, 400 rejected).
+        """
+        self._check_context(served, len(prompt_ids), max_tokens, param)
+        gen = self._generation(request, served, id_prefix, prompt_ids,
+                               self._sampling(req, max_tokens, served.tokenizer), req.stop_strings)
+        await _until_disconnect(request, gen.start())
+        return gen
+
+    async def _collect(self, request: Request, gen: _Generation) -> str:
+        """The whole text of a non-streamed request; the engine request ends either way."""
+        try:
+            text = await _until_disconnect(request, gen.collect())
+        finally:
+            await gen.abort()
+        self._log_done(gen)
+        return text
 
     async def _completion_stream(
         self, gen: _Generation, req: CompletionRequest, created: int
@@ -514,19 +529,11 @@ class OpenAIServing:
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = max(1, served.max_model_len - len(prompt_ids))
-        self._check_context(served, len(prompt_ids), max_tokens, "messages")
-        gen = self._generation(
-            request, served, "chatcmpl", prompt_ids, self._sampling(req, max_tokens, tok), req.stop_strings
-        )
-        await _until_disconnect(request, gen.start())
+        gen = await self._start(request, served, "chatcmpl", prompt_ids, req, max_tokens, "messages")
         created = int(time.time())
         if req.stream:
             return self._streaming_response(self._chat_stream(gen, req, created))
-        try:
-            text = await _until_disconnect(request, gen.collect())
-        finally:
-            await gen.abort()
-        self._log_done(gen)
+        text = await self._collect(request, gen)
         body = ChatCompletionResponse(
             id=gen.id,
             created=created,
