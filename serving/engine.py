@@ -77,11 +77,10 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
         if self.max_model_len % self.page_size:
             raise ValueError("max_model_len must be a multiple of page_size")
-        if self.num_pages - 1 < self.max_pages_per_seq:
-            raise ValueError(
-                f"num_pages ({self.num_pages}) must exceed max_model_len / page_size "
-                f"({self.max_pages_per_seq}) so one full-length sequence fits"
-            )
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        # A pool smaller than one full context is allowed: requests that could
+        # never fit are rejected at submit (RequestRejectedError).
 
     @property
     def max_pages_per_seq(self) -> int:

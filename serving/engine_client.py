@@ -52,12 +52,18 @@ class EngineRequest:
       prompt_ids: prompt token ids, BOS included where the model expects it.
       sampling: see :class:`SamplingParams`.
       arrival_time: wall-clock seconds (time.time()) when the gateway received it.
+      priority: "interactive" (default) or "batch": batch work is admitted only
+        when no interactive request waits, and is preempted first.
+      cache_salt: scopes prefix-cache sharing (the tenant); requests share cached
+        pages only with requests of the same salt.
     """
 
     request_id: str
     prompt_ids: Sequence[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    priority: str = "interactive"
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,32 +1,27 @@
-"""The batching loop: continuous batching over the engine's slots, behind EngineClient.
+"""The engine loop: runs the scheduler's plans on the engine, behind EngineClient.
 
-One background thread owns the :class:`~serving.engine.Engine`. Each
-iteration it
+One background thread owns the :class:`~serving.engine.Engine` and the
+:class:`~serving.scheduler.Scheduler`. Each turn it
 
-  1. takes in new requests and cancellations,
-  2. admits waiting requests into free slots when their pages fit (all pages
-     for prompt + max_tokens are reserved at admission, so a running request
-     never runs out of pages),
-  3. dispatches one prefill step (one chunk of the oldest unfinished prompt,
-     packed with others up to ``max_prefill_seqs``), then one decode step over
-     every running slot,
-  4. only then reads back the previous iteration's tokens and streams them,
-     so the device is already busy with the next step while the host works
+  1. takes in new requests and cancellations (a cancel ends the request and
+     frees its pages before the next step is planned),
+  2. asks the scheduler for a step plan (decode rows for running requests,
+     prompt chunks within the token budget, admissions, preemptions),
+  3. dispatches the plan's prefill step and decode step,
+  4. only then reads back the previous turn's tokens and streams them, so the
+     device is already busy with the next step while the host works
      (JetStream's pipelining). A request that finished in step n may still
      have a token computed in step n+1; it is discarded.
 
-Finished, cancelled and failed requests give their slot and pages back at
-once. An exception in a step fails the requests in that step, not the server.
-
-The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device state:
-it hands requests to the thread through a queue and receives events through
-``loop.call_soon_threadsafe``.
+An exception in a step fails the requests in that step, not the server.
+The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device or
+scheduler state: it hands requests to the thread through a queue and
+receives events through ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import queue
@@ -44,29 +39,22 @@ from serving.engine_client import (
     RequestRejectedError,
     TokenEvent,
 )
-from serving.page_allocator import PageAllocator
+from serving.kv_cache_manager import KVCacheManager
+from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
 class _Sequence:
+    """A request's asyncio side (event queue) and its scheduler state."""
+
     req: EngineRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     seed: int
-    pages: list[int] = dataclasses.field(default_factory=list)
-    slot: int | None = None
-    num_prefilled: int = 0  # prompt tokens whose K/V are in the cache
-    num_dispatched: int = 0  # generated tokens that exist on device
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    cancel_requested: bool = False
+    sched: SchedRequest
     first_token_time: float | None = None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.prompt_ids)
 
     @property
     def sampling_row(self) -> tuple[float, int, float, int]:
@@ -78,25 +66,38 @@ class EngineLoop:
     """In-process :class:`~serving.engine_client.EngineClient` over one Engine.
 
     Args:
-      engine: the device engine (its config sizes slots and pages).
-      max_waiting: bound on requests waiting for a slot; beyond it submit()
+      engine: the device engine (its config sizes slots, pages and chunks).
+      max_waiting: most requests waiting for admission; beyond it submit()
         raises EngineOverloadedError (the gateway answers 503).
+      max_waiting_tokens: most prompt tokens waiting for admission (same).
+      token_budget: most tokens computed per step (decode rows + prompt
+        chunks); default: the prefill chunk plus one token per slot.
+      enable_prefix_caching: reuse KV pages of identical prompt prefixes.
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 256):
+    def __init__(self, engine: Engine, max_waiting: int = 256, max_waiting_tokens: int | None = None,
+                 token_budget: int | None = None, enable_prefix_caching: bool = True):
         self.engine = engine
-        self.cfg = engine.cfg
+        self.cfg = cfg = engine.cfg
         self.max_waiting = max_waiting
-        self._allocator = PageAllocator(self.cfg.num_pages)
+        self.max_waiting_tokens = max_waiting_tokens or max_waiting * cfg.max_model_len
+        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, num_slots=cfg.max_slots,
+            token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
+            max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: collections.deque[_Sequence] = collections.deque()
         self._by_id: dict[str, _Sequence] = {}
-        self._slots: list[_Sequence | None] = [None] * self.cfg.max_slots
-        self._num_queued = 0  # submitted but not yet admitted (read from any thread)
+        # Requests and prompt tokens waiting for admission, as of the last turn
+        # (written by the loop thread, read by submit(); the inbox adds the rest).
+        self._waiting_snapshot = (0, 0)
+        self._inbox_tokens = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
+        self._draining = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_step = None  # optional hook(plan) for tests and tracing, called on the loop thread
 
     # -- EngineClient ------------------------------------------------------------
 
@@ -105,21 +106,38 @@ class EngineLoop:
         return self.cfg.max_model_len
 
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self._thread is not None and self._thread.is_alive()
+        return (self._ready.is_set() and not self._draining.is_set()
+                and self._thread is not None and self._thread.is_alive())
 
     def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
-        """See EngineClient.submit. Raises at call time (not on first iteration)."""
+        """See EngineClient.submit. Raises at call time (not on first iteration).
+
+        Raises:
+          RequestRejectedError: the request can never be served (too long for
+            the context window or the KV cache, empty, bad ids, unknown priority).
+          EngineOverloadedError: the waiting queue is full, or the server is draining.
+        """
         self._validate(request)
+        n = len(request.prompt_ids)
         with self._lock:
-            if self._num_queued >= self.max_waiting:
+            if self._draining.is_set():
+                raise EngineOverloadedError("the server is shutting down")
+            reqs = self._waiting_snapshot[0] + self._inbox.qsize()
+            toks = self._waiting_snapshot[1] + self._inbox_tokens
+            if reqs >= self.max_waiting or toks + n > self.max_waiting_tokens:
                 raise EngineOverloadedError(
-                    f"{self._num_queued} requests are already waiting; retry later")
-            self._num_queued += 1
-        loop = asyncio.get_running_loop()
+                    f"{reqs} requests ({toks} prompt tokens) are already waiting; retry later")
+            self._inbox_tokens += n
         seed = request.sampling.seed
         if seed is None:
             seed = random.getrandbits(32)
-        seq = _Sequence(req=request, loop=loop, events=asyncio.Queue(), seed=int(seed) & 0xFFFFFFFF)
+        s = request.sampling
+        sched = SchedRequest(
+            request_id=request.request_id, prompt_ids=list(request.prompt_ids),
+            max_tokens=s.max_tokens, stop_token_ids=() if s.ignore_eos else tuple(s.stop_token_ids),
+            priority=PRIORITIES[request.priority], salt=request.cache_salt)
+        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
+                        seed=int(seed) & 0xFFFFFFFF, sched=sched)
         self._inbox.put(("submit", seq))
         return self._stream(seq)
 
@@ -139,7 +157,18 @@ class EngineLoop:
         self._thread.start()
         self._ready.set()
 
+    def drain(self) -> None:
+        """Stops admitting: readiness turns false and new submits get EngineOverloadedError.
+        Requests already submitted run to their end."""
+        self._draining.set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id) + self._inbox.qsize()
+
     def stop(self) -> None:
+        """Ends the loop; unfinished requests end with finish_reason "cancelled"."""
+        self._draining.set()
         self._stop.set()
         self._inbox.put(("wake", None))
         if self._thread is not None:
@@ -172,47 +201,38 @@ class EngineLoop:
             raise RequestRejectedError(
                 f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) exceeds the context "
                 f"window of {cfg.max_model_len} tokens")
+        pages = self.scheduler.pages_needed_alone(n + s.max_tokens)
+        if pages > cfg.num_pages - 1:
+            raise RequestRejectedError(
+                f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) needs {pages} KV-cache pages "
+                f"but the cache has {cfg.num_pages - 1}; lower max_tokens")
+        if request.priority not in PRIORITIES:
+            raise RequestRejectedError(f"priority must be one of {sorted(PRIORITIES)}")
         vocab = self.engine.model_cfg.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if request.request_id in self._by_id:
-            raise RequestRejectedError(f"request id {request.request_id!r} is already running")
 
     # -- engine thread -------------------------------------------------------------
 
-    def _emit(self, seq: _Sequence, ev: TokenEvent) -> None:
+    def _emit(self, seq: _Sequence, ids: tuple[int, ...], reason: str | None = None,
+              error: str | None = None) -> None:
+        r = seq.sched
+        ev = TokenEvent(
+            request_id=seq.req.request_id, token_ids=ids, finish_reason=reason,
+            prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
+            completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
+            error=error)
         seq.loop.call_soon_threadsafe(seq.events.put_nowait, ev)
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None,
                 ids: tuple[int, ...] = ()) -> None:
         """Ends a request: frees its slot and pages, sends the final event (with ``ids``)."""
-        if seq.finished:
+        if seq.sched.status is Status.FINISHED:
             return
-        seq.finished = True
-        if seq.slot is not None:
-            self._slots[seq.slot] = None
-            seq.slot = None
-        else:
-            try:
-                self._waiting.remove(seq)
-                with self._lock:
-                    self._num_queued -= 1
-            except ValueError:
-                pass
-        if seq.pages:
-            self._allocator.free(seq.pages)
-            seq.pages = []
+        self.scheduler.finish(seq.sched, reason)
         self._by_id.pop(seq.req.request_id, None)
-        self._emit(seq, self._event(seq, ids, reason, error))
-
-    def _event(self, seq: _Sequence, ids: tuple[int, ...], reason: str | None = None,
-               error: str | None = None) -> TokenEvent:
-        return TokenEvent(
-            request_id=seq.req.request_id, token_ids=ids, finish_reason=reason,
-            prompt_tokens=seq.prompt_len, cached_tokens=0,
-            completion_tokens=len(seq.output_ids), first_token_time=seq.first_token_time,
-            error=error)
+        self._emit(seq, ids, reason, error)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -222,118 +242,91 @@ class EngineLoop:
                 return
             block = False
             if kind == "submit":
+                with self._lock:
+                    self._inbox_tokens -= len(item.sched.prompt_ids)
+                if item.req.request_id in self._by_id:
+                    item.sched.status = Status.FINISHED
+                    self._emit(item, (), "error", f"request id {item.req.request_id!r} is already running")
+                    continue
                 self._by_id[item.req.request_id] = item
-                self._waiting.append(item)
+                self.scheduler.add(item.sched)
             elif kind == "cancel":
                 seq = self._by_id.get(item)
                 if seq is not None:
                     self._finish(seq, "cancelled")
 
-    def _admit(self) -> None:
-        """Moves waiting requests into free slots, FIFO, while their pages fit."""
-        ps = self.cfg.page_size
-        while self._waiting and None in self._slots:
-            seq = self._waiting[0]
-            total = min(seq.prompt_len + seq.req.sampling.max_tokens, self.cfg.max_model_len)
-            need = -(-total // ps)
-            if need > self._allocator.num_free:
-                return  # head-of-line waits for pages (it always fits an empty pool)
-            self._waiting.popleft()
-            with self._lock:
-                self._num_queued -= 1
-            seq.pages = self._allocator.allocate(need)
-            seq.slot = self._slots.index(None)
-            self._slots[seq.slot] = seq
-
-    def _plan_prefill(self) -> list[tuple[PrefillChunk, _Sequence, bool]]:
-        budget = self.cfg.prefill_chunk
-        plan = []
-        for seq in self._slots:
-            if seq is None or seq.num_prefilled >= seq.prompt_len:
-                continue
-            if len(plan) == self.cfg.max_prefill_seqs or budget == 0:
-                break
-            n = min(seq.prompt_len - seq.num_prefilled, budget)
-            ids = list(seq.req.prompt_ids[seq.num_prefilled:seq.num_prefilled + n])
-            last = seq.num_prefilled + n == seq.prompt_len
-            plan.append((PrefillChunk(seq.slot, ids, seq.num_prefilled, seq.pages, seq.sampling_row),
-                         seq, last))
-            budget -= n
-        return plan
-
     def _run(self) -> None:
-        pending: list[tuple[object, list[tuple[_Sequence, int]]]] = []
+        pending: list = []
         while not self._stop.is_set():
             try:
                 pending = self._iteration(pending)
             except Exception as e:  # a bug in planning must not kill the loop thread
                 log.exception("engine loop iteration failed; failing the running requests")
                 pending = []
-                for seq in [s for s in self._slots if s is not None]:
+                for seq in [s for s in self._by_id.values() if s.sched.status is Status.RUNNING]:
                     self._finish(seq, "error", f"engine error: {e}")
         for seq in list(self._by_id.values()):
             self._finish(seq, "cancelled")
 
     def _iteration(self, pending):
-        """One loop turn: admit, dispatch a prefill and a decode step, then read back ``pending``.
+        """One loop turn: plan, dispatch the prefill and decode steps, then read back ``pending``.
 
         Returns the steps dispatched this turn (read back next turn).
         """
-        idle = not pending and not self._waiting and all(s is None for s in self._slots)
+        sched = self.scheduler
+        idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
-        self._admit()
-        dispatched = [d for d in (self._dispatch_prefill(), self._dispatch_decode()) if d]
+        plan = sched.schedule()
+        if plan.needs_sync:  # preemption needs every token id: read back first
+            for out, owners in pending:
+                self._process(out, owners)
+            pending = []
+            plan = sched.schedule()
+        with self._lock:
+            self._waiting_snapshot = (len(sched.waiting), sum(r.num_tokens for r in sched.waiting))
+        if self.on_step is not None:
+            self.on_step(plan)
+        dispatched = [d for d in (self._dispatch_prefill(plan), self._dispatch_decode(plan)) if d]
         # Read back the previous turn's tokens while this turn's steps run.
         for out, owners in pending:
             self._process(out, owners)
         return dispatched
 
-    def _dispatch_prefill(self):
-        """Dispatches one prefill step; returns (tokens, [(seq, row)]) for prompts it completes."""
-        plan = self._plan_prefill()
-        if not plan:
+    def _dispatch_prefill(self, plan):
+        """Dispatches the plan's prompt chunks; returns (tokens, [(seq, row)]) for chunks that sample."""
+        if not plan.prefill:
             return None
+        seqs = [self._by_id[c.request.request_id] for c in plan.prefill]
+        chunks = [PrefillChunk(c.request.slot, c.token_ids, c.start, c.request.pages, seq.sampling_row)
+                  for c, seq in zip(plan.prefill, seqs)]
         try:
-            out = self.engine.prefill([c for c, _, _ in plan])
+            out = self.engine.prefill(chunks)
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("prefill step failed")
-            for _, seq, _ in plan:
+            for seq in seqs:
                 self._finish(seq, "error", f"prefill failed: {e}")
             return None
-        owners = []
-        for i, (chunk, seq, last) in enumerate(plan):
-            seq.num_prefilled += len(chunk.tokens)
-            if last:
-                seq.num_dispatched = 1
-                owners.append((seq, i))
-        return out, owners
+        return out, [(seq, i) for i, (c, seq) in enumerate(zip(plan.prefill, seqs)) if c.samples]
 
-    def _dispatch_decode(self):
-        """Dispatches one decode step over every running slot with tokens left to generate.
+    def _dispatch_decode(self, plan):
+        """Dispatches one decode step over the plan's decode rows.
 
-        A slot whose prompt finished in this turn's prefill joins at once: its
-        first token is already in the device's slot_tokens, and device steps run in order.
+        A request whose prompt finished in this turn's prefill decodes next
+        turn; its first token is already on device in its slot.
         """
-        rows, row_seqs = [], []
-        for seq in self._slots:
-            if (seq is None or seq.num_prefilled < seq.prompt_len or seq.num_dispatched == 0
-                    or seq.num_dispatched >= seq.req.sampling.max_tokens):
-                continue
-            rows.append(DecodeRow(seq.slot, seq.prompt_len + seq.num_dispatched - 1, seq.pages,
-                                  seq.sampling_row))
-            row_seqs.append(seq)
-        if not rows:
+        if not plan.decode:
             return None
+        seqs = [self._by_id[r.request_id] for r in plan.decode]
+        rows = [DecodeRow(r.slot, r.num_computed - 1, r.pages, seq.sampling_row)
+                for r, seq in zip(plan.decode, seqs)]
         try:
             out = self.engine.decode(rows)
         except Exception as e:
             log.exception("decode step failed")
-            for seq in row_seqs:
+            for seq in seqs:
                 self._finish(seq, "error", f"decode failed: {e}")
             return None
-        for seq in row_seqs:
-            seq.num_dispatched += 1
-        return out, [(seq, i) for i, seq in enumerate(row_seqs)]
+        return out, [(seq, i) for i, seq in enumerate(seqs)]
 
     def _process(self, out, owners: list[tuple[_Sequence, int]]) -> None:
         try:
@@ -345,16 +338,13 @@ class EngineLoop:
             return
         now = time.time()
         for seq, i in owners:
-            if seq.finished:
+            if seq.sched.status is Status.FINISHED:
                 continue  # finished or cancelled while this step was in flight
             tok = int(tokens[i])
-            seq.output_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            s = seq.req.sampling
-            if not s.ignore_eos and tok in s.stop_token_ids:
-                self._finish(seq, "stop", ids=(tok,))
-            elif len(seq.output_ids) >= s.max_tokens:
-                self._finish(seq, "length", ids=(tok,))
+            reason = self.scheduler.on_token(seq.sched, tok)
+            if reason is None:
+                self._emit(seq, (tok,))
             else:
-                self._emit(seq, self._event(seq, (tok,)))
+                self._finish(seq, reason, ids=(tok,))

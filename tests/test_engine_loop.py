@@ -21,10 +21,11 @@ TINY = ModelConfig.from_dict(load_yaml_config("models.yaml")["tiny-random"]["con
 
 def make_loop(**overrides) -> EngineLoop:
     max_waiting = overrides.pop("max_waiting", 256)
+    caching = overrides.pop("enable_prefix_caching", True)
     cfg = EngineConfig(**{**dict(max_slots=4, num_pages=64, max_model_len=256, page_size=8,
                                  prefill_chunk=32, min_decode_batch=2), **overrides})
     model = Gemma3(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    return EngineLoop(Engine(model, cfg), max_waiting=max_waiting)
+    return EngineLoop(Engine(model, cfg), max_waiting=max_waiting, enable_prefix_caching=caching)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def prompt(n: int, offset: int = 0) -> list[int]:
 
 
 def all_pages_free(loop: EngineLoop) -> bool:
-    return loop._allocator.num_free == loop.cfg.num_pages - 1
+    return loop.kv.num_free == loop.cfg.num_pages - 1
 
 
 def test_max_tokens_finishes_with_length(loop):
@@ -94,22 +95,30 @@ def test_ragged_prefill_packs_sequences_like_one_at_a_time():
 
 
 def test_cancel_stops_within_a_step_and_frees_pages(loop):
+    plans = []
+    loop.on_step = plans.append
+
     async def main():
         req = request(prompt(4), max_tokens=200, ignore_eos=True)
-        stream = loop.submit(req)
         got = []
-        async for ev in stream:
+        async for ev in loop.submit(req):
             got.append(ev)
             if len(got) == 3:
+                planned_at_cancel = len(plans)
                 await loop.cancel(req.request_id)
             if ev.finish_reason:
                 break
-        return got
+        return req.request_id, got, planned_at_cancel
 
-    events = asyncio.run(main())
+    try:
+        rid, events, planned_at_cancel = asyncio.run(main())
+    finally:
+        loop.on_step = None
     assert events[-1].finish_reason == "cancelled"
-    assert len(events) < 10  # stopped within a step or two, not after 200 tokens
-    assert events[-1].completion_tokens >= 3  # usage so far is reported
+    # At most the step being planned when the cancel arrived still ran it.
+    after = [p for p in plans[planned_at_cancel:] if any(r.request_id == rid for r in p.decode)]
+    assert len(after) <= 1
+    assert events[-1].completion_tokens < 200  # usage so far is reported
     assert all_pages_free(loop)
 
 
@@ -159,3 +168,86 @@ def test_seeded_sampling_is_reproducible(loop):
     b = generate(loop, [request(prompt(9, 3), max_tokens=8, temperature=1.0, seed=1, ignore_eos=True),
                         request(prompt(5), **s)])[1]
     assert a == b
+
+
+def run_with(requests_fn, **overrides) -> tuple[list[list[int]], list]:
+    """Runs fresh requests on a fresh loop; returns outputs and every step plan."""
+    lp = make_loop(**overrides)
+    plans = []
+    lp.on_step = plans.append
+    lp.start(warmup=False)
+    try:
+        return generate(lp, requests_fn()), plans
+    finally:
+        lp.stop()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=3)])
+def test_preempted_requests_match_running_alone(sampling, jax_cache):
+    reqs = lambda: [request(prompt(20, i), max_tokens=30, ignore_eos=True,
+                            **{**sampling, **({"seed": 3 + i} if "seed" in sampling else {})})
+                    for i in range(4)]
+    # 12 pages of 8 tokens: each request needs 7 alone, so four at once must preempt.
+    crowded, plans = run_with(reqs, num_pages=13, max_model_len=96)
+    assert any(p.preempted for p in plans)
+    alone = [run_with(lambda r=r: [r], num_pages=13, max_model_len=96)[0][0] for r in reqs()]
+    assert crowded == alone
+
+
+def test_prefix_cache_hit_matches_uncached(jax_cache):
+    system = prompt(41, 5)  # 5 full pages of 8 tokens, then one more token
+    reqs = lambda: [request(system + [300 + i, 301, 302], max_tokens=6, ignore_eos=True)
+                    for i in range(3)]
+    lp = make_loop(num_pages=64)
+    lp.start(warmup=False)
+    try:
+        first = generate(lp, reqs()[:1])
+        events = [asyncio.run(collect(lp, r)) for r in reqs()[1:]]
+    finally:
+        lp.stop()
+    cached_outs = first + [ids for ids, _ in events]
+    assert [ev[-1].cached_tokens for _, ev in events] == [40, 40]
+    uncached, _ = run_with(reqs, enable_prefix_caching=False)
+    assert cached_outs == uncached
+
+
+def test_running_streams_never_miss_a_step_while_a_long_prompt_prefills(jax_cache):
+    """32 streams decode; a 4k-token prompt arrives; every stream still decodes every step."""
+    lp = make_loop(max_slots=33, num_pages=1200, max_model_len=4608, prefill_chunk=256,
+                   min_decode_batch=8)
+    plans = []
+    lp.on_step = plans.append
+    lp.start(warmup=False)
+
+    async def main():
+        streams = [asyncio.ensure_future(collect(lp, request(prompt(8, i), max_tokens=40, ignore_eos=True)))
+                   for i in range(32)]
+        while len(plans) < 10:  # let every stream start decoding
+            await asyncio.sleep(0.01)
+        long = asyncio.ensure_future(collect(lp, request(prompt(4096, 1), max_tokens=2, ignore_eos=True)))
+        return await asyncio.gather(*streams), await long
+
+    try:
+        outs, (long_ids, _) = asyncio.run(main())
+    finally:
+        lp.stop()
+    assert all(len(ids) == 40 for ids, _ in outs) and len(long_ids) == 2
+    chunked = [i for i, p in enumerate(plans) if any(len(c.token_ids) > 100 for c in p.prefill)]
+    assert len(chunked) >= 4096 // 256  # the long prompt was cut into chunks
+    for i in chunked:
+        before = {r.request_id for r in plans[i - 1].decode}
+        later = {r.request_id for p in plans[i + 1:] for r in p.decode}
+        now = {r.request_id for r in plans[i].decode}
+        # A stream that decoded before this chunk and decodes after it also decodes with it.
+        assert before & later <= now, f"step {i}: {sorted(before & later - now)} skipped a step"
+        assert plans[i].num_tokens <= lp.scheduler.token_budget
+
+
+def test_rejects_what_can_never_fit_the_cache():
+    lp = make_loop(num_pages=8, max_model_len=256)  # 7 usable pages of 8 tokens
+
+    async def submit():
+        lp.submit(request(prompt(40), max_tokens=40))
+
+    with pytest.raises(RequestRejectedError, match="needs 10 KV-cache pages but the cache has 7"):
+        asyncio.run(submit())

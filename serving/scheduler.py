@@ -1,0 +1,374 @@
+"""The scheduler: which requests run each step, within a token budget, over shared pages.
+
+Plain Python over token counts and page ids (no JAX), after vLLM v1's
+scheduler: a request has no "prefill phase". It has *known* tokens (prompt
+plus generated) and *computed* tokens (whose K/V are in the cache), and each
+step moves computed towards known::
+
+    known:     | prompt .................. | out0 out1 out2 |
+    computed:  | cached prefix | chunk ... |                       prefill / prefix hit
+    computed:  | ......................................| out2 |    decode: one token behind
+
+so chunked prefill, prefix-cache hits and recomputation after preemption are
+one mechanism. When a step computes a request's last known token, the engine
+samples its next token (keyed by (seed, position), so recomputation draws
+the same token as the first time).
+
+Each step (:meth:`Scheduler.schedule`): every running request that is one
+token behind gets a decode row (one budget token each); then the rest of the
+budget goes to prompt chunks: running requests first, then waiting ones in
+(priority, arrival) order, admitted while a slot is free and their pages fit
+above a small watermark. When a running request needs a page and none is free
+or evictable, the lowest-priority, newest running request is preempted: its
+pages are released (their full pages stay in the prefix cache), and it waits
+at the front of its priority class to be recomputed.
+
+Generated tokens are "in flight" between dispatch and read-back (the engine
+pipelines steps). Preemption needs every token id of its victim, so when it
+would be needed while tokens are in flight, :meth:`schedule` asks the caller
+to read them back first (``StepPlan.needs_sync``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from typing import Sequence
+
+from serving.kv_cache_manager import KVCacheManager
+
+INTERACTIVE, BATCH = 0, 1
+PRIORITIES = {"interactive": INTERACTIVE, "batch": BATCH}
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class SchedRequest:
+    """One request's scheduling state.
+
+    Attributes:
+      request_id: unique id.
+      prompt_ids: prompt token ids.
+      max_tokens: most tokens to generate.
+      stop_token_ids: a generated token in here finishes the request ("stop").
+      priority: INTERACTIVE (0) or BATCH (1); lower runs first and is preempted last.
+      salt: prefix-cache scope (tenant); None shares with every other None.
+      output_ids: generated tokens read back so far.
+      num_inflight: generated tokens sampled on device, not yet read back.
+      num_computed: tokens whose K/V are in (or being written to) the cache.
+      pages: the request's pages in order (shared prefix pages first).
+      num_cached_pages: leading pages registered in the prefix cache.
+      cached_tokens: prompt tokens served from the prefix cache at first admission.
+      slot: the engine slot while running.
+      token_on_device: the last known token was sampled on device and sits in
+        the slot (so a decode row can feed it). False after admission: a
+        recomputed request's tokens all come from the host.
+      num_preemptions: times it was preempted.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    priority: int = INTERACTIVE
+    salt: str | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_inflight: int = 0
+    num_computed: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_pages: int = 0
+    cached_tokens: int | None = None
+    slot: int | None = None
+    token_on_device: bool = False
+    status: Status = Status.WAITING
+    arrival: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens, counting in-flight ones whose ids the host has not seen yet."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_inflight
+
+    def token_ids(self) -> list[int]:
+        """Host-known token ids (prompt + read-back outputs)."""
+        return self.prompt_ids + self.output_ids
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """Compute tokens [start, start + len(token_ids)) of a request; sample after them if ``samples``."""
+
+    request: SchedRequest
+    start: int
+    token_ids: list[int]
+    samples: bool
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one engine step runs.
+
+    Attributes:
+      decode: requests that feed their last sampled token (one budget token each).
+      prefill: prompt / recompute chunks (their token counts fill the rest of the budget).
+      preempted: requests preempted while planning (already back in the waiting queue).
+      needs_sync: preemption was needed while tokens are in flight; read them
+        back and call schedule() again (nothing was planned).
+    """
+
+    decode: list[SchedRequest] = dataclasses.field(default_factory=list)
+    prefill: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    preempted: list[SchedRequest] = dataclasses.field(default_factory=list)
+    needs_sync: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    """Plans engine steps over ``num_slots`` slots and a ``KVCacheManager``.
+
+    Args:
+      kv: the page manager (shared with nobody else).
+      num_slots: most running requests.
+      token_budget: most tokens computed per step (decode rows + prompt chunks).
+      max_prefill_tokens: most prompt tokens per step (the engine's prefill chunk).
+      max_prefill_seqs: most sequences with a prompt chunk per step.
+      watermark_pages: free pages kept back when admitting new requests, so
+        running ones can grow without immediately preempting.
+    """
+
+    def __init__(self, kv: KVCacheManager, num_slots: int, token_budget: int,
+                 max_prefill_tokens: int, max_prefill_seqs: int = 1, watermark_pages: int | None = None):
+        if token_budget < num_slots + 1:
+            raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
+        self.kv = kv
+        self.num_slots = num_slots
+        self.token_budget = token_budget
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_seqs = max_prefill_seqs
+        self.watermark_pages = (max(1, kv.num_pages // 100) if watermark_pages is None
+                                else watermark_pages)
+        self.waiting: list[SchedRequest] = []
+        self.running: list[SchedRequest] = []
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._arrivals = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def pages_needed_alone(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.kv.page_size)
+
+    def add(self, req: SchedRequest) -> None:
+        """Queues a new request (validated by the caller to fit the pool alone)."""
+        req.arrival = next(self._arrivals)
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: SchedRequest, reason: str) -> None:
+        """Ends a request (any state): releases its slot and pages. Idempotent."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._free_slots.append(req.slot)
+            req.slot = None
+        else:
+            self.waiting.remove(req)
+        self.kv.release(req.pages)
+        req.pages = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def on_token(self, req: SchedRequest, token: int) -> str | None:
+        """Records one read-back token. Returns a finish reason ("stop"/"length") or None.
+
+        The caller then calls :meth:`finish`. Tokens of finished requests are ignored.
+        """
+        if req.status is Status.FINISHED:
+            return None
+        req.num_inflight -= 1
+        req.output_ids.append(token)
+        self._cache_full_pages(req)
+        if token in req.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= req.max_tokens:
+            return "length"
+        return None
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(r.num_inflight for r in self.running)
+
+    # -- planning ----------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans one step and commits it (computed counts, in-flight tokens, pages)."""
+        plan = StepPlan()
+        budget = self.token_budget
+        # 1. Decode rows: running requests one (sampled) token behind.
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted while planning this step
+            behind = req.num_tokens - req.num_computed
+            if behind != 1 or not req.token_on_device or req.num_generated >= req.max_tokens:
+                continue
+            if not self._reserve_pages(req, req.num_tokens, plan):
+                if plan.needs_sync:
+                    return self._abort(plan)
+                continue
+            plan.decode.append(req)
+            budget -= 1
+        # 2. Prompt / recompute chunks of running requests, then admissions.
+        prefill_budget = min(budget, self.max_prefill_tokens)
+        for req in list(self.running):
+            if len(plan.prefill) >= self.max_prefill_seqs or prefill_budget == 0:
+                break
+            if req.status is not Status.RUNNING or req.token_on_device:
+                continue  # not running any more, or decoding
+            n = min(req.num_tokens - req.num_computed, prefill_budget)
+            if n <= 0:
+                continue
+            if not self._reserve_pages(req, req.num_computed + n, plan):
+                if plan.needs_sync:
+                    return self._abort(plan)
+                continue
+            prefill_budget -= self._add_chunk(plan, req, n)
+        self.waiting.sort(key=lambda r: (r.priority, r.arrival))
+        while (self.waiting and self._free_slots and prefill_budget > 0
+               and len(plan.prefill) < self.max_prefill_seqs):
+            req = self.waiting[0]
+            if not self._admit(req, prefill_budget):
+                break  # head of line waits (lower priorities wait behind it)
+            n = min(req.num_tokens - req.num_computed, prefill_budget)
+            prefill_budget -= self._add_chunk(plan, req, n)
+        assert plan.num_tokens <= self.token_budget
+        return self._commit(plan)
+
+    def _abort(self, plan: StepPlan) -> StepPlan:
+        """Plans nothing this time. Pages reserved so far stay with their requests
+        (each will need them for its next tokens anyway); preemptions stand."""
+        return StepPlan(preempted=plan.preempted, needs_sync=True)
+
+    def _add_chunk(self, plan: StepPlan, req: SchedRequest, n: int) -> int:
+        tokens = req.token_ids()[req.num_computed:req.num_computed + n]
+        samples = req.num_computed + n == req.num_tokens
+        plan.prefill.append(ScheduledChunk(req, req.num_computed, tokens, samples))
+        return n
+
+    def _commit(self, plan: StepPlan) -> StepPlan:
+        """Applies a finished plan: computed counts, in-flight tokens, newly cacheable pages."""
+        for req in plan.decode:
+            req.num_computed += 1
+            req.num_inflight += 1
+        for c in plan.prefill:
+            c.request.num_computed += len(c.token_ids)
+            if c.samples:
+                c.request.num_inflight += 1
+                c.request.token_on_device = True
+            self._cache_full_pages(c.request)
+        return plan
+
+    def _admit(self, req: SchedRequest, budget: int) -> bool:
+        tokens = req.token_ids()
+        assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
+        # A full hit still recomputes the last token, to get its logits.
+        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
+        hit_tokens = len(hit) * self.kv.page_size
+        n = min(len(tokens) - hit_tokens, budget)
+        need = self.pages_needed_alone(hit_tokens + n) - len(hit)
+        evictable_hit = sum(1 for p in hit if self.kv.ref_count[p] == 0)
+        if need + evictable_hit + self.watermark_pages > self.kv.num_free and self.running:
+            return False
+        if need + evictable_hit > self.kv.num_free:
+            return False
+        self.waiting.remove(req)
+        self.kv.acquire(hit)
+        req.pages = list(hit) + self.kv.allocate(need)
+        req.page_keys = self.kv.page_keys(tokens[:hit_tokens], req.salt)
+        req.num_cached_pages = len(hit)
+        req.num_computed = hit_tokens
+        if req.cached_tokens is None:
+            req.cached_tokens = min(hit_tokens, len(req.prompt_ids))
+            self.kv.record_lookup(len(req.prompt_ids), req.cached_tokens)
+        req.slot = self._free_slots.pop()
+        req.token_on_device = False
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return True
+
+    def _reserve_pages(self, req: SchedRequest, num_tokens: int, plan: StepPlan) -> bool:
+        """Makes req own pages for its first num_tokens tokens, preempting others if needed.
+
+        Returns False if req itself was preempted or preemption needs a sync first.
+        """
+        need = self.pages_needed_alone(num_tokens) - len(req.pages)
+        while need > self.kv.num_free:
+            if self.num_inflight:
+                plan.needs_sync = True
+                return False
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival))
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.kv.allocate(need)
+        return True
+
+    def _preempt(self, req: SchedRequest, plan: StepPlan) -> None:
+        assert req.num_inflight == 0
+        self.running.remove(req)
+        self._free_slots.append(req.slot)
+        req.slot = None
+        self.kv.release(req.pages)
+        req.pages, req.page_keys, req.num_cached_pages = [], [], 0
+        req.num_computed = 0
+        req.token_on_device = False
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        plan.decode = [r for r in plan.decode if r is not req]
+        plan.prefill = [c for c in plan.prefill if c.request is not req]
+        plan.preempted.append(req)
+
+    def _cache_full_pages(self, req: SchedRequest) -> None:
+        """Registers the request's full, computed, host-known pages in the prefix cache."""
+        ps = self.kv.page_size
+        known = len(req.prompt_ids) + len(req.output_ids)
+        full = min(req.num_computed, known) // ps
+        if full <= req.num_cached_pages:
+            return
+        tokens = req.token_ids()
+        parent = req.page_keys[-1] if req.page_keys else None
+        new_keys = self.kv.page_keys(tokens[:full * ps], req.salt, parent=parent,
+                                     start_page=len(req.page_keys))
+        req.page_keys += new_keys
+        self.kv.cache_pages(req.pages[req.num_cached_pages:full], req.page_keys[req.num_cached_pages:full])
+        req.num_cached_pages = full
+
+    def check_invariants(self) -> None:
+        """Asserts page, slot and budget invariants (tests call this after every step)."""
+        self.kv.check_invariants([r.pages for r in self.running])
+        slots = [r.slot for r in self.running]
+        assert len(set(slots)) == len(slots) and None not in slots, f"slots {slots}"
+        assert sorted(slots + self._free_slots) == list(range(self.num_slots))
+        for r in self.waiting:
+            assert not r.pages and r.slot is None and r.num_inflight == 0
+        for r in self.running:
+            assert len(r.pages) * self.kv.page_size >= r.num_computed
