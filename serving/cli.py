@@ -30,6 +30,7 @@ _SETTINGS = [
     ("min_decode_batch", int, "smallest decode batch bucket"),
     ("max_waiting", int, "waiting requests before new ones get 503"),
     ("attention_impl", str, "auto | xla"),
+    ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
 ]
 
 

@@ -153,6 +153,17 @@ async def test_sampling_params_mapping(client, engine):
     assert (sp.top_k, sp.temperature, sp.top_p) == (40, 1.0, 1.0)
 
 
+async def test_priority_and_cache_salt_reach_the_engine(client, engine):
+    r = await client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "x", "priority": "batch", "cache_salt": "tenant-a"})
+    assert r.status_code == 200, r.text
+    assert (engine.submitted[0].priority, engine.submitted[0].cache_salt) == ("batch", "tenant-a")
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert (engine.submitted[1].priority, engine.submitted[1].cache_salt) == ("interactive", None)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "priority": "urgent"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
 async def test_completion_streaming(client):
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
     assert r.status_code == 200

@@ -386,6 +386,8 @@ class OpenAIServing:
         prompt_ids: list[int],
         sampling: SamplingParams,
         stop: list[str],
+        priority: str = "interactive",
+        cache_salt: str | None = None,
     ) -> _Generation:
         rid, given = request_id_of(request)
         engine_id = f"{prefix}-{uuid.uuid4().hex if given else rid}"
@@ -394,7 +396,8 @@ class OpenAIServing:
             engine_id, rid, served.name, len(prompt_ids), sampling.max_tokens,
         )
         er = EngineRequest(
-            request_id=engine_id, prompt_ids=prompt_ids, sampling=sampling, arrival_time=time.time()
+            request_id=engine_id, prompt_ids=prompt_ids, sampling=sampling, arrival_time=time.time(),
+            priority=priority, cache_salt=cache_salt,
         )
         return _Generation(served, er, stop)
 
@@ -461,7 +464,8 @@ class OpenAIServing:
         """
         self._check_context(served, len(prompt_ids), max_tokens, param)
         gen = self._generation(request, served, id_prefix, prompt_ids,
-                               self._sampling(req, max_tokens, served.tokenizer), req.stop_strings)
+                               self._sampling(req, max_tokens, served.tokenizer), req.stop_strings,
+                               priority=req.priority, cache_salt=req.cache_salt)
         await _until_disconnect(request, gen.start())
         return gen
 

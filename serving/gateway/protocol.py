@@ -54,6 +54,11 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # vLLM extension
+    # xlaserve extension: "batch" work is admitted only when no interactive
+    # request waits, and is preempted first.
+    priority: Literal["interactive", "batch"] = "interactive"
+    # vLLM extension: requests share prefix-cache pages only with the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,77 @@
+"""SIGTERM drains: the listener closes, open streams finish, then the process exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tiny_server(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", "--model", "tiny-random",
+         "--port", str(port), "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
+         "--drain-timeout", "60"],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            log.seek(0)
+            pytest.fail(f"server did not become healthy:\n{log.read()[-4000:]}")
+        time.sleep(0.5)
+    yield proc, url, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_lets_open_streams_finish(tiny_server):
+    proc, url, log = tiny_server
+    body = {"model": "tiny-random", "prompt": "drain me", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:])
+                break
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no new connections while draining
+            httpx.get(f"{url}/health", timeout=2)
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 480
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    # uvicorn re-raises the captured SIGTERM once it has shut down cleanly.
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    log.seek(0)
+    assert "Traceback" not in log.read()
