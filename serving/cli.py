@@ -29,6 +29,8 @@ _SETTINGS = [
     ("max_prefill_seqs", int, "sequences packed into one prefill step"),
     ("min_decode_batch", int, "smallest decode batch bucket"),
     ("max_waiting", int, "waiting requests before new ones get 503"),
+    ("max_waiting_tokens", int, "waiting prompt tokens before new ones get 503"),
+    ("token_budget", int, "most tokens computed per step (decode rows + prompt chunks)"),
     ("attention_impl", str, "auto | xla"),
     ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
 ]
@@ -62,7 +64,8 @@ def build_engine(cfg, warmup: bool = True):
         max_prefill_seqs=cfg.max_prefill_seqs,
         min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
         kv_dtype=cfg.kv_dtype or cfg.dtype))
-    loop = EngineLoop(engine, max_waiting=cfg.max_waiting)
+    loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
+                      token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
     loop.start(warmup=warmup)
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
@@ -75,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.gateway.app import ServedModel, create_app
     from serving.server_config import load_server_config
 
-    cfg = load_server_config(args.config, **_overrides(args, ("host", "port")))
+    cfg = load_server_config(args.config, **_overrides(args, ("host", "port", "enable_prefix_caching")))
     loop, tokenizer, name = build_engine(cfg)
     app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
                                          max_model_len=loop.max_model_len)})
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_settings(serve)
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=None, help="turn the automatic prefix cache off")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")

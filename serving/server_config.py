@@ -32,6 +32,9 @@ class ServerConfig:
     max_prefill_seqs: int = 1
     min_decode_batch: int | None = None
     max_waiting: int = 256
+    max_waiting_tokens: int | None = None
+    token_budget: int | None = None
+    enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
 

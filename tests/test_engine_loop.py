@@ -162,6 +162,31 @@ def test_bounded_waiting_queue_overloads():
     asyncio.run(main())
 
 
+def test_waiting_queue_is_bounded_by_prompt_tokens_too():
+    lp = make_loop()
+    lp.max_waiting_tokens = 12  # not started: nothing leaves the queue
+
+    async def main():
+        lp.submit(request(prompt(8)))
+        with pytest.raises(EngineOverloadedError, match="8 prompt tokens"):
+            lp.submit(request(prompt(8)))
+        lp.submit(request(prompt(4)))
+
+    asyncio.run(main())
+
+
+def test_draining_refuses_new_requests(loop):
+    lp = make_loop()
+    lp.drain()
+    assert not lp.is_ready()
+
+    async def main():
+        with pytest.raises(EngineOverloadedError, match="shutting down"):
+            lp.submit(request(prompt(3)))
+
+    asyncio.run(main())
+
+
 def test_seeded_sampling_is_reproducible(loop):
     s = dict(max_tokens=8, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
     a = generate(loop, [request(prompt(5), **s)])[0]

@@ -1,0 +1,39 @@
+"""Shared pieces of the engine benchmarks: build an engine, time one request's events."""
+
+from __future__ import annotations
+
+import time
+
+from serving.engine_client import EngineRequest, SamplingParams
+
+
+def build_engine(model: str, dtype: str = "float32", **engine_overrides):
+    """(Engine, tokenizer) with the server's defaults, overridden by engine_overrides."""
+    from serving.engine import Engine, EngineConfig
+    from serving.model_registry import load_model
+    from serving.server_config import enable_compilation_cache
+
+    enable_compilation_cache()
+    m, tok = load_model(model, dtype=dtype, progress=False)
+    cfg = dict(max_slots=32, num_pages=2048, max_model_len=min(8192, m.cfg.max_position),
+               min_decode_batch=1 if dtype == "float32" else 8)
+    cfg.update(engine_overrides)
+    return Engine(m, EngineConfig(**cfg)), tok
+
+
+async def timed_request(loop, rid: str, prompt: list[int], max_tokens: int, **kw):
+    """Runs one greedy request; returns (TTFT s, [token arrival times], last event)."""
+    t0 = time.perf_counter()
+    times, last = [], None
+    req = EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                    ignore_eos=True), **kw)
+    async for ev in loop.submit(req):
+        now = time.perf_counter()
+        times += [now] * len(ev.token_ids)
+        last = ev
+    return times[0] - t0, times, last
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
