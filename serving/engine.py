@@ -99,9 +99,15 @@ def token_bucket(n: int, cfg: EngineConfig) -> int:
     return _pow2_at_least(n, 16, cfg.prefill_chunk)
 
 
+MIN_PAGE_BUCKET_TOKENS = 512
+"""The narrowest page-table bucket, in tokens: attention over 512 tokens costs
+little next to reading the weights, and fewer buckets mean fewer programs."""
+
+
 def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
-    """Page-table width bucket covering num_pages (powers of two, >= 16 pages)."""
-    return _pow2_at_least(num_pages, min(16, cfg.max_pages_per_seq), cfg.max_pages_per_seq)
+    """Page-table width bucket covering num_pages (powers of two, >= 512 tokens' worth)."""
+    lo = max(1, min(MIN_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
+    return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
 
 
 def batch_bucket(n: int, cfg: EngineConfig) -> int:
