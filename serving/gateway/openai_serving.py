@@ -478,28 +478,36 @@ class OpenAIServing:
         self._log_done(gen)
         return text
 
-    async def _completion_stream(
+    def _completion_stream(
         self, gen: _Generation, req: CompletionRequest, created: int
     ) -> AsyncIterator[str]:
-        usage = req.include_usage
-
-        def chunk(text: str, finish: str | None = None) -> str:
+        def chunk(text: str, finish: str | None = None, usage: Usage | None = None, choices=True):
             c = CompletionResponse(
-                id=gen.id, created=created, model=req.model,
-                choices=[CompletionChoice(text=text, finish_reason=finish)],
+                id=gen.id, created=created, model=req.model, usage=usage,
+                choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [],
             )
-            return _dump_chunk(c, usage)
+            return _dump_chunk(c, req.include_usage)
 
+        return self._sse_body(
+            gen, req.include_usage, opening=None, delta=chunk,
+            closing=lambda: chunk("", gen.finish_reason),
+            usage=lambda: chunk("", usage=gen.usage(), choices=False))
+
+    async def _sse_body(self, gen: _Generation, include_usage: bool, opening, delta, closing, usage
+                        ) -> AsyncIterator[str]:
+        """The SSE body shared by completions and chat: an optional opening chunk,
+        one chunk per text delta, the finish chunk, the usage chunk if asked for,
+        then ``[DONE]``. Errors after the first byte become an SSE error event;
+        the engine request always ends (``gen.abort``)."""
         try:
+            if opening is not None:
+                yield opening()
             async with contextlib.aclosing(gen.deltas()) as deltas:
-                async for delta in deltas:
-                    yield chunk(delta)
-            yield chunk("", gen.finish_reason)
-            if usage:
-                c = CompletionResponse(
-                    id=gen.id, created=created, model=req.model, choices=[], usage=gen.usage()
-                )
-                yield _dump_chunk(c, True)
+                async for text in deltas:
+                    yield delta(text)
+            yield closing()
+            if include_usage:
+                yield usage()
             self._log_done(gen)
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
@@ -547,39 +555,23 @@ class OpenAIServing:
         )
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def _chat_stream(
+    def _chat_stream(
         self, gen: _Generation, req: ChatCompletionRequest, created: int
     ) -> AsyncIterator[str]:
-        usage = req.include_usage
-
-        def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
+        def chunk(delta: DeltaMessage, finish: str | None = None, usage: Usage | None = None,
+                  choices=True):
             c = ChatCompletionChunk(
-                id=gen.id, created=created, model=req.model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+                id=gen.id, created=created, model=req.model, usage=usage,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
             )
-            return _dump_chunk(c, usage)
+            return _dump_chunk(c, req.include_usage)
 
-        try:
-            yield chunk(DeltaMessage(role="assistant", content=""))
-            async with contextlib.aclosing(gen.deltas()) as deltas:
-                async for delta in deltas:
-                    yield chunk(DeltaMessage(content=delta))
-            yield chunk(DeltaMessage(), gen.finish_reason)
-            if usage:
-                c = ChatCompletionChunk(
-                    id=gen.id, created=created, model=req.model, choices=[], usage=gen.usage()
-                )
-                yield _dump_chunk(c, True)
-            self._log_done(gen)
-        except OpenAIError as e:
-            logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
-            yield _sse(e.to_body())
-        except Exception:
-            logger.exception("request %s failed mid-stream", gen.id)
-            yield _sse(_internal_error().to_body())
-        finally:
-            await gen.abort()
-        yield _SSE_DONE
+        return self._sse_body(
+            gen, req.include_usage,
+            opening=lambda: chunk(DeltaMessage(role="assistant", content="")),
+            delta=lambda text: chunk(DeltaMessage(content=text)),
+            closing=lambda: chunk(DeltaMessage(), gen.finish_reason),
+            usage=lambda: chunk(DeltaMessage(), usage=gen.usage(), choices=False))
 
 
 def _internal_error() -> OpenAIError:
