@@ -1,9 +1,13 @@
 """The one dispatch point for paged attention.
 
-``attention_impl``: "xla" (the pure-XLA reference, the CPU default), or
-"auto" (today: xla everywhere; the Pallas kernels slot in here behind the same
-signatures). The model calls only :func:`paged_attention` and
-:func:`write_kv_pages`.
+``attention_impl``:
+  * "xla": the pure-XLA reference (``paged_attention_xla``), the CPU path.
+  * "pallas": the Pallas kernels; on CPU they run in interpret mode (tests).
+    Today that is the decode kernel (``paged_decode_pallas``, lowered with
+    Triton on GPUs); prefill still runs the XLA reference.
+  * "auto": "xla" everywhere for now: the Pallas decode kernel becomes the GPU
+    default once it has been run and timed on a GPU (benchmarks/RESULTS.md).
+The model calls only :func:`paged_attention` and :func:`write_kv_pages`.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from kernels_pallas.paged_attention_xla import (
     paged_prefill_attention_xla,
     write_kv_pages,
 )
+from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
 
-ATTENTION_IMPLS = ("auto", "xla")
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 __all__ = ["ATTENTION_IMPLS", "paged_attention", "write_kv_pages"]
 
@@ -52,6 +57,12 @@ def paged_attention(
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if md.mode == "decode" and impl == "pallas":
+        return paged_decode_attention_pallas(
+            q, k_pages, v_pages, md.kv_lens, md.page_table,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+            interpret=jax.default_backend() == "cpu",
+        )
     if md.mode == "decode":
         return paged_decode_attention_xla(
             q, k_pages, v_pages, md.kv_lens, md.page_table,

@@ -31,7 +31,7 @@ _SETTINGS = [
     ("max_waiting", int, "waiting requests before new ones get 503"),
     ("max_waiting_tokens", int, "waiting prompt tokens before new ones get 503"),
     ("token_budget", int, "most tokens computed per step (decode rows + prompt chunks)"),
-    ("attention_impl", str, "auto | xla"),
+    ("attention_impl", str, "auto | xla | pallas"),
     ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
 ]
 

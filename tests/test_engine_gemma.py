@@ -81,3 +81,22 @@ def test_bfloat16_reproduces_golden_where_bf16_simulation_did(gemma_params, gold
         loop.stop()
     for p, ids in zip(prompts, outs):
         agree_until_near_tie(ids, p)
+
+
+def test_golden_greedy_with_pallas_decode_kernel(gemma_params, golden):
+    """attention_impl="pallas": decode runs the Pallas kernel (interpret mode on CPU). Short prompts
+    and the 712-token one, whose 24 decode steps span several page blocks of the kernel."""
+    import dataclasses
+
+    cfg, params = gemma_params
+    loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=jnp.float32, attention_impl="pallas"),
+                             dataclasses.replace(CFG, max_slots=4)))
+    loop.start(warmup=False)
+    try:
+        prompts = [p for p in golden["prompts"] if p["name"] in ("english", "code", "long_repeated_sliding_window")]
+        assert len(prompts) == 3
+        outs = generate(loop, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
+    finally:
+        loop.stop()
+    for p, ids in zip(prompts, outs):
+        agree_until_near_tie(ids, p)

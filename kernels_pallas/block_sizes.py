@@ -1,0 +1,39 @@
+"""Block sizes of the Pallas kernels, per backend and head_dim (one table, no scattered constants).
+
+Pages per compute block trade gather width against loop trip count: a block
+of ``pages_per_block * page_size`` keys is scored per inner iteration. The
+values are starting points sized so a block holds about 128 keys (GPU: a
+Triton dot tile; TPU: the lane width); they are to be tuned by
+``benchmarks/kernels.py`` on real hardware and recorded in RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    pages_per_block: int
+
+
+_KEYS_PER_BLOCK = {
+    # (backend, head_dim) -> keys scored per inner iteration; None matches any head_dim.
+    ("gpu", 256): 64,
+    ("gpu", None): 128,
+    ("tpu", None): 128,
+    ("cpu", None): 128,
+}
+
+
+def decode_block_sizes(backend: str, head_dim: int, page_size: int) -> DecodeBlockSizes:
+    """Block sizes for the paged decode kernel.
+
+    Args:
+      backend: "cpu", "gpu" (or "cuda"/"rocm") or "tpu".
+      head_dim: per-head width.
+      page_size: tokens per page.
+    """
+    backend = "gpu" if backend in ("cuda", "rocm") else backend
+    keys = _KEYS_PER_BLOCK.get((backend, head_dim)) or _KEYS_PER_BLOCK.get((backend, None), 128)
+    return DecodeBlockSizes(pages_per_block=max(1, keys // page_size))

@@ -1,0 +1,139 @@
+"""The Pallas paged-decode kernel, in interpret mode, against the float64 reference and the XLA path.
+
+Same poisoned caches as tests/test_paged_attention_xla.py (NaN in page 0, in
+unowned pages and past each length; shuffled, non-contiguous page tables),
+plus a poisoned output buffer is not possible for pallas_call, so padding
+slots are checked to be exactly 0 instead. Also: the kernel lowers for CUDA
+(Triton) through ``jax.export``, so a GPU lowering that breaks fails CI.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels_pallas.paged_attention_xla import paged_decode_attention_xla
+from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
+from tests.test_paged_attention_xla import (
+    LENGTHS, NUM_LAYERS, PS, SCALE, SETTINGS, SLOTS, WINDOWS, L, PagedCache, _round, check_close,
+    ref_attention,
+)
+
+PAGES_PER_BLOCK = 2  # 2 pages of 4 tokens per inner iteration: blocks straddle lengths and windows
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_fn(soft_cap=None):
+    def f(q, kp, vp, lengths, table, w, layer):
+        return paged_decode_attention_pallas(
+            q, kp, vp, lengths, table, scale=SCALE, sliding_window=w, soft_cap=soft_cap, layer=layer,
+            pages_per_block=PAGES_PER_BLOCK, interpret=True)
+    return jax.jit(f)
+
+
+def run(rng, lengths, num_heads, kv_heads, dtype, *, window, soft_cap=None, layer=None):
+    lengths = np.asarray(lengths, np.int32)
+    cache = PagedCache(rng, np.maximum(lengths, 1), kv_heads, dtype)
+    table = cache.page_table.copy()
+    table[lengths == 0] = 0
+    q = _round(2.0 * rng.standard_normal((len(lengths), num_heads, jnp.shape(cache.k_pages)[-1])), dtype)
+    kp, vp = cache.k_pages, cache.v_pages
+    lay = 0
+    if layer is not None:
+        kp, vp = cache.stacked(rng, layer)
+        lay = layer
+    else:
+        kp, vp = kp[None], vp[None]
+    w = jnp.int32(0 if window is None else window)
+    out = pallas_fn(soft_cap)(jnp.asarray(q, dtype), kp, vp, jnp.asarray(lengths), jnp.asarray(table), w,
+                              jnp.int32(lay))
+    assert out.shape == q.shape and out.dtype == dtype
+    real = np.flatnonzero(lengths > 0)
+    if len(real):
+        ref = np.stack([
+            ref_attention(q[s:s + 1], cache.k[s][: lengths[s]], cache.v[s][: lengths[s]], [lengths[s] - 1],
+                          window=window, soft_cap=soft_cap)[0]
+            for s in real])
+        check_close(out, ref, dtype, rows=real)
+        xla = paged_decode_attention_xla(jnp.asarray(q, dtype), kp, vp, jnp.asarray(lengths),
+                                         jnp.asarray(table), scale=SCALE, sliding_window=w,
+                                         soft_cap=soft_cap, layer=jnp.int32(lay))
+        check_close(out, np.asarray(jnp.asarray(xla, jnp.float32), np.float64)[real], dtype, rows=real)
+    assert np.all(np.asarray(out)[lengths == 0] == 0)
+
+
+CONFIGS = [pytest.param(4, 1, None, id="mqa"), pytest.param(8, 2, None, id="gqa"),
+           pytest.param(8, 2, 5.0, id="gqa-softcap")]
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,soft_cap", CONFIGS)
+def test_edge_lengths(num_heads, kv_heads, soft_cap):
+    """Length 1, exactly one page, a page plus one, and the full page table, in one batch."""
+    run(np.random.default_rng(0), [1, PS, PS + 1, L], num_heads, kv_heads, jnp.float32,
+        window=None, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("num_heads,kv_heads", [(4, 1), (8, 2)])
+@settings(SETTINGS, max_examples=15)
+@given(seed=st.integers(0, 2**32 - 1),
+       lengths=st.lists(st.one_of(st.just(0), LENGTHS), min_size=SLOTS, max_size=SLOTS),
+       window=st.one_of(st.none(), WINDOWS))
+def test_matches_reference(num_heads, kv_heads, seed, lengths, window):
+    run(np.random.default_rng(seed), lengths, num_heads, kv_heads, jnp.float32, window=window)
+
+
+@settings(SETTINGS, max_examples=10)
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(LENGTHS, min_size=SLOTS, max_size=SLOTS),
+       window=st.one_of(st.none(), WINDOWS), layer=st.integers(0, NUM_LAYERS - 1))
+def test_stacked_cache_layer(seed, lengths, window, layer):
+    """layer= selects one layer of the stacked cache; the others are NaN or noise."""
+    run(np.random.default_rng(seed), lengths, 8, 2, jnp.float32, window=window, layer=layer)
+
+
+@settings(SETTINGS, max_examples=10)
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(LENGTHS, min_size=SLOTS, max_size=SLOTS),
+       window=st.one_of(st.none(), WINDOWS))
+def test_bfloat16(seed, lengths, window):
+    run(np.random.default_rng(seed), lengths, 8, 2, jnp.bfloat16, window=window)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,kv_heads,page_size", [
+    pytest.param(256, 4, 1, 16, id="gemma3-270m"), pytest.param(128, 32, 8, 16, id="llama3-8b")])
+def test_lowers_for_cuda(head_dim, num_heads, kv_heads, page_size):
+    """jax.export for platforms=["cuda"] lowers the kernel to Triton (no GPU needed)."""
+    layers, pages, slots, cols = 2, 64, 8, 32
+
+    def f(q, kp, vp, lengths, table, w, layer):
+        return paged_decode_attention_pallas(q, kp, vp, lengths, table, scale=head_dim**-0.5,
+                                             sliding_window=w, layer=layer)
+
+    spec = jax.ShapeDtypeStruct
+    args = (spec((slots, num_heads, head_dim), jnp.bfloat16),
+            spec((layers, kv_heads, pages, page_size, head_dim), jnp.bfloat16),
+            spec((layers, kv_heads, pages, page_size, head_dim), jnp.bfloat16),
+            spec((slots,), jnp.int32), spec((slots, cols), jnp.int32), spec((), jnp.int32),
+            spec((), jnp.int32))
+    exported = jax.export.export(
+        jax.jit(f), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exported.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text and "xlaserve_paged_decode" in text
+
+
+def test_kernel_benchmark_runs_and_checks_the_kernel(capsys):
+    """benchmarks/kernels.py runs end to end (interpret mode here) and reports no failure."""
+    from benchmarks.kernels import main
+
+    main(["--batch", "2", "--context", "64", "--page-size", "16", "--heads", "gemma3-270m",
+          "--iters", "1", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "FAILED" not in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("gemma3-270m")]
+    assert [r[4] for r in rows] == ["pallas", "xla"]
+    assert float(rows[0][-1]) < 1e-5  # the kernel's max error against the reference
