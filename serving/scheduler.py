@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Sequence
 
 from serving.kv_cache_manager import KVCacheManager
 
