@@ -2,11 +2,11 @@
 
 ``attention_impl``:
   * "xla": the pure-XLA reference (``paged_attention_xla``), the CPU path.
-  * "pallas": the Pallas kernels; on CPU they run in interpret mode (tests).
-    Today that is the decode kernel (``paged_decode_pallas``, lowered with
-    Triton on GPUs); prefill still runs the XLA reference.
-  * "auto": "xla" everywhere for now: the Pallas decode kernel becomes the GPU
-    default once it has been run and timed on a GPU (benchmarks/RESULTS.md).
+  * "pallas": the Pallas kernels (``paged_decode_pallas``, ``paged_prefill_pallas``),
+    lowered with Triton on GPUs; on CPU they run in interpret mode (tests).
+  * "auto": "xla" everywhere for now: the Pallas kernels become the GPU
+    default once they have been run and timed on a GPU (benchmarks/RESULTS.md).
+    TPU kernels (Mosaic) are still to come.
 The model calls only :func:`paged_attention` and :func:`write_kv_pages`.
 """
 
@@ -20,6 +20,7 @@ from kernels_pallas.paged_attention_xla import (
     write_kv_pages,
 )
 from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
+from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
@@ -67,6 +68,12 @@ def paged_attention(
         return paged_decode_attention_xla(
             q, k_pages, v_pages, md.kv_lens, md.page_table,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+        )
+    if md.mode == "prefill" and impl == "pallas":
+        return paged_prefill_attention_pallas(
+            q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+            interpret=jax.default_backend() == "cpu",
         )
     if md.mode == "prefill":
         return paged_prefill_attention_xla(

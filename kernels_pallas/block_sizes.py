@@ -37,3 +37,26 @@ def decode_block_sizes(backend: str, head_dim: int, page_size: int) -> DecodeBlo
     backend = "gpu" if backend in ("cuda", "rocm") else backend
     keys = _KEYS_PER_BLOCK.get((backend, head_dim)) or _KEYS_PER_BLOCK.get((backend, None), 128)
     return DecodeBlockSizes(pages_per_block=max(1, keys // page_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBlockSizes:
+    block_q: int
+    pages_per_block: int
+
+
+_QUERY_BLOCK = {
+    # (backend, head_dim) -> query tokens per program; None matches any head_dim.
+    ("gpu", 256): 16,
+    ("gpu", None): 32,
+    ("tpu", None): 32,
+    ("cpu", None): 32,
+}
+
+
+def prefill_block_sizes(backend: str, head_dim: int, page_size: int) -> PrefillBlockSizes:
+    """Block sizes for the chunked-prefill kernel (same arguments as :func:`decode_block_sizes`)."""
+    backend = "gpu" if backend in ("cuda", "rocm") else backend
+    bq = _QUERY_BLOCK.get((backend, head_dim)) or _QUERY_BLOCK.get((backend, None), 32)
+    return PrefillBlockSizes(block_q=bq,
+                             pages_per_block=decode_block_sizes(backend, head_dim, page_size).pages_per_block)

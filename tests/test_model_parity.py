@@ -77,6 +77,21 @@ def test_golden_logits(model_f32, golden):
                 check_position(ours, q, f"{p['name']}@{q['pos']}")
 
 
+def test_golden_logits_with_pallas_kernels(gemma_params, golden):
+    """attention_impl="pallas" (interpret mode on CPU): short prompts and the 712-token one,
+    whose attention spans many page blocks and the sliding window; the long one in 256-token chunks."""
+    cfg, params = gemma_params
+    model = Gemma3(cfg, params=params, dtype=jnp.float32, attention_impl="pallas")
+    with jax.default_matmul_precision("highest"):
+        for p in golden["prompts"]:
+            if p["name"] not in ("english", "emoji", "long_repeated_sliding_window"):
+                continue
+            rows = [q["pos"] for q in p["positions"]]
+            logits = prefill_logits(model, p["ids"], rows, chunk=256)
+            for q, ours in zip(p["positions"], logits):
+                check_position(ours, q, f"pallas {p['name']}@{q['pos']}")
+
+
 def test_chunked_prefill_matches_one_shot(model_f32, golden):
     """The long prompt in 64-token chunks: each chunk attends to the pages of the ones before."""
     p = next(p for p in golden["prompts"] if p["num_tokens"] > 512)

@@ -283,7 +283,9 @@ def prefill_batches(draw):
 
 
 def run_prefill(rng, num_seqs, q_lens, kv_lens, num_heads, kv_heads, dtype, *, window, soft_cap,
-                static_window=_TRACED):
+                static_window=_TRACED, fn=None):
+    """Runs prefill on a fresh poisoned cache and checks it; ``fn`` replaces the XLA entry point
+    (same arguments as prefill_fn's), e.g. with the Pallas kernel."""
     cache = PagedCache(rng, kv_lens, kv_heads, dtype)
     table = np.zeros((S, P), np.int32)
     table[:num_seqs] = cache.page_table
@@ -293,7 +295,7 @@ def run_prefill(rng, num_seqs, q_lens, kv_lens, num_heads, kv_heads, dtype, *, w
     cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     q = _round(2.0 * rng.standard_normal((T, num_heads, D)), dtype)  # padding tokens too: finite junk
     w = 0 if window is None else window
-    fn = prefill_fn(static_window, soft_cap)
+    fn = fn or prefill_fn(static_window, soft_cap)
     out = fn(jnp.asarray(q, dtype), cache.k_pages, cache.v_pages, _i32(cu), _i32(kv), _i32(table),
              _i32(num_seqs), _i32(w), None)
     assert out.shape == q.shape and out.dtype == dtype

@@ -1,4 +1,5 @@
-"""The Pallas paged-decode kernel, in interpret mode, against the float64 reference and the XLA path.
+"""The Pallas paged-attention kernels (decode, chunked prefill), in interpret mode, against the
+float64 reference and the XLA path.
 
 Same poisoned caches as tests/test_paged_attention_xla.py (NaN in page 0, in
 unowned pages and past each length; shuffled, non-contiguous page tables),
@@ -20,9 +21,10 @@ from hypothesis import strategies as st
 
 from kernels_pallas.paged_attention_xla import paged_decode_attention_xla
 from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
+from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
 from tests.test_paged_attention_xla import (
     LENGTHS, NUM_LAYERS, PS, SCALE, SETTINGS, SLOTS, WINDOWS, L, PagedCache, _round, check_close,
-    ref_attention,
+    prefill_batches, ref_attention, run_prefill,
 )
 
 PAGES_PER_BLOCK = 2  # 2 pages of 4 tokens per inner iteration: blocks straddle lengths and windows
@@ -137,3 +139,80 @@ def test_kernel_benchmark_runs_and_checks_the_kernel(capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith("gemma3-270m")]
     assert [r[4] for r in rows] == ["pallas", "xla"]
     assert float(rows[0][-1]) < 1e-5  # the kernel's max error against the reference
+
+
+# --------------------------------------------------------------------------
+# chunked prefill
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_prefill_fn(soft_cap=None, block_q=4):
+    def f(q, kp, vp, cu, kv_lens, table, num_seqs, w, layer):
+        return paged_prefill_attention_pallas(
+            q, kp, vp, cu, kv_lens, table, num_seqs, scale=SCALE, sliding_window=w, soft_cap=soft_cap,
+            layer=layer, block_q=block_q, pages_per_block=PAGES_PER_BLOCK, interpret=True)
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,soft_cap", [
+    pytest.param(4, 1, None, id="mqa"), pytest.param(8, 2, 5.0, id="gqa-softcap")])
+def test_prefill_fixed_cases(num_heads, kv_heads, soft_cap):
+    """A chunk at position 0, one mid-sequence, a single token ending a page, then padding;
+    with and without a window; and one chunk covering the second half of a full table."""
+    rng = np.random.default_rng(1)
+    fn = pallas_prefill_fn(soft_cap)
+    for window in (None, 3):
+        run_prefill(rng, 3, [5, 6, 1], [5, 14, 4], num_heads, kv_heads, jnp.float32, window=window,
+                    soft_cap=soft_cap, fn=fn)
+    run_prefill(rng, 1, [L // 2], [L], num_heads, kv_heads, jnp.float32, window=None, soft_cap=soft_cap,
+                fn=fn)
+
+
+@settings(SETTINGS, max_examples=15)
+@given(seed=st.integers(0, 2**32 - 1), batch=prefill_batches(), window=st.one_of(st.none(), WINDOWS),
+       block_q=st.sampled_from([4, 16]))
+def test_prefill_matches_reference(seed, batch, window, block_q):
+    num_seqs, q_lens, kv_lens = batch
+    run_prefill(np.random.default_rng(seed), num_seqs, q_lens, kv_lens, 8, 2, jnp.float32, window=window,
+                soft_cap=None, fn=pallas_prefill_fn(None, block_q))
+
+
+@settings(SETTINGS, max_examples=8)
+@given(seed=st.integers(0, 2**32 - 1), batch=prefill_batches(), window=st.one_of(st.none(), WINDOWS))
+def test_prefill_bfloat16(seed, batch, window):
+    num_seqs, q_lens, kv_lens = batch
+    run_prefill(np.random.default_rng(seed), num_seqs, q_lens, kv_lens, 8, 2, jnp.bfloat16, window=window,
+                soft_cap=None, fn=pallas_prefill_fn())
+
+
+def test_prefill_stacked_cache_layer():
+    """layer= reads one layer of a stacked cache whose other layers are NaN or noise."""
+    rng = np.random.default_rng(3)
+    layer = 2
+    out, cache, q, cu, kv, table = run_prefill(rng, 3, [5, 6, 1], [5, 14, 4], 8, 2, jnp.float32,
+                                               window=4, soft_cap=None, fn=pallas_prefill_fn())
+    kst, vst = cache.stacked(rng, layer)
+    stacked = paged_prefill_attention_pallas(
+        jnp.asarray(q), kst, vst, jnp.asarray(cu), jnp.asarray(kv), jnp.asarray(table), jnp.int32(3),
+        scale=SCALE, sliding_window=4, layer=jnp.int32(layer), block_q=4, pages_per_block=PAGES_PER_BLOCK,
+        interpret=True)
+    np.testing.assert_allclose(np.asarray(stacked), np.asarray(out), rtol=0, atol=1e-6)
+
+
+def test_prefill_lowers_for_cuda():
+    """jax.export for platforms=["cuda"] lowers the prefill kernel to Triton (Llama-3-8B heads)."""
+    tokens, seqs, layers, pages, page_size, cols = 256, 4, 2, 128, 16, 32
+
+    def f(q, kp, vp, cu, kv, table, num_seqs, w, layer):
+        return paged_prefill_attention_pallas(q, kp, vp, cu, kv, table, num_seqs, scale=128**-0.5,
+                                              sliding_window=w, layer=layer)
+
+    spec = jax.ShapeDtypeStruct
+    cache = spec((layers, 8, pages, page_size, 128), jnp.bfloat16)
+    args = (spec((tokens, 32, 128), jnp.bfloat16), cache, cache, spec((seqs + 1,), jnp.int32),
+            spec((seqs,), jnp.int32), spec((seqs, cols), jnp.int32), spec((), jnp.int32),
+            spec((), jnp.int32), spec((), jnp.int32))
+    exported = jax.export.export(
+        jax.jit(f), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert "xlaserve_paged_prefill" in exported.mlir_module()
