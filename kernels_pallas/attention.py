@@ -2,11 +2,13 @@
 
 ``attention_impl``:
   * "xla": the pure-XLA reference (``paged_attention_xla``), the CPU path.
-  * "pallas": the Pallas kernels (``paged_decode_pallas``, ``paged_prefill_pallas``),
-    lowered with Triton on GPUs; on CPU they run in interpret mode (tests).
-  * "auto": "xla" everywhere for now: the Pallas kernels become the GPU
-    default once they have been run and timed on a GPU (benchmarks/RESULTS.md).
-    TPU kernels (Mosaic) are still to come.
+  * "pallas": the Pallas kernels. On TPU the Mosaic kernels
+    (``paged_attention_tpu``: scalar-prefetched page tables, one page per grid
+    step); elsewhere the GPU-style kernels (``paged_decode_pallas``,
+    ``paged_prefill_pallas``), lowered with Triton on GPUs and run in interpret
+    mode on CPU (tests).
+  * "auto": "xla" everywhere for now: the Pallas kernels become the default on
+    GPU and TPU once they have been run and timed there (benchmarks/RESULTS.md).
 The model calls only :func:`paged_attention` and :func:`write_kv_pages`.
 """
 
@@ -19,6 +21,7 @@ from kernels_pallas.paged_attention_xla import (
     paged_prefill_attention_xla,
     write_kv_pages,
 )
+from kernels_pallas.paged_attention_tpu import paged_decode_attention_tpu, paged_prefill_attention_tpu
 from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
 from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
 
@@ -58,26 +61,17 @@ def paged_attention(
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if md.mode == "decode" and impl == "pallas":
-        return paged_decode_attention_pallas(
-            q, k_pages, v_pages, md.kv_lens, md.page_table,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-            interpret=jax.default_backend() == "cpu",
-        )
+    if md.mode not in ("decode", "prefill"):
+        raise ValueError(f"unknown attention mode {md.mode!r}")
+    backend = jax.default_backend()
+    kernel = "xla" if impl in ("auto", "xla") else ("tpu" if backend == "tpu" else "triton")
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    if kernel == "triton":
+        opts["interpret"] = backend == "cpu"
     if md.mode == "decode":
-        return paged_decode_attention_xla(
-            q, k_pages, v_pages, md.kv_lens, md.page_table,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-        )
-    if md.mode == "prefill" and impl == "pallas":
-        return paged_prefill_attention_pallas(
-            q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-            interpret=jax.default_backend() == "cpu",
-        )
-    if md.mode == "prefill":
-        return paged_prefill_attention_xla(
-            q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-        )
-    raise ValueError(f"unknown attention mode {md.mode!r}")
+        fn = {"xla": paged_decode_attention_xla, "tpu": paged_decode_attention_tpu,
+              "triton": paged_decode_attention_pallas}[kernel]
+        return fn(q, k_pages, v_pages, md.kv_lens, md.page_table, **opts)
+    fn = {"xla": paged_prefill_attention_xla, "tpu": paged_prefill_attention_tpu,
+          "triton": paged_prefill_attention_pallas}[kernel]
+    return fn(q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs, **opts)

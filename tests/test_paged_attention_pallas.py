@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels_pallas.paged_attention_xla import paged_decode_attention_xla
+from kernels_pallas.paged_attention_tpu import paged_decode_attention_tpu, paged_prefill_attention_tpu
 from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
 from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
 from tests.test_paged_attention_xla import (
@@ -30,16 +31,22 @@ from tests.test_paged_attention_xla import (
 PAGES_PER_BLOCK = 2  # 2 pages of 4 tokens per inner iteration: blocks straddle lengths and windows
 
 
+KERNELS = ["triton", "tpu"]  # the GPU-style kernel and the Mosaic (TPU) one, both interpreted here
+
+
 @functools.lru_cache(maxsize=None)
-def pallas_fn(soft_cap=None):
+def pallas_fn(soft_cap=None, kernel="triton"):
     def f(q, kp, vp, lengths, table, w, layer):
+        if kernel == "tpu":
+            return paged_decode_attention_tpu(q, kp, vp, lengths, table, scale=SCALE, sliding_window=w,
+                                              soft_cap=soft_cap, layer=layer, interpret=True)
         return paged_decode_attention_pallas(
             q, kp, vp, lengths, table, scale=SCALE, sliding_window=w, soft_cap=soft_cap, layer=layer,
             pages_per_block=PAGES_PER_BLOCK, interpret=True)
     return jax.jit(f)
 
 
-def run(rng, lengths, num_heads, kv_heads, dtype, *, window, soft_cap=None, layer=None):
+def run(rng, lengths, num_heads, kv_heads, dtype, *, window, soft_cap=None, layer=None, kernel="triton"):
     lengths = np.asarray(lengths, np.int32)
     cache = PagedCache(rng, np.maximum(lengths, 1), kv_heads, dtype)
     table = cache.page_table.copy()
@@ -53,7 +60,7 @@ def run(rng, lengths, num_heads, kv_heads, dtype, *, window, soft_cap=None, laye
     else:
         kp, vp = kp[None], vp[None]
     w = jnp.int32(0 if window is None else window)
-    out = pallas_fn(soft_cap)(jnp.asarray(q, dtype), kp, vp, jnp.asarray(lengths), jnp.asarray(table), w,
+    out = pallas_fn(soft_cap, kernel)(jnp.asarray(q, dtype), kp, vp, jnp.asarray(lengths), jnp.asarray(table), w,
                               jnp.int32(lay))
     assert out.shape == q.shape and out.dtype == dtype
     real = np.flatnonzero(lengths > 0)
@@ -74,35 +81,39 @@ CONFIGS = [pytest.param(4, 1, None, id="mqa"), pytest.param(8, 2, None, id="gqa"
            pytest.param(8, 2, 5.0, id="gqa-softcap")]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_heads,kv_heads,soft_cap", CONFIGS)
-def test_edge_lengths(num_heads, kv_heads, soft_cap):
+def test_edge_lengths(num_heads, kv_heads, soft_cap, kernel):
     """Length 1, exactly one page, a page plus one, and the full page table, in one batch."""
     run(np.random.default_rng(0), [1, PS, PS + 1, L], num_heads, kv_heads, jnp.float32,
-        window=None, soft_cap=soft_cap)
+        window=None, soft_cap=soft_cap, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_heads,kv_heads", [(4, 1), (8, 2)])
-@settings(SETTINGS, max_examples=15)
+@settings(SETTINGS, max_examples=12)
 @given(seed=st.integers(0, 2**32 - 1),
        lengths=st.lists(st.one_of(st.just(0), LENGTHS), min_size=SLOTS, max_size=SLOTS),
        window=st.one_of(st.none(), WINDOWS))
-def test_matches_reference(num_heads, kv_heads, seed, lengths, window):
-    run(np.random.default_rng(seed), lengths, num_heads, kv_heads, jnp.float32, window=window)
+def test_matches_reference(num_heads, kv_heads, kernel, seed, lengths, window):
+    run(np.random.default_rng(seed), lengths, num_heads, kv_heads, jnp.float32, window=window, kernel=kernel)
 
 
-@settings(SETTINGS, max_examples=10)
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(SETTINGS, max_examples=8)
 @given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(LENGTHS, min_size=SLOTS, max_size=SLOTS),
        window=st.one_of(st.none(), WINDOWS), layer=st.integers(0, NUM_LAYERS - 1))
-def test_stacked_cache_layer(seed, lengths, window, layer):
+def test_stacked_cache_layer(kernel, seed, lengths, window, layer):
     """layer= selects one layer of the stacked cache; the others are NaN or noise."""
-    run(np.random.default_rng(seed), lengths, 8, 2, jnp.float32, window=window, layer=layer)
+    run(np.random.default_rng(seed), lengths, 8, 2, jnp.float32, window=window, layer=layer, kernel=kernel)
 
 
-@settings(SETTINGS, max_examples=10)
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(SETTINGS, max_examples=8)
 @given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(LENGTHS, min_size=SLOTS, max_size=SLOTS),
        window=st.one_of(st.none(), WINDOWS))
-def test_bfloat16(seed, lengths, window):
-    run(np.random.default_rng(seed), lengths, 8, 2, jnp.bfloat16, window=window)
+def test_bfloat16(kernel, seed, lengths, window):
+    run(np.random.default_rng(seed), lengths, 8, 2, jnp.bfloat16, window=window, kernel=kernel)
 
 
 @pytest.mark.parametrize("head_dim,num_heads,kv_heads,page_size", [
@@ -146,21 +157,26 @@ def test_kernel_benchmark_runs_and_checks_the_kernel(capsys):
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_prefill_fn(soft_cap=None, block_q=4):
+def pallas_prefill_fn(soft_cap=None, block_q=4, kernel="triton"):
     def f(q, kp, vp, cu, kv_lens, table, num_seqs, w, layer):
+        if kernel == "tpu":
+            return paged_prefill_attention_tpu(
+                q, kp, vp, cu, kv_lens, table, num_seqs, scale=SCALE, sliding_window=w, soft_cap=soft_cap,
+                layer=layer, block_q=max(8, block_q), interpret=True)
         return paged_prefill_attention_pallas(
             q, kp, vp, cu, kv_lens, table, num_seqs, scale=SCALE, sliding_window=w, soft_cap=soft_cap,
             layer=layer, block_q=block_q, pages_per_block=PAGES_PER_BLOCK, interpret=True)
     return jax.jit(f)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_heads,kv_heads,soft_cap", [
     pytest.param(4, 1, None, id="mqa"), pytest.param(8, 2, 5.0, id="gqa-softcap")])
-def test_prefill_fixed_cases(num_heads, kv_heads, soft_cap):
+def test_prefill_fixed_cases(num_heads, kv_heads, soft_cap, kernel):
     """A chunk at position 0, one mid-sequence, a single token ending a page, then padding;
     with and without a window; and one chunk covering the second half of a full table."""
     rng = np.random.default_rng(1)
-    fn = pallas_prefill_fn(soft_cap)
+    fn = pallas_prefill_fn(soft_cap, kernel=kernel)
     for window in (None, 3):
         run_prefill(rng, 3, [5, 6, 1], [5, 14, 4], num_heads, kv_heads, jnp.float32, window=window,
                     soft_cap=soft_cap, fn=fn)
@@ -168,21 +184,23 @@ def test_prefill_fixed_cases(num_heads, kv_heads, soft_cap):
                 fn=fn)
 
 
-@settings(SETTINGS, max_examples=15)
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(SETTINGS, max_examples=12)
 @given(seed=st.integers(0, 2**32 - 1), batch=prefill_batches(), window=st.one_of(st.none(), WINDOWS),
        block_q=st.sampled_from([4, 16]))
-def test_prefill_matches_reference(seed, batch, window, block_q):
+def test_prefill_matches_reference(kernel, seed, batch, window, block_q):
     num_seqs, q_lens, kv_lens = batch
     run_prefill(np.random.default_rng(seed), num_seqs, q_lens, kv_lens, 8, 2, jnp.float32, window=window,
-                soft_cap=None, fn=pallas_prefill_fn(None, block_q))
+                soft_cap=None, fn=pallas_prefill_fn(None, block_q, kernel))
 
 
-@settings(SETTINGS, max_examples=8)
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(SETTINGS, max_examples=6)
 @given(seed=st.integers(0, 2**32 - 1), batch=prefill_batches(), window=st.one_of(st.none(), WINDOWS))
-def test_prefill_bfloat16(seed, batch, window):
+def test_prefill_bfloat16(kernel, seed, batch, window):
     num_seqs, q_lens, kv_lens = batch
     run_prefill(np.random.default_rng(seed), num_seqs, q_lens, kv_lens, 8, 2, jnp.bfloat16, window=window,
-                soft_cap=None, fn=pallas_prefill_fn())
+                soft_cap=None, fn=pallas_prefill_fn(kernel=kernel))
 
 
 def test_prefill_stacked_cache_layer():
@@ -216,3 +234,31 @@ def test_prefill_lowers_for_cuda():
         jax.jit(f), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     assert "xlaserve_paged_prefill" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("head_dim,num_heads,kv_heads", [
+    pytest.param(256, 4, 1, id="gemma3-270m"), pytest.param(128, 32, 8, id="llama3-8b")])
+def test_tpu_kernels_lower_for_tpu(head_dim, num_heads, kv_heads):
+    """jax.export for platforms=["tpu"] runs the Mosaic lowering of both TPU kernels (no TPU needed)."""
+    spec = jax.ShapeDtypeStruct
+    cache = spec((2, kv_heads, 64, 16, head_dim), jnp.bfloat16)
+    i32 = lambda *shape: spec(shape, jnp.int32)
+
+    def decode(q, kp, vp, lengths, table, w, layer):
+        return paged_decode_attention_tpu(q, kp, vp, lengths, table, scale=head_dim**-0.5,
+                                          sliding_window=w, layer=layer)
+
+    def prefill(q, kp, vp, cu, kv, table, num_seqs, w, layer):
+        return paged_prefill_attention_tpu(q, kp, vp, cu, kv, table, num_seqs, scale=head_dim**-0.5,
+                                           sliding_window=w, layer=layer)
+
+    for name, fn, args in [
+        ("xlaserve_paged_decode_tpu", decode,
+         (spec((8, num_heads, head_dim), jnp.bfloat16), cache, cache, i32(8), i32(8, 32), i32(), i32())),
+        ("xlaserve_paged_prefill_tpu", prefill,
+         (spec((128, num_heads, head_dim), jnp.bfloat16), cache, cache, i32(5), i32(4), i32(4, 32), i32(),
+          i32(), i32())),
+    ]:
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+        text = exported.mlir_module()
+        assert "tpu_custom_call" in text and name in text
