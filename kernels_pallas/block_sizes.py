@@ -1,10 +1,11 @@
 """Block sizes of the Pallas kernels, per backend and head_dim (one table, no scattered constants).
 
 Pages per compute block trade gather width against loop trip count: a block
-of ``pages_per_block * page_size`` keys is scored per inner iteration. The
-values are starting points sized so a block holds about 128 keys (GPU: a
-Triton dot tile; TPU: the lane width); they are to be tuned by
-``benchmarks/kernels.py`` on real hardware and recorded in RESULTS.md.
+of ``pages_per_block * page_size`` keys is scored per inner iteration of the
+Triton-style kernels (the TPU kernels move one page per grid step and use
+only ``block_q``). The values are starting points sized so a block holds about
+128 keys (a Triton dot tile); they are to be tuned by ``benchmarks/kernels.py``
+on real hardware and recorded in RESULTS.md.
 """
 
 from __future__ import annotations

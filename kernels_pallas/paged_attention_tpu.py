@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.block_sizes import prefill_block_sizes
+
 _MASK_VALUE = -1e30
 _SUBLANES = 8  # query rows are padded to a multiple of the TPU sublane count
 
@@ -206,9 +208,12 @@ def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, pt
 
 
 def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, *, scale,
-                                sliding_window=None, soft_cap=None, layer=None, block_q: int = 16,
+                                sliding_window=None, soft_cap=None, layer=None, block_q: int | None = None,
                                 interpret: bool = False):
     """Chunked-prefill attention on TPU; arguments and result as ``paged_prefill_attention_xla``.
+
+    ``block_q`` query tokens per program (default: the block-size table); K/V
+    move one page per grid step.
 
     The ragged queries are first laid out as per-sequence slabs (an XLA
     gather) so every kernel block is aligned; the output comes back the same way.
@@ -224,6 +229,7 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_ta
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
     group = num_heads // kv_heads
     max_seqs, num_cols = page_table.shape
+    block_q = block_q or prefill_block_sizes("tpu", head_dim, page_size).block_q
     bq = max(_SUBLANES, min(block_q, num_tokens))
     num_q_blocks = pl.cdiv(num_tokens, bq)
     slab_rows = num_q_blocks * bq
