@@ -219,9 +219,10 @@ def test_preempted_requests_match_running_alone(sampling, jax_cache):
     assert crowded == alone
 
 
-def test_prefix_cache_hit_matches_uncached(jax_cache):
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=20, seed=11)])
+def test_prefix_cache_hit_matches_uncached(sampling, jax_cache):
     system = prompt(41, 5)  # 5 full pages of 8 tokens, then one more token
-    reqs = lambda: [request(system + [300 + i, 301, 302], max_tokens=6, ignore_eos=True)
+    reqs = lambda: [request(system + [300 + i, 301, 302], max_tokens=6, ignore_eos=True, **sampling)
                     for i in range(3)]
     lp = make_loop(num_pages=64)
     lp.start(warmup=False)
