@@ -2,7 +2,7 @@
 
 It owns the parameters (split once from the NNX model), the paged KV cache
 and a per-slot "last token" buffer, and executes the steps that the batching
-loop (``serving.engine_loop``) plans. Step functions are pure and the cache is
+loop (``serving.engine_loop``) runs for the scheduler. Step functions are pure and the cache is
 donated, so a step updates the cache in place::
 
     prefill_step(params, kv_cache, tokens [T], positions [T], cu_q_lens [S+1],
@@ -19,9 +19,9 @@ approach), so the number of compiled programs stays small:
   * B: decode batch buckets, powers of two from ``min_decode_batch`` up to
     the slot count; a step's rows are the running slots (gathered by
     ``slot_ids``), so a lone stream does not pay for 32 slots.
-  * P: page-table width buckets, powers of two (in pages) up to
-    ``max_pages_per_seq``, covering the longest sequence in the step, so
-    attention work follows the real context length.
+  * P: page-table width buckets, powers of two (in pages) from 512 tokens'
+    worth up to ``max_pages_per_seq``, covering the longest sequence in the
+    step, so attention work follows the real context length.
 
 The decode step reads its input tokens from ``slot_tokens`` on device and
 writes its outputs back there, so the host never has to wait for step n's
