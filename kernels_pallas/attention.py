@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import jax
 
+from kernels_pallas.paged_attention_tpu import (
+    paged_decode_attention_tpu,
+    paged_prefill_attention_tpu,
+)
 from kernels_pallas.paged_attention_xla import (
     paged_decode_attention_xla,
     paged_prefill_attention_xla,
     write_kv_pages,
 )
-from kernels_pallas.paged_attention_tpu import paged_decode_attention_tpu, paged_prefill_attention_tpu
 from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
 from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
 

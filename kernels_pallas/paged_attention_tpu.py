@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.block_sizes import prefill_block_sizes
+from kernels_pallas.kernel_io import as_stacked_cache, ragged_from_slabs
 
 _MASK_VALUE = -1e30
 _SUBLANES = 8  # query rows are padded to a multiple of the TPU sublane count
@@ -119,13 +120,9 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, scal
     Raises:
       ValueError: num_heads not a multiple of kv_heads.
     """
-    if layer is None:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     slots, num_heads, head_dim = q.shape
+    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
-    group = num_heads // kv_heads
     rows = -(-group // _SUBLANES) * _SUBLANES
     num_cols = page_table.shape[1]
     qg = q.reshape(slots, kv_heads, group, head_dim)
@@ -221,13 +218,9 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_ta
     Raises:
       ValueError: num_heads not a multiple of kv_heads.
     """
-    if layer is None:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     num_tokens, num_heads, head_dim = q.shape
+    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
-    group = num_heads // kv_heads
     max_seqs, num_cols = page_table.shape
     block_q = block_q or prefill_block_sizes("tpu", head_dim, page_size).block_q
     bq = max(_SUBLANES, min(block_q, num_tokens))
@@ -259,9 +252,4 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_ta
         interpret=interpret,
         name="xlaserve_paged_prefill_tpu",
     )(*scalars, q_slab, k_pages, v_pages)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, max_seqs - 1).astype(jnp.int32)
-    valid = (t < cu[jnp.asarray(num_seqs, jnp.int32)]) & (seq < num_seqs)
-    out = slab[seq, jnp.clip(t - cu[seq], 0, slab_rows - 1)]
-    out = jnp.where(valid[:, None, None, None], out, 0)
-    return out.reshape(num_tokens, num_heads, head_dim)
+    return ragged_from_slabs(slab, cu, num_seqs, num_tokens)

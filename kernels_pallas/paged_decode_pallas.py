@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.block_sizes import decode_block_sizes
+from kernels_pallas.kernel_io import as_stacked_cache
 
 _MIN_ROWS = 16
 _MASK_VALUE = -1e30
@@ -116,13 +117,9 @@ def paged_decode_attention_pallas(
     Raises:
       ValueError: num_heads not a multiple of kv_heads.
     """
-    if layer is None:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     slots, num_heads, head_dim = q.shape
+    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
-    group = num_heads // kv_heads
     rows = max(_MIN_ROWS, group)
     ppb = pages_per_block or decode_block_sizes(jax.default_backend(), head_dim, page_size).pages_per_block
     num_cols = page_table.shape[1]

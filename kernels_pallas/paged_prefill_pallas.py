@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.block_sizes import prefill_block_sizes
+from kernels_pallas.kernel_io import as_stacked_cache, ragged_from_slabs
 from kernels_pallas.paged_decode_pallas import _MASK_VALUE, _compiler_params
 
 
@@ -127,13 +128,9 @@ def paged_prefill_attention_pallas(
     Raises:
       ValueError: num_heads not a multiple of kv_heads.
     """
-    if layer is None:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     num_tokens, num_heads, head_dim = q.shape
+    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
-    group = num_heads // kv_heads
     max_seqs = kv_lens.shape[0]
     sizes = prefill_block_sizes(jax.default_backend(), head_dim, page_size)
     bq = min(block_q or sizes.block_q, num_tokens)
@@ -162,11 +159,4 @@ def paged_prefill_attention_pallas(
         compiler_params=None if interpret else _compiler_params(),
         name="xlaserve_paged_prefill",
     )(*scalars, qg, k_pages, v_pages)
-    # Ragged gather: token t of sequence s is row t - cu[s] of slab s.
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, max_seqs - 1).astype(jnp.int32)
-    valid = (t < cu_q_lens[jnp.asarray(num_seqs, jnp.int32)]) & (seq < num_seqs)
-    rows = jnp.clip(t - cu_q_lens[seq], 0, num_q_blocks * bq - 1)
-    out = slab[seq, rows]  # [T, kv_heads, group, head_dim]
-    out = jnp.where(valid[:, None, None, None], out, 0)
-    return out.reshape(num_tokens, num_heads, head_dim)
+    return ragged_from_slabs(slab, cu_q_lens, num_seqs, num_tokens)

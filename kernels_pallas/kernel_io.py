@@ -1,0 +1,52 @@
+"""Input and output plumbing shared by the Pallas paged-attention kernels (GPU and TPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def as_stacked_cache(k_pages: jax.Array, v_pages: jax.Array, layer, num_heads: int):
+    """Normalizes the cache arguments of a kernel.
+
+    Args:
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], or with
+        ``layer`` the stacked [num_layers, kv_heads, num_pages, page_size, head_dim].
+      layer: None, or an int / int32 scalar.
+      num_heads: query heads.
+
+    Returns:
+      (k_pages, v_pages, layer, group): the stacked cache, the layer (0 for an
+      unstacked one) and the query heads per kv head.
+
+    Raises:
+      ValueError: num_heads not a multiple of kv_heads.
+    """
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    kv_heads = k_pages.shape[1]
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
+    return k_pages, v_pages, layer, num_heads // kv_heads
+
+
+def ragged_from_slabs(slab: jax.Array, cu_q_lens: jax.Array, num_seqs, num_tokens: int) -> jax.Array:
+    """Gathers a prefill kernel's per-sequence output slabs back into the ragged token order.
+
+    Args:
+      slab: [max_seqs, rows, kv_heads, group, head_dim]; row r of slab s is token cu_q_lens[s] + r.
+      cu_q_lens: [max_seqs + 1] int32.
+      num_seqs: [] int32, real sequences.
+      num_tokens: T, the step's token count.
+
+    Returns:
+      [T, kv_heads * group, head_dim]; padding tokens are 0.
+    """
+    max_seqs, rows = slab.shape[:2]
+    cu = cu_q_lens.astype(jnp.int32)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+    valid = (t < cu[jnp.asarray(num_seqs, jnp.int32)]) & (seq < num_seqs)
+    out = slab[seq, jnp.clip(t - cu[seq], 0, rows - 1)]
+    out = jnp.where(valid[:, None, None, None], out, 0)
+    return out.reshape(num_tokens, -1, slab.shape[-1])
