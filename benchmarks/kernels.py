@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.attention import paged_attention
+from kernels_pallas.kv_storage import storage_dtype
 from kernels_pallas.paged_attention_xla import write_kv_pages
 from model.attention_metadata import AttentionMetadata
 
@@ -99,7 +100,8 @@ def time_kv_write(batch, heads, dtype, page_size=16, num_pages=4096, layers=18, 
     """Seconds for one decode step's KV write into the stacked, donated cache (all layers)."""
     _, kv_heads, head_dim = heads
     shape = (layers, kv_heads, num_pages, page_size, head_dim)
-    kc, vc = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    stored = storage_dtype(dtype)  # as the engine stores it (bf16 as uint16 bits on XLA:CPU)
+    kc, vc = jnp.zeros(shape, stored), jnp.zeros(shape, stored)
     new = jnp.ones((batch, kv_heads, head_dim), dtype)
     slots = jnp.arange(batch, dtype=jnp.int32) * page_size + page_size
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_storage import from_storage
+
 
 def as_stacked_cache(k_pages: jax.Array, v_pages: jax.Array, layer, num_heads: int):
     """Normalizes the cache arguments of a kernel.
@@ -24,6 +26,8 @@ def as_stacked_cache(k_pages: jax.Array, v_pages: jax.Array, layer, num_heads: i
     """
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    # bf16 stored as uint16 bits (XLA:CPU only, where the kernels run interpreted): view as bf16.
+    k_pages, v_pages = from_storage(k_pages), from_storage(v_pages)
     kv_heads = k_pages.shape[1]
     if num_heads % kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_storage import from_storage, to_storage
+
 _MASK_VALUE = -1e30
 
 
@@ -43,6 +45,7 @@ def _gather_pages(pages: jax.Array, page_table: jax.Array, layer) -> jax.Array:
         g = pages[:, page_table]  # [kv_heads, seqs, P, page_size, d]
     else:
         g = pages[layer, :, page_table].transpose(2, 0, 1, 3, 4)  # [seqs, P, kv, ...] -> [kv, seqs, P, ...]
+    g = from_storage(g)
     return g.reshape(kv_heads, seqs, num_cols * page_size, head_dim).transpose(1, 0, 2, 3)
 
 
@@ -200,6 +203,7 @@ def write_kv_pages(
       k, v: [num_tokens, kv_heads, head_dim].
       slot_mapping: [num_tokens] int32 flat cache slot ``page * page_size + offset``;
         padding tokens point into the null page 0.
+      (A uint16 cache holds bfloat16 bits: see ``kernels_pallas.kv_storage``.)
 
     Returns:
       The updated (k_pages, v_pages).
@@ -207,10 +211,11 @@ def write_kv_pages(
     page_size = k_pages.shape[-2]
     page = slot_mapping // page_size
     off = slot_mapping % page_size
+    k, v = to_storage(k, k_pages.dtype), to_storage(v, v_pages.dtype)
     if layer is None:
-        k_pages = k_pages.at[:, page, off].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
-        v_pages = v_pages.at[:, page, off].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
+        k_pages = k_pages.at[:, page, off].set(k.transpose(1, 0, 2))
+        v_pages = v_pages.at[:, page, off].set(v.transpose(1, 0, 2))
     else:  # indices (layer, :, page, off): the advanced dims lead -> [T, kv_heads, d]
-        k_pages = k_pages.at[layer, :, page, off].set(k.astype(k_pages.dtype))
-        v_pages = v_pages.at[layer, :, page, off].set(v.astype(v_pages.dtype))
+        k_pages = k_pages.at[layer, :, page, off].set(k)
+        v_pages = v_pages.at[layer, :, page, off].set(v)
     return k_pages, v_pages

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.attention import paged_attention, write_kv_pages
+from kernels_pallas.kv_storage import logical_dtype, storage_dtype
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 
@@ -42,8 +43,9 @@ class KVCache:
     """The paged KV cache of all layers.
 
     Attributes:
-      k, v: [num_layers, kv_heads, num_pages, page_size, head_dim], the model's
-        KV dtype. Page 0 is the null page (padding writes land there).
+      k, v: [num_layers, kv_heads, num_pages, page_size, head_dim] in the
+        KV storage dtype (``kernels_pallas.kv_storage``: bfloat16 is held as
+        uint16 bits on XLA:CPU). Page 0 is the null page (padding writes land there).
     """
 
     k: jax.Array
@@ -60,7 +62,8 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        stored = storage_dtype(dtype)  # bf16 is kept as uint16 bits on XLA:CPU
+        return cls(jnp.zeros(shape, stored), jnp.zeros(shape, stored))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -207,7 +210,7 @@ class Gemma3(nnx.Module):
             k = apply_rope(rms_norm(k, p["k_norm"], eps), positions, theta)
             k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=l)
             attn = paged_attention(
-                q.astype(k_cache.dtype), k_cache, v_cache, md, layer=l,
+                q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=l,
                 scale=cfg.attn_scale,
                 sliding_window=window if use_window else None,
                 soft_cap=cfg.attn_logit_softcap,

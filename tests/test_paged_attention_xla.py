@@ -479,3 +479,31 @@ def test_write_kv_pages(layer_kind, dtype, seed, n_real, layer):
         others = [i for i in range(NUM_LAYERS) if i != layer]
         np.testing.assert_array_equal(_bits(kp[others]), _bits(exp_k[others]))
         np.testing.assert_array_equal(_bits(vp[others]), _bits(exp_v[others]))
+
+
+def test_bf16_stored_as_uint16_bits_behaves_like_bf16():
+    """kernels_pallas.kv_storage: a uint16 cache (bf16 bits, the XLA:CPU layout) writes and reads
+    exactly like a bfloat16 one."""
+    from kernels_pallas.kv_storage import from_storage, logical_dtype, storage_dtype
+
+    assert storage_dtype(jnp.bfloat16, "cpu") == jnp.uint16
+    assert storage_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
+    assert storage_dtype(jnp.float32, "cpu") == jnp.float32
+    assert logical_dtype(jnp.uint16) == jnp.bfloat16
+    rng = np.random.default_rng(7)
+    k = jnp.asarray(rng.standard_normal((5, 2, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((5, 2, D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 4, D)), jnp.bfloat16)
+    table = jnp.asarray([[1, 2, 3, 0, 0, 0], [2, 3, 0, 0, 0, 0]], jnp.int32)
+    slots = jnp.asarray([PS + 1, 2 * PS, 2 * PS + 1, 3 * PS + 2, 0], jnp.int32)
+    results = []
+    for stored in (jnp.bfloat16, jnp.uint16):
+        kp = jnp.zeros((NUM_LAYERS, 2, NUM_PAGES, PS, D), stored)
+        vp = jnp.zeros((NUM_LAYERS, 2, NUM_PAGES, PS, D), stored)
+        kp, vp = write_kv_pages(kp, vp, k, v, slots, layer=1)
+        assert kp.dtype == stored
+        out = paged_decode_attention_xla(q, kp, vp, jnp.asarray([3, 7], jnp.int32), table, scale=SCALE,
+                                         layer=1)
+        results.append((np.asarray(from_storage(kp).astype(jnp.float32)), np.asarray(out.astype(jnp.float32))))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
