@@ -184,8 +184,7 @@ def test_sweep_against_tiny_server(tiny_server, tmp_path, capsys):
                      slo_itl_ms=60_000, progress=False, out=str(out))
     report = asyncio.run(run_benchmark(cfg))
     printed = capsys.readouterr().out
-    with capsys.disabled():
-        print("\n" + printed)
+    assert "concurrency 1" in printed and "concurrency 4" in printed  # the sweep table
 
     assert [(r["mode"], r["value"]) for r in report["runs"]] == [("concurrency", 1), ("concurrency", 4)]
     for run in report["runs"]:
