@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
-from benchmarks.load import (LoadConfig, RequestResult, distribution, file_prompts, format_run, format_sweep,
-                             meets_slo, parse_args, percentile, plot, run_benchmark, summarize,
-                             synthetic_prompts, tpot)
+from benchmarks.load import (
+    LoadConfig,
+    RequestResult,
+    distribution,
+    file_prompts,
+    format_run,
+    format_sweep,
+    meets_slo,
+    parse_args,
+    percentile,
+    plot,
+    run_benchmark,
+    summarize,
+    synthetic_prompts,
+    tpot,
+)
+from tests.server_process import TINY_SERVER_ARGS, serve_process
 
 
 def req(start, ttft, itls, tokens, prompt=5, error=None):
@@ -143,38 +152,10 @@ def test_plot_without_matplotlib_prints_a_note(tmp_path, capsys, monkeypatch):
 # --------------------------------------------------------------------------- end to end
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tiny_server(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", "--model", "tiny-random",
-         "--port", str(port), "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256"],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"server did not become healthy:\n{log.read()[-4000:]}")
-        time.sleep(0.5)
-    yield url
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with serve_process(TINY_SERVER_ARGS, tmp_path / "server.log") as (_, url, _log):
+        yield url
 
 
 def test_sweep_against_tiny_server(tiny_server, tmp_path, capsys):

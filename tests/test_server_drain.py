@@ -3,49 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.server_process import TINY_SERVER_ARGS, serve_process
 
 
 @pytest.fixture
 def tiny_server(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", "--model", "tiny-random",
-         "--port", str(port), "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
-         "--drain-timeout", "60"],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"server did not become healthy:\n{log.read()[-4000:]}")
-        time.sleep(0.5)
-    yield proc, url, log
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with serve_process(TINY_SERVER_ARGS + ["--drain-timeout", "60"], tmp_path / "server.log") as running:
+        yield running
 
 
 def test_sigterm_lets_open_streams_finish(tiny_server):
