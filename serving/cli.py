@@ -1,18 +1,24 @@
-"""The ``xlaserve`` command: ``serve`` and ``generate``.
+"""The ``xlaserve`` command: ``serve``, ``generate``, and the gateway's ``keys``, ``tenants``, ``usage``.
 
     xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
     xlaserve serve --model tiny-random --port 8100
     xlaserve generate "The capital of France is" --max-tokens 24
+    xlaserve keys create --tenant acme --rpm 60
+    xlaserve usage --group-by day
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import sys
 import time
 import uuid
+
+from serving import admin_cli
+from serving.gateway.log_context import LOG_FORMAT, RequestIdLogFilter
 
 log = logging.getLogger("xlaserve")
 
@@ -72,23 +78,77 @@ def build_engine(cfg, warmup: bool = True):
     return loop, tokenizer, model.cfg.name
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_gateway_services(cfg):
+    """The gateway's database-backed services for `cfg`.
+
+    Raises:
+      ValueError: `cfg.host` is not a loopback address, no API keys exist and
+        `cfg.allow_unauthenticated` is off.
+    """
+    from serving.gateway.services import GatewayServices
+
+    services = GatewayServices.open_server(
+        database_url=cfg.database_url, prices_path=cfg.prices, blocklist=cfg.policy_blocklist,
+        blocklist_applies_to=cfg.policy_blocklist_applies_to, policy_plugins=cfg.policy_plugins,
+        otel_traces=cfg.otel_traces, log_text=cfg.log_text)
+    store = services.authenticator.key_store
+    if not store.has_keys():
+        if not _is_loopback(cfg.host) and not cfg.allow_unauthenticated:
+            services.close()
+            raise ValueError(
+                f"refusing to serve {cfg.host} without API keys: create one with "
+                "'xlaserve keys create --tenant NAME', or pass --allow-unauthenticated")
+        log.warning("no API keys configured: the API is open to anyone who can reach %s", cfg.host)
+    return services
+
+
+def _uvicorn_log_config() -> dict:
+    """uvicorn's logging config with the request id in its access lines too."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg.setdefault("filters", {})["request_id"] = {"()": RequestIdLogFilter}
+    for handler in cfg["handlers"].values():
+        handler.setdefault("filters", []).append("request_id")
+    cfg["formatters"]["access"]["fmt"] = (
+        '%(asctime)s %(levelprefix)s [%(request_id)s] %(client_addr)s - "%(request_line)s" %(status_code)s')
+    return cfg
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from serving.gateway.app import ServedModel, create_app
     from serving.server_config import load_server_config
 
-    cfg = load_server_config(args.config, **_overrides(args, ("host", "port", "enable_prefix_caching")))
-    loop, tokenizer, name = build_engine(cfg)
-    app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
-                                         max_model_len=loop.max_model_len)})
-    log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
+    cfg = load_server_config(args.config, **_overrides(
+        args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated", "otel_traces",
+               "database_url", "prices")))
+    services = open_gateway_services(cfg)  # before the engine: a refused start is quick
     try:
-        # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=cfg.drain_timeout)
+        loop, tokenizer, name = build_engine(cfg)
+        app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
+                                             max_model_len=loop.max_model_len)}, services)
+        log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
+        try:
+            # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
+            uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
+                        timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
+        finally:
+            loop.stop()
     finally:
-        loop.stop()
+        services.close()
     return 0
 
 
@@ -156,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        default=None, help="turn the automatic prefix cache off")
+    serve.add_argument("--database-url", help="SQLAlchemy URL of the keys + usage ledger "
+                       "(default: $XLASERVE_DATABASE_URL, else SQLite under the data dir)")
+    serve.add_argument("--prices", help="price table YAML (default: configs/prices.yaml)")
+    serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                       help="serve a non-loopback address even though no API keys exist")
+    serve.add_argument("--otel-traces", action="store_true", default=None,
+                       help="emit OpenTelemetry spans per request to the global tracer provider")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
@@ -170,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=cmd_generate)
 
+    admin_cli.add_commands(sub)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdLogFilter())
     try:
         return args.func(args)
     except ValueError as e:  # bad settings: a clear message, not a traceback

@@ -80,6 +80,9 @@ class TokenEvent:
       cached_tokens: prompt tokens served from the prefix cache.
       completion_tokens: tokens generated so far, including these.
       first_token_time: wall-clock seconds of the first generated token, or None.
+      scheduled_time: wall-clock seconds when the request was first scheduled
+        (its first prefill step), or None while it waits.
+      num_preemptions: times the request was preempted (and recomputed).
       error: a human-readable message when finish_reason == "error".
     """
 
@@ -90,7 +93,30 @@ class TokenEvent:
     cached_tokens: int = 0
     completion_tokens: int = 0
     first_token_time: float | None = None
+    scheduled_time: float | None = None
+    num_preemptions: int = 0
     error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load, for metrics.
+
+    Attributes:
+      num_running: requests holding a slot.
+      num_waiting: requests waiting for admission.
+      kv_cache_usage: fraction of KV-cache pages in use, 0..1.
+      prefix_cache_queries: prompt tokens looked up in the prefix cache (lifetime).
+      prefix_cache_hits: prompt tokens served from it (lifetime).
+      num_preemptions: preemptions so far (lifetime).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
 
 
 class EngineOverloadedError(RuntimeError):
@@ -121,3 +147,6 @@ class EngineClient(Protocol):
 
     def is_ready(self) -> bool:
         """True once weights are loaded and step functions compiled."""
+
+    def stats(self) -> EngineStats:
+        """The current load (cheap; called at every metrics scrape)."""

@@ -35,6 +35,7 @@ import numpy as np
 from serving.engine import DecodeRow, Engine, PrefillChunk
 from serving.engine_client import (
     EngineOverloadedError,
+    EngineStats,
     EngineRequest,
     RequestRejectedError,
     TokenEvent,
@@ -55,6 +56,7 @@ class _Sequence:
     seed: int
     sched: SchedRequest
     first_token_time: float | None = None
+    scheduled_time: float | None = None
 
     @property
     def sampling_row(self) -> tuple[float, int, float, int]:
@@ -91,6 +93,8 @@ class EngineLoop:
         # Requests and prompt tokens waiting for admission, as of the last turn
         # (written by the loop thread, read by submit(); the inbox adds the rest).
         self._waiting_snapshot = (0, 0)
+        self._stats = EngineStats()  # replaced (not mutated) by the loop thread each turn
+        self._num_preemptions = 0
         self._inbox_tokens = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -108,6 +112,10 @@ class EngineLoop:
     def is_ready(self) -> bool:
         return (self._ready.is_set() and not self._draining.is_set()
                 and self._thread is not None and self._thread.is_alive())
+
+    def stats(self) -> EngineStats:
+        """See EngineClient.stats (a snapshot from the last loop turn)."""
+        return self._stats
 
     def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
         """See EngineClient.submit. Raises at call time (not on first iteration).
@@ -222,7 +230,7 @@ class EngineLoop:
             request_id=seq.req.request_id, token_ids=ids, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
-            error=error)
+            scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error)
         seq.loop.call_soon_threadsafe(seq.events.put_nowait, ev)
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None,
@@ -282,8 +290,20 @@ class EngineLoop:
                 self._process(out, owners)
             pending = []
             plan = sched.schedule()
+        now = time.time()
+        for c in plan.prefill:
+            seq = self._by_id[c.request.request_id]
+            if seq.scheduled_time is None:
+                seq.scheduled_time = now
+        self._num_preemptions += len(plan.preempted)
         with self._lock:
             self._waiting_snapshot = (len(sched.waiting), sum(r.num_tokens for r in sched.waiting))
+        kv = self.kv
+        self._stats = EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_cache_usage=1.0 - kv.num_free / (kv.num_pages - 1) if kv.num_pages > 1 else 0.0,
+            prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
+            num_preemptions=self._num_preemptions)
         if self.on_step is not None:
             self.on_step(plan)
         dispatched = [d for d in (self._dispatch_prefill(plan), self._dispatch_decode(plan)) if d]

@@ -37,12 +37,25 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
+    database_url: str | None = None
+    prices: str | None = None
+    allow_unauthenticated: bool = False
+    policy_blocklist: tuple[str, ...] = ()
+    policy_blocklist_applies_to: tuple[str, ...] = ("input", "output")
+    policy_plugins: tuple[str, ...] = ()
+    otel_traces: bool = False
+    log_text: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
+        for name in ("policy_blocklist", "policy_blocklist_applies_to", "policy_plugins"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ServerConfig":
         """Returns a copy with the non-None overrides applied. Raises ValueError on unknown keys."""

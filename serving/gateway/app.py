@@ -2,35 +2,51 @@
 
 Routes:
   POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-  GET /v1/models (OpenAI list shape), GET /health (200 when every engine is
-  ready, else 503).
+  GET /v1/models (OpenAI list shape),
+  GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status (the caller's
+    tenant; admin keys see every tenant, or one with ``tenant=``),
+  GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
+  GET /metrics (Prometheus text format), GET /health (200 when every engine
+  is ready, else 503).
 
-Every response carries ``X-Request-ID``: the client's value when it sent one
-(visible ASCII, at most 256 characters), otherwise a fresh id. Run with e.g.
+``/v1`` routes need ``Authorization: Bearer KEY`` once keys exist (see
+``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
+it sent one: visible ASCII, at most 256 characters; otherwise a fresh id),
+which is also in every log line of the request, and, for callers with rate
+limits, OpenAI's ``x-ratelimit-*`` headers. Run with e.g.
 ``uvicorn.run(create_app({...}))``. Nothing here imports JAX.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import uuid
 from typing import Mapping
 
-from fastapi import FastAPI, Request
+import anyio
+from fastapi import Depends, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import MutableHeaders
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.gateway.errors import install_error_handlers
+from serving.gateway.api_keys import Principal
+from serving.gateway.errors import OpenAIError, install_error_handlers
+from serving.gateway.ledger import GROUP_BY
+from serving.gateway.log_context import request_id_var
+from serving.gateway.metrics import EngineStatsCollector
 from serving.gateway.openai_serving import (
+    RATE_LIMIT_HEADERS_SCOPE_KEY,
     REQUEST_ID_GIVEN_SCOPE_KEY,
     REQUEST_ID_SCOPE_KEY,
     OpenAIServing,
     ServedModel,
 )
 from serving.gateway.protocol import ModelCard, ModelList
+from serving.gateway.services import GatewayServices
 
-__all__ = ["ServedModel", "create_app", "RequestIdMiddleware"]
+__all__ = ["ServedModel", "GatewayServices", "create_app", "RequestIdMiddleware"]
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -45,8 +61,11 @@ class RequestIdMiddleware:
     """Puts ``X-Request-ID`` on every HTTP response (the client's, or a new uuid hex).
 
     The id is stored in the ASGI scope (``REQUEST_ID_SCOPE_KEY``) for handlers
-    and logs; an invalid client value (empty, too long, non-visible ASCII) is
-    replaced by a fresh one.
+    and in the log context (every log line of the request shows it); an
+    invalid client value (empty, too long, non-visible ASCII) is replaced by a
+    fresh one. Rate-limit headers that a handler left in the scope
+    (``RATE_LIMIT_HEADERS_SCOPE_KEY``) are added to the response too, unless
+    the response already has them (a 429 carries its own).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -68,20 +87,51 @@ class RequestIdMiddleware:
             rid = uuid.uuid4().hex
             scope[REQUEST_ID_GIVEN_SCOPE_KEY] = False
         scope[REQUEST_ID_SCOPE_KEY] = rid
+        token = request_id_var.set(rid)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["X-Request-ID"] = rid
+                headers = MutableHeaders(scope=message)
+                headers["X-Request-ID"] = rid
+                for k, v in (scope.get(RATE_LIMIT_HEADERS_SCOPE_KEY) or {}).items():
+                    if k not in headers:
+                        headers[k] = v
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
 
 
-def create_app(models: Mapping[str, ServedModel]) -> FastAPI:
+def _parse_time(value: str | None, name: str) -> float | None:
+    """Unix seconds, or an ISO 8601 date/datetime (UTC unless it says otherwise).
+
+    Raises:
+      OpenAIError: 400 for anything else.
+    """
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise OpenAIError(f"'{name}' must be Unix seconds or an ISO 8601 date, got {value!r}.",
+                          param=name) from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=datetime.timezone.utc)
+    return dt.timestamp()
+
+
+def create_app(models: Mapping[str, ServedModel], services: GatewayServices | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
       models: the served models, keyed by the name clients pass as ``model``.
+      services: auth, metering and policies (default: open, nothing recorded).
 
     Returns:
       A FastAPI (ASGI) app.
@@ -91,27 +141,80 @@ def create_app(models: Mapping[str, ServedModel]) -> FastAPI:
     """
     if not models:
         raise ValueError("create_app needs at least one served model")
-    serving = OpenAIServing(models)
+    services = services or GatewayServices()
+    serving = OpenAIServing(models, services)
     app = FastAPI(title="xlaserve", summary="OpenAI-compatible LLM serving on JAX/XLA")
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)  # outermost: also tags 500s
     app.state.serving = serving
+    app.state.services = services
+    metrics = services.metering.metrics
+    metrics.add_engine_collector(EngineStatsCollector(
+        lambda: {name: getattr(m.engine, "stats", None) for name, m in serving.models.items()}))
+
+    async def principal(request: Request) -> Principal:
+        p = await services.authenticator.authenticate(request.headers.get("authorization"))
+        headers = services.metering.limiter.headers(p)
+        if headers:
+            request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = headers
+        return p
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.create_completion(request)
+    async def completions(request: Request, caller: Principal = Depends(principal)) -> Response:
+        return await serving.create_completion(request, caller)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.create_chat_completion(request)
+    async def chat_completions(request: Request, caller: Principal = Depends(principal)) -> Response:
+        return await serving.create_chat_completion(request, caller)
 
     @app.get("/v1/models")
-    async def list_models() -> Response:
+    async def list_models(caller: Principal = Depends(principal)) -> Response:
         cards = [
             ModelCard(id=name, created=m.created, max_model_len=m.max_model_len)
-            for name, m in serving.models.items()
+            for name, m in serving.models.items() if caller.may_use(name)
         ]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    def _tenant_scope(caller: Principal, tenant: str | None) -> str | None:
+        if caller.is_admin:
+            return tenant
+        if tenant not in (None, caller.tenant):
+            raise OpenAIError("Only admin keys may read other tenants' usage.", status_code=403,
+                              param="tenant", code="forbidden")
+        return caller.tenant
+
+    @app.get("/v1/usage")
+    async def usage(start: str | None = None, end: str | None = None, group_by: str = "model",
+                    tenant: str | None = None, caller: Principal = Depends(principal)) -> Response:
+        if group_by not in GROUP_BY:
+            raise OpenAIError(f"'group_by' must be one of {', '.join(GROUP_BY)}; got {group_by!r}.",
+                              param="group_by")
+        t0, t1 = _parse_time(start, "start"), _parse_time(end, "end")
+        scope = _tenant_scope(caller, tenant)
+        if services.ledger is None:
+            raise OpenAIError("This server keeps no usage ledger.", status_code=404, code="no_ledger")
+        rows = await anyio.to_thread.run_sync(
+            lambda: services.ledger.usage(t0, t1, group_by, scope))
+        keys = ("requests", "incomplete", "errors", "prompt_tokens", "cached_tokens",
+                "completion_tokens", "reasoning_tokens", "total_tokens", "cost_usd")
+        totals = {k: sum(r[k] for r in rows) for k in keys}
+        return JSONResponse({"object": "list", "group_by": group_by, "start": t0, "end": t1,
+                             "tenant": scope, "data": rows, "totals": totals})
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_trace(request_id: str, caller: Principal = Depends(principal)) -> Response:
+        if services.ledger is None:
+            raise OpenAIError("This server keeps no request ledger.", status_code=404, code="no_ledger")
+        tenant = None if caller.is_admin else caller.tenant
+        row = await anyio.to_thread.run_sync(lambda: services.ledger.get(request_id, tenant))
+        if row is None:
+            raise OpenAIError(f"No request with id {request_id!r}.", status_code=404,
+                              param="request_id", code="request_not_found")
+        return JSONResponse(_trace_body(row))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:
@@ -129,3 +232,42 @@ def create_app(models: Mapping[str, ServedModel]) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     return app
+
+
+def _trace_body(row: dict) -> dict:
+    """The ``GET /v1/requests/{id}`` body from a ledger row."""
+    trace = row.get("trace") or {}
+    return {
+        "object": "request.trace",
+        "id": row["request_id"],
+        "x_request_id": row["x_request_id"],
+        "model": row["model"],
+        "tenant": row["tenant"],
+        "key_id": row["key_id"],
+        "priority": row["priority"],
+        "stream": bool(row["stream"]),
+        "status": row["status"],
+        "finish_reason": row["finish_reason"],
+        "error": row["error"],
+        "created_at": row["created_at"],
+        "first_token_at": row["first_token_at"],
+        "finished_at": row["finished_at"],
+        "timings": {k: row[k] for k in ("queue_time_s", "ttft_s", "itl_mean_s", "itl_max_s", "e2e_s")},
+        "usage": {
+            "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"],
+            "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]},
+            "completion_tokens_details": {"reasoning_tokens": row["reasoning_tokens"]},
+        },
+        "tool_calls": row["tool_calls"],
+        "cost_usd": row["cost_usd"],
+        "prefix_cache": trace.get("prefix_cache"),
+        "num_preemptions": trace.get("num_preemptions", 0),
+        "retries": row.get("retries", 0),
+        "rate_limit": trace.get("rate_limit", []),
+        "reserved_tokens": trace.get("reserved_tokens"),
+        "settled_tokens": trace.get("settled_tokens"),
+        "errors": trace.get("errors", []),
+        "events": trace.get("events", []),
+    }

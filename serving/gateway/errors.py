@@ -4,7 +4,10 @@ Every error body is ``{"error": {"message", "type", "param", "code"}}``:
 
 * malformed JSON, validation errors, unsupported features -> 400
   ``invalid_request_error`` (never FastAPI's default 422);
+* missing or unknown API key -> 401; revoked key or a model the tenant may
+  not use -> 403;
 * unknown model -> 404 ``model_not_found``;
+* over a rate limit -> 429 with ``Retry-After`` and ``x-ratelimit-*`` headers;
 * prompt + max_tokens beyond the context window -> 400
   ``context_length_exceeded``;
 * :class:`EngineOverloadedError` -> 503 with ``Retry-After``;
@@ -15,6 +18,7 @@ Every error body is ``{"error": {"message", "type", "param", "code"}}``:
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
@@ -110,6 +114,31 @@ def model_not_found(name: str) -> OpenAIError:
         param="model",
         code="model_not_found",
     )
+
+
+def model_not_allowed(name: str) -> OpenAIError:
+    """403 for a model the caller's tenant may not use."""
+    return OpenAIError(
+        f"Your API key's tenant may not use the model `{name}`.",
+        status_code=403,
+        param="model",
+        code="model_not_allowed",
+    )
+
+
+def rate_limited(exc) -> OpenAIError:
+    """429 for a :class:`~serving.gateway.rate_limit.RateLimited`.
+
+    The body's ``type`` names the limit ("requests", "tokens" or
+    "concurrent", as OpenAI's does), the message names the scope (key or
+    tenant) and the limit's value; headers carry ``Retry-After`` (omitted when
+    the request alone is over the limit) and the ``x-ratelimit-*`` set.
+    """
+    headers = dict(exc.headers)
+    if exc.retry_after != float("inf"):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return OpenAIError(str(exc), status_code=429, type=exc.limit, code="rate_limit_exceeded",
+                       headers=headers)
 
 
 def context_length_exceeded(

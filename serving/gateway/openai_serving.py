@@ -32,17 +32,26 @@ from starlette.types import Receive, Scope, Send
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_client import (
     EngineClient,
+    EngineOverloadedError,
     EngineRequest,
+    RequestRejectedError,
     SamplingParams,
     TokenEvent,
 )
+from serving.gateway.api_keys import ANONYMOUS, Principal
 from serving.gateway.errors import (
     SERVER_ERROR,
     ClientDisconnected,
     OpenAIError,
     context_length_exceeded,
+    model_not_allowed,
     model_not_found,
+    rate_limited,
 )
+from serving.gateway.metering import RequestMeter
+from serving.gateway.policy import OutputFilter, PolicyViolation
+from serving.gateway.rate_limit import RateLimited
+from serving.gateway.services import GatewayServices
 from serving.gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -67,6 +76,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 REQUEST_ID_SCOPE_KEY = "xlaserve.request_id"
 REQUEST_ID_GIVEN_SCOPE_KEY = "xlaserve.request_id_given"
+RATE_LIMIT_HEADERS_SCOPE_KEY = "xlaserve.ratelimit_headers"
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -103,7 +113,8 @@ class EngineFailure(OpenAIError):
 class _Generation:
     """One engine request: submit, stream text deltas, cancel when abandoned."""
 
-    def __init__(self, served: ServedModel, request: EngineRequest, stop: list[str]) -> None:
+    def __init__(self, served: ServedModel, request: EngineRequest, stop: list[str],
+                 meter: RequestMeter | None = None, output_filter: OutputFilter | None = None) -> None:
         self.served = served
         self.request = request
         self.id = request.request_id
@@ -112,6 +123,8 @@ class _Generation:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.meter = meter
+        self.output_filter = output_filter
         self._events: AsyncIterator[TokenEvent] | None = None
         self._first: TokenEvent | None = None
         self._submitted = False
@@ -124,6 +137,28 @@ class _Generation:
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
+    async def settle(self, status: str, error: str | None = None) -> None:
+        """Meters the request (ledger, limits, metrics) once; later calls do nothing.
+
+        Args:
+          status: "ok", "error" or "cancelled".
+        """
+        if self.meter is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await self.meter.finish(status, self.finish_reason if status == "ok" else None,
+                                    self.completion_tokens, error)
+
+    def _filter(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """Runs text through the output policy: (text to send, whether it was blocked)."""
+        if self.output_filter is None:
+            return text, False
+        out, blocked = self.output_filter.feed(text) if text else ("", False)
+        if final and not blocked:
+            rest, blocked = self.output_filter.flush()
+            out += rest
+        return out, blocked
+
     async def start(self) -> None:
         """Submit and wait for the first event.
 
@@ -135,6 +170,8 @@ class _Generation:
             self._events = aiter(self.served.engine.submit(self.request))
             self._submitted = True
             self._first = await anext(self._events)
+            if self.meter is not None:
+                self.meter.note("engine_admitted")
         except StopAsyncIteration:
             self._done = True
             raise EngineFailure("The engine ended the request without a result.") from None
@@ -164,7 +201,8 @@ class _Generation:
                     logger.exception("closing the event stream of %s failed", self.id)
 
     async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas until the request finishes; sets ``finish_reason``.
+        """Text deltas until the request finishes; sets ``finish_reason``
+        ("stop", "length", or "content_filter" when an output policy stopped it).
 
         Raises:
           EngineFailure: the engine reported "error"/"cancelled" or the stream
@@ -174,20 +212,27 @@ class _Generation:
         event: TokenEvent = self._first
         try:
             while True:
+                if self.meter is not None:
+                    self.meter.on_event(event)
                 self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+                blocked = False
                 for tid in event.token_ids:
                     self.completion_tokens += 1
                     if tid in self.stop_ids:
                         continue
-                    delta = self.detok.add((tid,))
-                    if delta:
-                        yield delta
-                    if self.detok.stopped:
+                    out, blocked = self._filter(self.detok.add((tid,)))
+                    if out:
+                        yield out
+                    if blocked or self.detok.stopped:
                         break
-                if self.detok.stopped:
-                    self.finish_reason = "stop"
+                if blocked or self.detok.stopped:
+                    if not blocked:
+                        out, blocked = self._filter("", final=True)
+                        if out:
+                            yield out
+                    self.finish_reason = "content_filter" if blocked else "stop"
                     if event.finish_reason is None:
-                        await self.abort()  # stop string: the engine can stop now
+                        await self.abort()  # the engine can stop now
                     self._done = True
                     return
                 if event.finish_reason is not None:
@@ -196,10 +241,12 @@ class _Generation:
                         raise EngineFailure(
                             event.error or f"The engine ended the request ({event.finish_reason})."
                         )
-                    delta = self.detok.flush()
-                    if delta:
-                        yield delta
-                    if self.detok.stopped:
+                    out, blocked = self._filter(self.detok.flush(), final=True)
+                    if out:
+                        yield out
+                    if blocked:
+                        self.finish_reason = "content_filter"
+                    elif self.detok.stopped:
                         self.finish_reason = "stop"
                     else:
                         self.finish_reason = _FINISH_REASONS[event.finish_reason]
@@ -340,20 +387,24 @@ class OpenAIServing:
 
     Args:
       models: served models by the name clients pass as ``model``.
+      services: auth, metering and policies (default: open, nothing recorded).
     """
 
-    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+    def __init__(self, models: Mapping[str, ServedModel], services: GatewayServices | None = None) -> None:
         self.models = dict(models)
+        self.services = services or GatewayServices()
 
-    def model(self, name: str) -> ServedModel:
-        """The served model called `name`.
+    def model(self, name: str, principal: Principal = ANONYMOUS) -> ServedModel:
+        """The served model called `name`, if `principal` may use it.
 
         Raises:
-          OpenAIError: 404 ``model_not_found``.
+          OpenAIError: 404 ``model_not_found``, 403 ``model_not_allowed``.
         """
         served = self.models.get(name)
         if served is None:
             raise model_not_found(name)
+        if not principal.may_use(name):
+            raise model_not_allowed(name)
         return served
 
     # ---------------------------------------------------------- building
@@ -408,29 +459,33 @@ class OpenAIServing:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @staticmethod
-    def _log_done(gen: _Generation) -> None:
+    def _log_done(self, gen: _Generation, text: str | None = None) -> None:
         logger.info(
             "request %s finished: %s, prompt_tokens=%d completion_tokens=%d cached_tokens=%d",
             gen.id, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens,
         )
+        if text is not None and self.services.log_text:
+            logger.info("request %s completion: %r", gen.id, text)
 
     # -------------------------------------------------------- completions
 
-    async def create_completion(self, request: Request) -> Response:
+    async def create_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
         """``POST /v1/completions``.
 
         Raises:
-          OpenAIError: 400 (bad request, context overflow), 404 (unknown model).
+          OpenAIError: 400 (bad request, context overflow, content policy),
+            403 (model not allowed), 404 (unknown model), 429 (rate limit).
           pydantic.ValidationError: invalid fields (turned into 400).
           EngineOverloadedError, RequestRejectedError: from the engine.
           ClientDisconnected: the client went away.
         """
+        arrival = time.time()
         req = CompletionRequest.model_validate(await _read_json(request))
-        served = self.model(req.model)
+        served = self.model(req.model, principal)
         tok = served.tokenizer
         if isinstance(req.prompt, str):
             prompt_ids = tok.encode(req.prompt, add_bos=True)
+            texts = [req.prompt]
         else:
             prompt_ids = list(req.prompt)
             bad = next((t for t in prompt_ids if not 0 <= t < tok.vocab_size), None)
@@ -439,8 +494,10 @@ class OpenAIServing:
                     f"Token id {bad} in 'prompt' is outside the vocabulary [0, {tok.vocab_size}).",
                     param="prompt",
                 )
+            texts = [tok.decode(prompt_ids)] if self.services.policies.input_policies else []
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        gen = await self._start(request, served, "cmpl", prompt_ids, req, max_tokens, "prompt")
+        gen = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
+                                max_tokens, "prompt", texts)
         created = int(time.time())
         if req.stream:
             return self._streaming_response(self._completion_stream(gen, req, created))
@@ -454,28 +511,72 @@ class OpenAIServing:
         )
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def _start(self, request: Request, served: ServedModel, id_prefix: str,
-                     prompt_ids: list[int], req, max_tokens: int, param: str) -> _Generation:
-        """Context check, then submit; returns once the engine has admitted the request.
+    async def _start(self, request: Request, principal: Principal, arrival: float,
+                     served: ServedModel, id_prefix: str, prompt_ids: list[int], req, max_tokens: int,
+                     param: str, texts: list[str]) -> _Generation:
+        """Context check, rate limits and metering, input policy, then submit; returns
+        once the engine has admitted the request.
 
         Raises:
           OpenAIError: 400 when the prompt plus max_tokens exceeds the context
-            window, or the engine's admission errors (503 overloaded, 400 rejected).
+            window or the input policy rejects it, 429 over a rate limit, or
+            the engine's admission errors (503 overloaded, 400 rejected).
         """
         self._check_context(served, len(prompt_ids), max_tokens, param)
         gen = self._generation(request, served, id_prefix, prompt_ids,
                                self._sampling(req, max_tokens, served.tokenizer), req.stop_strings,
                                priority=req.priority, cache_salt=req.cache_salt)
-        await _until_disconnect(request, gen.start())
+        rid, _ = request_id_of(request)
+        try:
+            gen.meter = self.services.metering.admit(
+                principal, gen.id, rid, served.name, req.priority, bool(req.stream), arrival,
+                len(prompt_ids), max_tokens)
+        except RateLimited as e:
+            logger.info("request %s rate limited: %s %s limit", gen.id, e.scope, e.limit)
+            raise rate_limited(e) from None
+        request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = gen.meter.admission.headers
+        gen.output_filter = self.services.policies.output_filter()
+        if self.services.log_text:
+            logger.info("request %s prompt: %r", gen.id, texts or prompt_ids)
+        try:
+            self.services.policies.check_input(texts)
+            await _until_disconnect(request, gen.start())
+        except PolicyViolation as e:
+            gen.meter.note("input_policy", policy=e.policy)
+            await gen.settle("error", f"content_policy_violation ({e.policy})")
+            raise OpenAIError(str(e), code="content_policy_violation", param=param) from None
+        except ClientDisconnected:
+            await gen.settle("cancelled")
+            raise
+        except OpenAIError as e:
+            await gen.settle("error", e.message)
+            raise
+        except (EngineOverloadedError, RequestRejectedError) as e:
+            await gen.settle("error", f"{type(e).__name__}: {e}")
+            raise
+        except BaseException as e:
+            await gen.settle("error", repr(e))
+            raise
         return gen
 
     async def _collect(self, request: Request, gen: _Generation) -> str:
-        """The whole text of a non-streamed request; the engine request ends either way."""
+        """The whole text of a non-streamed request; the engine request ends either way,
+        and the request is metered before the response is returned."""
         try:
             text = await _until_disconnect(request, gen.collect())
+        except ClientDisconnected:
+            await gen.settle("cancelled")
+            raise
+        except OpenAIError as e:
+            await gen.settle("error", e.message)
+            raise
+        except BaseException as e:
+            await gen.settle("error", repr(e))
+            raise
         finally:
             await gen.abort()
-        self._log_done(gen)
+        await gen.settle("ok")
+        self._log_done(gen, text)
         return text
 
     def _completion_stream(
@@ -498,30 +599,38 @@ class OpenAIServing:
         """The SSE body shared by completions and chat: an optional opening chunk,
         one chunk per text delta, the finish chunk, the usage chunk if asked for,
         then ``[DONE]``. Errors after the first byte become an SSE error event;
-        the engine request always ends (``gen.abort``)."""
+        the engine request always ends (``gen.abort``) and the request is
+        metered before ``[DONE]`` (or when the client goes away)."""
+        parts: list[str] | None = [] if self.services.log_text else None
         try:
             if opening is not None:
                 yield opening()
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for text in deltas:
+                    if parts is not None:
+                        parts.append(text)
                     yield delta(text)
             yield closing()
+            await gen.settle("ok")
             if include_usage:
                 yield usage()
-            self._log_done(gen)
+            self._log_done(gen, None if parts is None else "".join(parts))
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
+            await gen.settle("error", e.message)
             yield _sse(e.to_body())
-        except Exception:
+        except Exception as e:
             logger.exception("request %s failed mid-stream", gen.id)
+            await gen.settle("error", repr(e))
             yield _sse(_internal_error().to_body())
         finally:
             await gen.abort()
+            await gen.settle("cancelled")  # the client went away (no-op if already metered)
         yield _SSE_DONE
 
     # --------------------------------------------------------------- chat
 
-    async def create_chat_completion(self, request: Request) -> Response:
+    async def create_chat_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
         """``POST /v1/chat/completions``.
 
         ``max_tokens`` defaults to the rest of the context window
@@ -531,8 +640,9 @@ class OpenAIServing:
           Same as :meth:`create_completion`; 400 also for messages the chat
           template rejects.
         """
+        arrival = time.time()
         req = ChatCompletionRequest.model_validate(await _read_json(request))
-        served = self.model(req.model)
+        served = self.model(req.model, principal)
         tok = served.tokenizer
         try:
             prompt_ids = list(tok.apply_chat_template([m.to_template() for m in req.messages]))
@@ -541,7 +651,9 @@ class OpenAIServing:
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = max(1, served.max_model_len - len(prompt_ids))
-        gen = await self._start(request, served, "chatcmpl", prompt_ids, req, max_tokens, "messages")
+        texts = [m.content for m in req.messages if isinstance(m.content, str)]
+        gen = await self._start(request, principal, arrival, served, "chatcmpl", prompt_ids, req,
+                                max_tokens, "messages", texts)
         created = int(time.time())
         if req.stream:
             return self._streaming_response(self._chat_stream(gen, req, created))

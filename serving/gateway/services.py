@@ -1,0 +1,65 @@
+"""The gateway's services beside the models: auth, metering, policies.
+
+:class:`GatewayServices` bundles what a request passes through on its way to
+an engine. ``GatewayServices.open_server(...)`` builds the production set
+(database, price table, limits, metrics, policies); the default-constructed
+one runs open and records nothing, for in-process use and unit tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from serving.gateway.api_keys import KeyStore
+from serving.gateway.auth import Authenticator
+from serving.gateway.ledger import Ledger
+from serving.gateway.metering import Metering
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.policy import Policies
+from serving.gateway.pricing import PriceTable, load_price_table
+from serving.gateway.rate_limit import RateLimiter
+from serving.gateway.tracing import RequestTracer
+
+
+@dataclasses.dataclass
+class GatewayServices:
+    """Attributes:
+      authenticator: resolves API keys to principals.
+      metering: rate limits, ledger, metrics, spans.
+      policies: content policy hooks.
+      ledger: the request ledger (None: nothing recorded).
+      log_text: whether logs may carry prompt and completion text.
+    """
+
+    authenticator: Authenticator = dataclasses.field(default_factory=lambda: Authenticator(None))
+    metering: Metering = dataclasses.field(default_factory=lambda: Metering(
+        None, PriceTable(models={}), GatewayMetrics(), RateLimiter(), RequestTracer(False)))
+    policies: Policies = dataclasses.field(default_factory=Policies)
+    ledger: Ledger | None = None
+    log_text: bool = False
+
+    @classmethod
+    def open_server(cls, database_url: str | None = None, prices_path: str | None = None,
+                    blocklist: Sequence[str] = (), blocklist_applies_to: Sequence[str] = ("input", "output"),
+                    policy_plugins: Sequence[str] = (), otel_traces: bool = False,
+                    log_text: bool = False) -> "GatewayServices":
+        """Opens the database (creating tables) and builds every service.
+
+        Raises:
+          ValueError: a bad price table or policy setting.
+          sqlalchemy.exc.SQLAlchemyError: the database cannot be opened.
+        """
+        from serving.gateway.database import open_database
+
+        db = open_database(database_url)
+        ledger = Ledger(db)
+        metering = Metering(ledger, load_price_table(prices_path), GatewayMetrics(), RateLimiter(),
+                            RequestTracer(otel_traces))
+        return cls(authenticator=Authenticator(KeyStore(db)), metering=metering,
+                   policies=Policies.from_config(blocklist, blocklist_applies_to, policy_plugins),
+                   ledger=ledger, log_text=log_text)
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
