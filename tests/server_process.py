@@ -32,6 +32,8 @@ def serve_process(serve_args: list[str], log_path: Path, timeout_s: float = 240)
     healthy within timeout_s seconds.
     """
     port = free_port()
+    if "--database-url" not in serve_args:  # keep the shared data dir's ledger out of it
+        serve_args = [*serve_args, "--database-url", f"sqlite:///{Path(log_path).parent / 'ledger.db'}"]
     log = open(log_path, "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", *serve_args,

@@ -168,12 +168,7 @@ class Metering:
         queue_time = None if m.scheduled_time is None else max(0.0, m.scheduled_time - m.arrival)
         ttft = None if m.first_token_time is None else m.first_token_time - m.arrival
         m.note("finished", status=status, finish_reason=finish_reason)
-        if m.cached_tokens >= m.prompt_tokens - 1 and m.cached_tokens > 0:
-            prefix_cache = "hit"
-        elif m.cached_tokens > 0:
-            prefix_cache = "partial"
-        else:
-            prefix_cache = "miss"
+        prefix_cache = "hit" if cached_tokens else "miss"
         trace = {
             "rate_limit": [] if m.admission is None else [
                 {**d, "decision": "admitted"} for d in m.admission.decisions],
