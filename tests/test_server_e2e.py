@@ -78,11 +78,12 @@ def _terminate(proc: subprocess.Popen) -> None:
 def server(tmp_path_factory) -> ServerProcess:
     """The real server on a free port, healthy; stopped (SIGTERM, then kill) afterwards."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("xlaserve_e2e") / "server.log"
+    tmp = tmp_path_factory.mktemp("xlaserve_e2e")
+    log_path = tmp / "server.log"
     cmd = [
         sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve",
         "--port", str(port), "--max-slots", "8", "--num-pages", "1024",
-        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-model-len", str(MAX_MODEL_LEN), "--database-url", f"sqlite:///{tmp / 'ledger.db'}",
     ]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=dict(os.environ),
@@ -421,3 +422,29 @@ def test_disconnects_free_their_slots(server, model_name):
     server.assert_alive()
     log = server.log()
     assert "Traceback" not in log, f"server logged an error after the disconnects:\n{log}"
+
+
+def test_gemma_requests_are_metered(server_url, client, model_name):
+    """The gateway's ledger, trace, usage and metrics on the real model (open, loopback server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.post(f"{server_url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                   headers={"X-Request-ID": "gemma-metered"},
+                   json={"model": model_name, "prompt": "The capital of France is", "max_tokens": 8,
+                         "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    t = httpx.get(f"{server_url}/v1/requests/gemma-metered", timeout=30).json()
+    assert t["status"] == "ok" and t["finish_reason"] == "length" and t["tenant"] == "anonymous"
+    assert t["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert t["usage"]["completion_tokens"] == usage["completion_tokens"] == 8
+    assert t["cost_usd"] > 0 and 0 < t["timings"]["ttft_s"] <= t["timings"]["e2e_s"]
+    totals = httpx.get(f"{server_url}/v1/usage", timeout=30).json()["totals"]
+    metrics = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server_url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.labels.get("model_name") == model_name and len(sample.labels) == 1:
+                metrics[sample.name] = sample.value
+    assert metrics["xlaserve:generation_tokens_total"] == totals["completion_tokens"]
+    assert metrics["xlaserve:prompt_tokens_total"] == totals["prompt_tokens"]
+    assert metrics["xlaserve:e2e_request_latency_seconds_count"] == totals["requests"]
