@@ -149,6 +149,18 @@ class _Generation:
             await self.meter.finish(status, self.finish_reason if status == "ok" else None,
                                     self.completion_tokens, error)
 
+    async def settle_exception(self, exc: BaseException) -> None:
+        """Meters a request that ended with `exc`: "cancelled" when the client went
+        away, else "error" with a description."""
+        if isinstance(exc, (ClientDisconnected, asyncio.CancelledError)):
+            await self.settle("cancelled")
+        elif isinstance(exc, OpenAIError):
+            await self.settle("error", exc.message)
+        elif isinstance(exc, (EngineOverloadedError, RequestRejectedError)):
+            await self.settle("error", f"{type(exc).__name__}: {exc}")
+        else:
+            await self.settle("error", repr(exc))
+
     def _filter(self, text: str, final: bool = False) -> tuple[str, bool]:
         """Runs text through the output policy: (text to send, whether it was blocked)."""
         if self.output_filter is None:
@@ -545,17 +557,8 @@ class OpenAIServing:
             gen.meter.note("input_policy", policy=e.policy)
             await gen.settle("error", f"content_policy_violation ({e.policy})")
             raise OpenAIError(str(e), code="content_policy_violation", param=param) from None
-        except ClientDisconnected:
-            await gen.settle("cancelled")
-            raise
-        except OpenAIError as e:
-            await gen.settle("error", e.message)
-            raise
-        except (EngineOverloadedError, RequestRejectedError) as e:
-            await gen.settle("error", f"{type(e).__name__}: {e}")
-            raise
         except BaseException as e:
-            await gen.settle("error", repr(e))
+            await gen.settle_exception(e)
             raise
         return gen
 
@@ -564,14 +567,8 @@ class OpenAIServing:
         and the request is metered before the response is returned."""
         try:
             text = await _until_disconnect(request, gen.collect())
-        except ClientDisconnected:
-            await gen.settle("cancelled")
-            raise
-        except OpenAIError as e:
-            await gen.settle("error", e.message)
-            raise
         except BaseException as e:
-            await gen.settle("error", repr(e))
+            await gen.settle_exception(e)
             raise
         finally:
             await gen.abort()
@@ -617,11 +614,11 @@ class OpenAIServing:
             self._log_done(gen, None if parts is None else "".join(parts))
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
-            await gen.settle("error", e.message)
+            await gen.settle_exception(e)
             yield _sse(e.to_body())
         except Exception as e:
             logger.exception("request %s failed mid-stream", gen.id)
-            await gen.settle("error", repr(e))
+            await gen.settle_exception(e)
             yield _sse(_internal_error().to_body())
         finally:
             await gen.abort()

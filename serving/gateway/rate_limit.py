@@ -164,6 +164,15 @@ class RateLimiter:
             out.append(("tenant", s))
         return out
 
+    def _refilled_scopes(self, p: Principal) -> list[tuple[str, _Scope]]:
+        now = self.clock()
+        scopes = self._scopes_of(p, now)
+        for _, s in scopes:
+            for b in (s.requests, s.tokens):
+                if b:
+                    b.refill(now)
+        return scopes
+
     def admit(self, principal: Principal, tokens: int) -> Admission:
         """Takes one request, `tokens` tokens and a concurrency slot from every applicable limit.
 
@@ -171,12 +180,7 @@ class RateLimiter:
           RateLimited: some limit has no room (nothing is taken then).
         """
         with self._lock:
-            now = self.clock()
-            scopes = self._scopes_of(principal, now)
-            for _, s in scopes:
-                for b in (s.requests, s.tokens):
-                    if b:
-                        b.refill(now)
+            scopes = self._refilled_scopes(principal)
             for kind, s in scopes:
                 if s.requests and s.requests.level < 1:
                     raise RateLimited(kind, "requests", s.limits.rpm, s.requests.wait_for(1),
@@ -207,13 +211,7 @@ class RateLimiter:
     def headers(self, principal: Principal) -> dict[str, str]:
         """The current ``x-ratelimit-*`` headers of `principal` (empty when unlimited)."""
         with self._lock:
-            now = self.clock()
-            scopes = self._scopes_of(principal, now)
-            for _, s in scopes:
-                for b in (s.requests, s.tokens):
-                    if b:
-                        b.refill(now)
-            return _headers(scopes)
+            return _headers(self._refilled_scopes(principal))
 
     def _settle(self, adm: Admission, used: int) -> None:
         with self._lock:
