@@ -33,6 +33,6 @@ def abstract_params(cfg: ModelConfig, dtype="float32", **kwargs) -> dict[str, tu
                                                **kwargs))
     out = {}
     for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        out[".".join(map(str, path))] = (tuple(v.value.shape), jnp.dtype(v.value.dtype),
+        out[".".join(map(str, path))] = (tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype),
                                          tuple(v.get_metadata()["logical_axes"]))
     return out

@@ -1,4 +1,4 @@
-"""The ``xlaserve`` command: ``serve`` and ``generate``.
+"""The ``xlaserve`` command: ``serve`` and ``generate`` (``convert`` and ``shard-plan``: serving/sharding_cli.py).
 
     xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
     xlaserve serve --model tiny-random --port 8100
@@ -33,6 +33,8 @@ _SETTINGS = [
     ("token_budget", int, "most tokens computed per step (decode rows + prompt chunks)"),
     ("attention_impl", str, "auto | xla | pallas"),
     ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
+    ("mesh", str, "device mesh, e.g. data=1,tensor=4,expert=1 (default: one device)"),
+    ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
 ]
 
 
@@ -51,19 +53,19 @@ def build_engine(cfg, warmup: bool = True):
     """Loads the model and starts the batching loop. Returns (EngineLoop, tokenizer, model name)."""
     from serving.engine import Engine, EngineConfig
     from serving.engine_loop import EngineLoop
-    from serving.model_registry import load_model
     from serving.server_config import enable_compilation_cache
+    from serving.sharding_cli import load_for_serving
 
     enable_compilation_cache()
     t0 = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, attention_impl=cfg.attention_impl)
+    model, tokenizer, mesh = load_for_serving(cfg)
     max_len = min(cfg.max_model_len, model.cfg.max_position)
     engine = Engine(model, EngineConfig(
         max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
         max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
         max_prefill_seqs=cfg.max_prefill_seqs,
         min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
-        kv_dtype=cfg.kv_dtype or cfg.dtype))
+        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh)
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
     loop.start(warmup=warmup)
@@ -169,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=cmd_generate)
+
+    from serving.sharding_cli import register as register_sharding_commands
+
+    register_sharding_commands(sub)  # convert, shard-plan
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

@@ -37,6 +37,11 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
+    mesh: str | None = None
+    checkpoint: str | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

@@ -35,7 +35,7 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> dict[
         axes = v.get_metadata().get("logical_axes")
         if axes is None:
             raise ValueError(f"parameter {name} has no logical_axes; the model must name them")
-        out[name] = NamedSharding(mesh, rules.spec(v.value.shape, axes, dict(mesh.shape), what=name))
+        out[name] = NamedSharding(mesh, rules.spec(v.get_value().shape, axes, dict(mesh.shape), what=name))
     return out
 
 
@@ -46,7 +46,7 @@ def place_params(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.Stat
     placed = []
     for path, v in flat:
         name = ".".join(map(str, path))
-        placed.append((path, v.replace(jax.device_put(v.value, shardings[name]))))
+        placed.append((path, v.replace(jax.device_put(v.get_value(), shardings[name]))))
     return nnx.from_flat_state(placed)
 
 
@@ -64,3 +64,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def sharded_zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
     """Zeros created in place on their shards (no full host or single-device copy)."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def abstract_targets(layout: dict[str, tuple], mesh: Mesh | None, rules: ShardingRules
+                     ) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{name: ShapeDtypeStruct(shape, dtype, sharding)}`` for a parameter layout
+    ``{name: (shape, dtype, logical axes)}`` (``model.factory.abstract_params``):
+    the restore target of a checkpoint on ``mesh`` (None: JAX's first device)."""
+    out = {}
+    for name, (shape, dtype, axes) in layout.items():
+        if mesh is None:
+            sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        else:
+            sh = NamedSharding(mesh, rules.spec(shape, axes, dict(mesh.shape), what=name))
+        out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    return out
