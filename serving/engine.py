@@ -257,6 +257,10 @@ class Engine:
         if self.lockstep is not None:
             self.lockstep.publish(kind, host)
         fn = self._prefill if kind == "prefill" else self._decode
+        if self.mesh is not None and jax.process_count() > 1:
+            from sharding.multihost import global_inputs
+
+            host = global_inputs(host, self.mesh)
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
             self.kv_cache, next_tokens, self.slot_tokens = fn(

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.attention_metadata import AttentionMetadata
 from model.kv_cache import KVCache
@@ -49,7 +51,8 @@ def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4) -> np.ndarr
         params = place_params(params, mesh, rules)
         kv_sh = kv_cache_sharding(shape, mesh, rules)
         cache = KVCache(sharded_zeros(shape, jnp.float32, kv_sh), sharded_zeros(shape, jnp.float32, kv_sh))
-        out_sh = (None, KVCache(kv_sh, kv_sh))
+        # logits replicated: readable on every process of a multi-process mesh
+        out_sh = (NamedSharding(mesh, P()), KVCache(kv_sh, kv_sh))
 
         def ctx():
             return jax.set_mesh(mesh)
