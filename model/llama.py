@@ -79,7 +79,7 @@ class Llama(nnx.Module):
     """Llama-family decoder (dense or MoE) with stacked layer weights; shapes in :func:`param_layout`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 moe_impl: str = "ragged", rngs: nnx.Rngs | None = None, params: dict | None = None):
+                 moe_impl: str = "auto", rngs: nnx.Rngs | None = None, params: dict | None = None):
         """Builds the model from ``params`` (arrays in :func:`param_layout`, e.g.
         from ``model.gguf_loader`` or an orbax checkpoint) or random weights from ``rngs``.
 

@@ -20,8 +20,13 @@ Two dropless implementations of the expert matmuls (``impl``):
     (GShard's einsum formulation with capacity = T, so nothing is dropped):
     work is E x T rows whatever the routing.
 
-The default is "ragged", chosen by measurement (benchmarks/RESULTS.md, "MoE
-grouped matmul").
+"auto" (the default) picks by measurement (``python -m benchmarks.moe_dispatch``,
+benchmarks/RESULTS.md "MoE expert matmuls"): on XLA:CPU ``ragged_dot`` has no
+fast lowering and loses 4-5x to the capacity einsum at decode sizes (1-64
+tokens: 232 vs 48 ms for one token of a D=1024, F=3584, 8-expert layer), but
+the capacity einsum's E x T work overtakes it by 256 tokens (1153 vs 599 ms);
+so "auto" is "capacity" on CPU for up to 128 assignment rows and "ragged"
+otherwise, and "ragged" on accelerators (grouped-GEMM kernels; not yet timed there).
 
 Expert parallelism (``moe_ffn`` under a mesh whose ``expert`` or ``tensor``
 axis is > 1) runs the layer in ``jax.shard_map``: tokens are split over the
@@ -44,7 +49,9 @@ from jax.sharding import PartitionSpec as P
 
 from model.layers import dot
 
-MOE_IMPLS = ("ragged", "capacity")
+MOE_IMPLS = ("auto", "ragged", "capacity")
+CPU_CAPACITY_MAX_ROWS = 128
+"""On XLA:CPU, "auto" uses the capacity einsum up to this many assignment rows."""
 
 
 def route(x: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -74,12 +81,15 @@ def grouped_ffn(rows: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         empty row, whose output is 0.
       w_gate, w_up: [G, D, F]; w_down: [G, F, D].
       dtype: matmul-input dtype (accumulation is float32).
-      impl: "ragged" or "capacity" (see the module docstring).
+      impl: "auto", "ragged" or "capacity" (see the module docstring).
 
     Returns:
       [R, D] f32.
     """
     G = w_gate.shape[0]
+    if impl == "auto":
+        small = rows.shape[0] <= CPU_CAPACITY_MAX_ROWS
+        impl = "capacity" if jax.default_backend() == "cpu" and small else "ragged"
     valid = ids < G
     if impl == "ragged":
         order = jnp.argsort(ids, stable=True)  # empty rows (id G) sort last, outside every group
@@ -143,7 +153,7 @@ def _moe_local(x, router, w_gate, w_up, w_down, *, k: int, dtype, impl: str,
     return jnp.einsum("tkd,tk->td", y, weights)
 
 
-def moe_ffn(x: jax.Array, p: dict, *, k: int, dtype, impl: str = "ragged") -> jax.Array:
+def moe_ffn(x: jax.Array, p: dict, *, k: int, dtype, impl: str = "auto") -> jax.Array:
     """The MoE feed-forward of one layer; expert-parallel when a mesh is set.
 
     Args:
@@ -151,7 +161,7 @@ def moe_ffn(x: jax.Array, p: dict, *, k: int, dtype, impl: str = "ragged") -> ja
       p: router [D, E]; w_gate, w_up [E, D, F]; w_down [E, F, D].
       k: top-k.
       dtype: matmul-input dtype.
-      impl: "ragged" | "capacity".
+      impl: "auto" | "ragged" | "capacity".
 
     Returns:
       [T, D] f32.

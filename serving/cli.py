@@ -54,7 +54,7 @@ def build_engine(cfg, warmup: bool = True):
     from serving.engine import Engine, EngineConfig
     from serving.engine_loop import EngineLoop
     from serving.server_config import enable_compilation_cache
-    from serving.sharding_cli import load_for_serving
+    from serving.sharding_cli import load_for_serving, lockstep_for
 
     enable_compilation_cache()
     t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def build_engine(cfg, warmup: bool = True):
         max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
         max_prefill_seqs=cfg.max_prefill_seqs,
         min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
-        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh)
+        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh, lockstep=lockstep_for(mesh))
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
     loop.start(warmup=warmup)
@@ -81,6 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.server_config import load_server_config
 
     cfg = load_server_config(args.config, **_overrides(args, ("host", "port", "enable_prefix_caching")))
+    from serving.sharding_cli import join_processes, run_follower
+
+    if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
+        return run_follower(cfg)
     loop, tokenizer, name = build_engine(cfg)
     app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
                                          max_model_len=loop.max_model_len)})
@@ -91,7 +95,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     timeout_graceful_shutdown=cfg.drain_timeout)
     finally:
         loop.stop()
+        if loop.engine.lockstep is not None:
+            loop.engine.lockstep.stop()
     return 0
+
+
+def _is_leader() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

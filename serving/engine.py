@@ -247,6 +247,9 @@ class Engine:
         self._decode = jax.jit(functools.partial(_decode_step, self.graphdef), donate_argnums=(1, 7),
                                out_shardings=out_shardings)
         self.compile_times: dict[tuple, float] = {}
+        self._in_flight = None
+        self._bound_in_flight = (mesh is not None and mesh.size > 1
+                                 and mesh.devices.flat[0].platform == "cpu")
 
     def run_step(self, kind: str, host: tuple) -> jax.Array:
         """Runs one step from its host arrays (``kind``: "prefill" or "decode").
@@ -256,6 +259,14 @@ class Engine:
         """
         if self.lockstep is not None:
             self.lockstep.publish(kind, host)
+        if self._bound_in_flight and self._in_flight is not None:
+            # XLA:CPU runs every fake device's share of a collective on one shared
+            # thread pool; with many multi-device steps queued, the participants of
+            # a later step's all-gather can hold the threads that an earlier one
+            # waits for, and the step deadlocks (seen: 7 of 8 devices waiting in an
+            # all-gather within 2000 unsynchronised tiny-moe decode steps on 1x1x8). So on CPU
+            # a sharded step waits for the previous one before it is dispatched.
+            jax.block_until_ready(self._in_flight)
         fn = self._prefill if kind == "prefill" else self._decode
         if self.mesh is not None and jax.process_count() > 1:
             from sharding.multihost import global_inputs
@@ -265,6 +276,7 @@ class Engine:
         with ctx:
             self.kv_cache, next_tokens, self.slot_tokens = fn(
                 self.params, self.kv_cache, *host, self.slot_tokens)
+        self._in_flight = next_tokens
         return next_tokens
 
     # -- prefill ---------------------------------------------------------------

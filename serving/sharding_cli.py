@@ -141,5 +141,44 @@ def load_for_serving(cfg):
     return model, tok, mesh
 
 
+def join_processes(cfg) -> bool:
+    """Joins a multi-process job if the settings or JAX_* env vars name one. True if it did."""
+    from sharding.multihost import ProcessConfig, initialize
+
+    return initialize(ProcessConfig.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id))
+
+
+def lockstep_for(mesh):
+    """A Lockstep when the mesh spans several processes, else None."""
+    import jax
+
+    if mesh is None or jax.process_count() == 1:
+        return None
+    from sharding.multihost import Lockstep
+
+    return Lockstep()
+
+
+def run_follower(cfg) -> int:
+    """A non-leader process of ``serve``: loads the same model onto the same mesh and runs
+    the steps process 0 publishes, until it stops."""
+    import jax
+
+    from serving.engine import Engine, EngineConfig
+    from sharding.multihost import Lockstep
+
+    model, _, mesh = load_for_serving(cfg)
+    engine = Engine(model, EngineConfig(
+        max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
+        max_model_len=min(cfg.max_model_len, model.cfg.max_position), prefill_chunk=cfg.prefill_chunk,
+        max_prefill_seqs=cfg.max_prefill_seqs,
+        min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
+        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh, lockstep=Lockstep())
+    log.info("process %d following process 0's steps", jax.process_index())
+    steps = engine.lockstep.follow(engine)
+    log.info("process %d ran %d steps; leader stopped", jax.process_index(), steps)
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit("use: xlaserve convert | shard-plan")

@@ -18,9 +18,9 @@ RTOL = 1e-4
 _reference: dict[str, object] = {}
 
 
-def _model(name: str):
+def _model(name: str, **kw):
     cfg = ModelConfig.from_dict(known_models()[name]["config"])
-    return build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    return build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, **kw)
 
 
 def _unsharded(name: str):
@@ -41,3 +41,11 @@ def test_gemma_tiny_one_kv_head_on_tensor4():
     """Gemma's single KV head is replicated while its 4 query heads split over tensor=4."""
     got = run_steps(_model("tiny-random"), build_mesh(MeshConfig(1, 4, 1)))
     assert_close(got, _unsharded("tiny-random"), RTOL, "tiny-random on 1x4x1")
+
+
+@pytest.mark.parametrize("mesh", ["1x2x2", "1x1x8"])
+def test_moe_ragged_dot_expert_parallel(mesh):
+    """The ragged_dot path ("auto" picks the capacity einsum at these sizes on CPU)."""
+    d, t, e = map(int, mesh.split("x"))
+    got = run_steps(_model("tiny-moe", moe_impl="ragged"), build_mesh(MeshConfig(d, t, e)))
+    assert_close(got, _unsharded("tiny-moe"), RTOL, f"tiny-moe (ragged) on {mesh}")
