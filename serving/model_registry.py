@@ -29,7 +29,7 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
 
     Args:
       name: a key of configs/models.yaml (e.g. "gemma-3-270m", "tiny-random",
-        "tiny-llama", "tiny-moe") or a path to a Gemma 3 or Llama .gguf file.
+        "tiny-llama", "tiny-moe") or a path to a Gemma 3 .gguf file.
       dtype: "float32" or "bfloat16" (weights and matmul inputs).
       attention_impl: see kernels_pallas.attention.
       progress: show a progress bar while dequantizing a GGUF.
