@@ -1,8 +1,11 @@
-"""Model configuration: one dataclass for the Gemma 3 family of decoders.
+"""Model configuration: one dataclass for the decoders in ``model/``.
 
-Filled from GGUF metadata (``ModelConfig.from_gguf_metadata``) or from a YAML
-file in ``configs/`` (``ModelConfig.from_dict``), e.g. the ``tiny-random``
-model used by unit tests.
+``architecture`` picks the decoder: "gemma3" (``model.gemma3``) or "llama"
+(``model.llama``: Llama 3 and, with ``num_experts > 0``, Mixtral / Qwen3-MoE
+style mixture-of-experts). Filled from GGUF metadata
+(``ModelConfig.from_gguf_metadata``) or from YAML in ``configs/``
+(``ModelConfig.from_dict``), e.g. the ``tiny-random`` model used by unit tests
+or ``configs/llama3-70b.yaml`` for planning.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+ARCHITECTURES = ("gemma3", "llama")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and numerics of a Gemma-3-style decoder.
+    """Shapes and numerics of a decoder.
 
     Attributes:
       name: model name served on the API (e.g. "gemma-3-270m").
@@ -36,7 +41,15 @@ class ModelConfig:
       max_position: the longest context the weights were trained for (tokens).
       attn_logit_softcap: optional tanh soft-cap on attention scores (None: off).
       final_logit_softcap: optional tanh soft-cap on output logits (None: off).
-      tie_embeddings: logits = norm(h) @ embed.T.
+      tie_embeddings: logits = norm(h) @ embed.T (else a separate lm_head [D, V]).
+      architecture: "gemma3" or "llama".
+      qk_norm: per-head RMSNorm on q and k before RoPE (Gemma 3, Qwen3).
+      rope_scaling_factor: Llama 3.1 RoPE scaling factor (None: unscaled), with
+        rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position
+        (tokens) as in HF's "llama3" rope_type.
+      num_experts: MoE experts per layer (0: a dense MLP).
+      num_experts_per_tok: experts each token is routed to (top-k).
+      expert_mlp_dim: each expert's SwiGLU hidden width.
     """
 
     name: str
@@ -57,12 +70,37 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     tie_embeddings: bool = True
+    architecture: str = "gemma3"
+    qk_norm: bool = True
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_mlp_dim: int = 0
 
     def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.num_experts:
+            if self.architecture != "llama":
+                raise ValueError("mixture-of-experts layers need architecture: llama")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                                 f"got {self.num_experts_per_tok}")
+            if self.expert_mlp_dim < 1:
+                raise ValueError("an MoE config needs expert_mlp_dim >= 1")
+        if self.architecture == "gemma3" and not self.tie_embeddings:
+            raise ValueError("the gemma3 decoder ties its output head to the embedding")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def attn_scale(self) -> float:
@@ -102,8 +140,8 @@ class ModelConfig:
           ValueError: the architecture is not gemma3 or a required key is missing.
         """
         arch = meta.get("general.architecture")
-        if arch != "gemma3":
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; this loader reads 'gemma3'")
+        if arch not in ("gemma3", "llama"):
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; this loader reads 'gemma3' and 'llama'")
 
         def get(key: str, default: Any = None) -> Any:
             full = f"{arch}.{key}"
@@ -114,22 +152,42 @@ class ModelConfig:
             return default
 
         num_heads = int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length"))
+        hidden = int(get("embedding_length"))
         vocab = meta.get("tokenizer.ggml.tokens")
-        return cls(
-            name=name or "gemma-3",
+        common = dict(
             vocab_size=int(meta.get("vocab_size") or len(vocab)),
             num_layers=int(get("block_count")),
-            hidden_size=int(get("embedding_length")),
+            hidden_size=hidden,
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv")),
-            head_dim=head_dim,
             mlp_dim=int(get("feed_forward_length")),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta_global=float(get("rope.freq_base")),
+            rope_theta_global=float(get("rope.freq_base", 10_000.0)),
+            max_position=int(get("context_length")),
+        )
+        if arch == "llama":
+            # Llama-family GGUFs (llama.cpp's "llama" covers Llama 2/3 and Mixtral).
+            # Llama 3.1 RoPE scaling is stored as a rope_freqs tensor, which this
+            # loader does not read yet: such GGUFs are refused by the loader.
+            experts = int(get("expert_count", 0) or 0)
+            mlp = common.pop("mlp_dim")
+            return cls(
+                name=name or "llama", architecture="llama", qk_norm=False,
+                head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+                mlp_dim=0 if experts else mlp,
+                num_experts=experts,
+                num_experts_per_tok=int(get("expert_used_count", 0) or 0),
+                expert_mlp_dim=mlp if experts else 0,
+                sliding_window=0, sliding_window_pattern=0,
+                tie_embeddings=bool(meta.get("tie_embeddings", False)),
+                **common)
+        head_dim = int(get("attention.key_length"))
+        return cls(
+            name=name or "gemma-3",
+            head_dim=head_dim,
             rope_theta_local=10_000.0,
             sliding_window=int(get("attention.sliding_window")),
             sliding_window_pattern=6,
             query_pre_attn_scalar=float(head_dim),
-            max_position=int(get("context_length")),
+            **common,
         )

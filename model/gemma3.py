@@ -24,80 +24,21 @@ Parameters carry logical axis names (``logical_axes`` metadata) for
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.attention import paged_attention, write_kv_pages
-from kernels_pallas.kv_storage import logical_dtype, storage_dtype
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.layers import apply_rope, attention_block, dot, param, rms_norm
 
+__all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """The paged KV cache of all layers.
-
-    Attributes:
-      k, v: [num_layers, kv_heads, num_pages, page_size, head_dim] in the
-        KV storage dtype (``kernels_pallas.kv_storage``: bfloat16 is held as
-        uint16 bits on XLA:CPU). Page 0 is the null page (padding writes land there).
-    """
-
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
-
-    @classmethod
-    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        stored = storage_dtype(dtype)  # bf16 is kept as uint16 bits on XLA:CPU
-        return cls(jnp.zeros(shape, stored), jnp.zeros(shape, stored))
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x: [..., d] (computed in float32), scale: [d] (the full multiplier). Returns float32."""
-    x = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, theta) -> jax.Array:
-    """Rotary embedding, rotate-half (NeoX) pairing: element d pairs with d + head_dim/2.
-
-    Args:
-      x: [T, heads, head_dim] float32.
-      positions: [T] int32 absolute positions.
-      theta: RoPE base (python float or traced scalar).
-    """
-    half = x.shape[-1] // 2
-    exponent = jnp.arange(half, dtype=jnp.float32) * (2.0 / x.shape[-1])
-    inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)  # [half]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def _dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    """einsum with both inputs in the compute dtype and float32 accumulation."""
-    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-
-
-def _param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(value, logical_axes=axes)
+_dot = dot
+_param = param
 
 
 class Gemma3(nnx.Module):
@@ -194,29 +135,15 @@ class Gemma3(nnx.Module):
                          "k_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         }
         eps = cfg.rms_norm_eps
-        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         use_window = cfg.sliding_window_pattern != 1  # some layers are sliding
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, l, window, theta = xs
             h = rms_norm(x, p["attn_norm"], eps)
-            # 2-D dots (heads folded into columns): XLA:CPU runs N-D bf16 einsums slowly.
-            T = h.shape[0]
-            q = _dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
-            k = _dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
-            v = _dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
-            q = apply_rope(rms_norm(q, p["q_norm"], eps), positions, theta)
-            k = apply_rope(rms_norm(k, p["k_norm"], eps), positions, theta)
-            k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=l)
-            attn = paged_attention(
-                q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=l,
-                scale=cfg.attn_scale,
-                sliding_window=window if use_window else None,
-                soft_cap=cfg.attn_logit_softcap,
-                impl=self.attention_impl,
-            )
-            o = _dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
+            o, k_cache, v_cache = attention_block(
+                h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,
+                window=window if use_window else None, dtype=dtype, impl=self.attention_impl)
             x = x + rms_norm(o, p["post_attn_norm"], eps)
             h = rms_norm(x, p["ffw_norm"], eps)
             gate = _dot("td,df->tf", h, p["w_gate"], dtype)

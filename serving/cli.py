@@ -1,4 +1,5 @@
-"""The ``xlaserve`` command: ``serve``, ``generate``, and the gateway's ``keys``, ``tenants``, ``usage``.
+"""The ``xlaserve`` command: ``serve``, ``generate``, the gateway's ``keys``, ``tenants``, ``usage``
+(serving/admin_cli.py), and ``convert``, ``shard-plan`` (serving/sharding_cli.py).
 
     xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
     xlaserve serve --model tiny-random --port 8100
@@ -39,6 +40,8 @@ _SETTINGS = [
     ("token_budget", int, "most tokens computed per step (decode rows + prompt chunks)"),
     ("attention_impl", str, "auto | xla | pallas"),
     ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
+    ("mesh", str, "device mesh, e.g. data=1,tensor=4,expert=1 (default: one device)"),
+    ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
 ]
 
 
@@ -57,19 +60,19 @@ def build_engine(cfg, warmup: bool = True):
     """Loads the model and starts the batching loop. Returns (EngineLoop, tokenizer, model name)."""
     from serving.engine import Engine, EngineConfig
     from serving.engine_loop import EngineLoop
-    from serving.model_registry import load_model
     from serving.server_config import enable_compilation_cache
+    from serving.sharding_cli import load_for_serving, lockstep_for
 
     enable_compilation_cache()
     t0 = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, attention_impl=cfg.attention_impl)
+    model, tokenizer, mesh = load_for_serving(cfg)
     max_len = min(cfg.max_model_len, model.cfg.max_position)
     engine = Engine(model, EngineConfig(
         max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
         max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
         max_prefill_seqs=cfg.max_prefill_seqs,
         min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
-        kv_dtype=cfg.kv_dtype or cfg.dtype))
+        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh, lockstep=lockstep_for(mesh))
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
     loop.start(warmup=warmup)
@@ -131,10 +134,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from serving.gateway.app import ServedModel, create_app
     from serving.server_config import load_server_config
+    from serving.sharding_cli import join_processes, run_follower
 
     cfg = load_server_config(args.config, **_overrides(
         args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated", "otel_traces",
                "database_url", "prices")))
+    if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
+        return run_follower(cfg)
     services = open_gateway_services(cfg)  # before the engine: a refused start is quick
     try:
         loop, tokenizer, name = build_engine(cfg)
@@ -147,9 +153,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
         finally:
             loop.stop()
+            if loop.engine.lockstep is not None:
+                loop.engine.lockstep.stop()
     finally:
         services.close()
     return 0
+
+
+def _is_leader() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -238,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     admin_cli.add_commands(sub)
+
+    from serving.sharding_cli import register as register_sharding_commands
+
+    register_sharding_commands(sub)  # convert, shard-plan
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

@@ -26,10 +26,24 @@ approach), so the number of compiled programs stays small:
 The decode step reads its input tokens from ``slot_tokens`` on device and
 writes its outputs back there, so the host never has to wait for step n's
 tokens before dispatching step n+1 (JetStream-style pipelining).
+
+Sharded serving: given a ``jax.sharding.Mesh`` (``sharding.mesh``), the
+parameters are placed by their logical axes (``sharding.placement``), the KV
+cache is created in its sharding (KV heads over ``tensor`` where they divide
+it, pages over ``data``), and both steps are jitted with that cache sharding
+as their output sharding and run under ``jax.set_mesh(mesh)`` (which the MoE
+layer's expert-parallel ``shard_map`` reads). XLA's SPMD partitioner inserts
+the tensor-parallel collectives. Host inputs are replicated.
+
+Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
+publishes each step's host arrays before running it and the other processes
+run the same step from what they receive (``Lockstep.follow``), so every
+process takes part in every collective in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -41,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from model.attention_metadata import AttentionMetadata
-from model.gemma3 import Gemma3, KVCache
+from model.kv_cache import KVCache
 from serving.sampling import SamplingArrays, sample
 
 log = logging.getLogger(__name__)
@@ -193,16 +207,77 @@ class DecodeRow:
 class Engine:
     """Device state plus compiled steps. Not thread-safe: one caller (the batching loop)."""
 
-    def __init__(self, model: Gemma3, cfg: EngineConfig):
+    def __init__(self, model: nnx.Module, cfg: EngineConfig, mesh=None, rules=None, lockstep=None):
+        """Args:
+          model: a decoder of ``model/`` (Gemma3 or Llama) with ``.cfg``.
+          cfg: engine sizes.
+          mesh: optional ``jax.sharding.Mesh`` with axes data, tensor, expert.
+          rules: ``sharding.rules.ShardingRules`` (default: configs/sharding.yaml).
+          lockstep: optional ``sharding.multihost.Lockstep`` (multi-process serving).
+
+        Raises:
+          ValueError: the mesh cannot split the model (e.g. tensor does not divide heads).
+        """
         self.cfg = cfg
         self.model_cfg = model.cfg
+        self.mesh = mesh
+        self.lockstep = lockstep
         self.graphdef, self.params = nnx.split(model)
         kv_dtype = jnp.dtype(cfg.kv_dtype)
-        self.kv_cache = KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_dtype)
-        self.slot_tokens = jnp.zeros((cfg.max_slots,), jnp.int32)
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef), donate_argnums=(1, 11))
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef), donate_argnums=(1, 7))
+        if mesh is None:
+            self.kv_cache = KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_dtype)
+            self.slot_tokens = jnp.zeros((cfg.max_slots,), jnp.int32)
+            out_shardings = None
+        else:
+            from kernels_pallas.kv_storage import storage_dtype
+            from sharding.placement import kv_cache_sharding, place_params, replicated, sharded_zeros
+            from sharding.rules import ShardingRules
+
+            rules = rules or ShardingRules.default()
+            self.params = place_params(self.params, mesh, rules)
+            shape = KVCache.shape(model.cfg, cfg.num_pages, cfg.page_size)
+            kv_sh = kv_cache_sharding(shape, mesh, rules)
+            stored = storage_dtype(kv_dtype)
+            self.kv_cache = KVCache(sharded_zeros(shape, stored, kv_sh), sharded_zeros(shape, stored, kv_sh))
+            rep = replicated(mesh)
+            self.slot_tokens = sharded_zeros((cfg.max_slots,), jnp.int32, rep)
+            out_shardings = (KVCache(kv_sh, kv_sh), rep, rep)
+        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef), donate_argnums=(1, 11),
+                                out_shardings=out_shardings)
+        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef), donate_argnums=(1, 7),
+                               out_shardings=out_shardings)
         self.compile_times: dict[tuple, float] = {}
+        self._in_flight = None
+        self._bound_in_flight = (mesh is not None and mesh.size > 1
+                                 and mesh.devices.flat[0].platform == "cpu")
+
+    def run_step(self, kind: str, host: tuple) -> jax.Array:
+        """Runs one step from its host arrays (``kind``: "prefill" or "decode").
+
+        With a lockstep, process 0 publishes ``host`` first so that the other
+        processes run the same step. Returns the step's next_tokens (device array).
+        """
+        if self.lockstep is not None:
+            self.lockstep.publish(kind, host)
+        if self._bound_in_flight and self._in_flight is not None:
+            # XLA:CPU runs every fake device's share of a collective on one shared
+            # thread pool; with many multi-device steps queued, the participants of
+            # a later step's all-gather can hold the threads that an earlier one
+            # waits for, and the step deadlocks (seen: 7 of 8 devices waiting in an
+            # all-gather within 2000 unsynchronised tiny-moe decode steps on 1x1x8). So on CPU
+            # a sharded step waits for the previous one before it is dispatched.
+            jax.block_until_ready(self._in_flight)
+        fn = self._prefill if kind == "prefill" else self._decode
+        if self.mesh is not None and jax.process_count() > 1:
+            from sharding.multihost import global_inputs
+
+            host = global_inputs(host, self.mesh)
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        with ctx:
+            self.kv_cache, next_tokens, self.slot_tokens = fn(
+                self.params, self.kv_cache, *host, self.slot_tokens)
+        self._in_flight = next_tokens
+        return next_tokens
 
     # -- prefill ---------------------------------------------------------------
 
@@ -247,9 +322,9 @@ class Engine:
         sampling = SamplingArrays.from_rows([c.sampling for c in chunks], S)
         key = ("prefill", T, P)
         t0 = time.perf_counter()
-        self.kv_cache, next_tokens, self.slot_tokens = self._prefill(
-            self.params, self.kv_cache, tokens, positions, cu, kv_lens, page_table,
-            np.int32(len(chunks)), logits_indices, sampling, slot_ids, self.slot_tokens)
+        next_tokens = self.run_step("prefill", (tokens, positions, cu, kv_lens, page_table,
+                                                np.int32(len(chunks)), logits_indices, sampling,
+                                                slot_ids))
         self._note_compile(key, t0)
         return next_tokens
 
@@ -278,9 +353,7 @@ class Engine:
         sampling = SamplingArrays.from_rows([r.sampling for r in rows], B)
         key = ("decode", B, P)
         t0 = time.perf_counter()
-        self.kv_cache, next_tokens, self.slot_tokens = self._decode(
-            self.params, self.kv_cache, slot_ids, positions, page_table, lengths, sampling,
-            self.slot_tokens)
+        next_tokens = self.run_step("decode", (slot_ids, positions, page_table, lengths, sampling))
         self._note_compile(key, t0)
         return next_tokens
 

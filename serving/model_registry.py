@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.gemma3 import Gemma3
+from model.factory import build_model
 from model.gguf_loader import load_gguf
 from model.tokenizer import Tokenizer
 from serving.server_config import cache_dir, load_yaml_config
@@ -24,12 +24,12 @@ def known_models() -> dict:
 
 
 def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
-               progress: bool = True) -> tuple[Gemma3, Tokenizer]:
+               progress: bool = True) -> tuple[nnx.Module, Tokenizer]:
     """Builds the named model and its tokenizer.
 
     Args:
-      name: a key of configs/models.yaml (e.g. "gemma-3-270m", "tiny-random")
-        or a path to a Gemma 3 .gguf file.
+      name: a key of configs/models.yaml (e.g. "gemma-3-270m", "tiny-random",
+        "tiny-llama", "tiny-moe") or a path to a Gemma 3 .gguf file.
       dtype: "float32" or "bfloat16" (weights and matmul inputs).
       attention_impl: see kernels_pallas.attention.
       progress: show a progress bar while dequantizing a GGUF.
@@ -44,8 +44,8 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
         spec = models[name]
         if spec["source"] == "random":
             cfg = ModelConfig.from_dict(spec["config"])
-            model = Gemma3(cfg, dtype=jdtype, attention_impl=attention_impl,
-                           rngs=nnx.Rngs(int(spec.get("seed", 0))))
+            model = build_model(cfg, dtype=jdtype, attention_impl=attention_impl,
+                                rngs=nnx.Rngs(int(spec.get("seed", 0))))
             return model, Tokenizer.tiny(cfg.vocab_size)
         if spec["source"] == "gguf-package":
             path = importlib.import_module(spec["package"]).assemble()
@@ -58,6 +58,6 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
         raise ValueError(f"unknown model {name!r}: use one of {sorted(models)} or a path to a .gguf file")
     tokenizer = Tokenizer.from_gguf(path, cache_dir=cache_dir("tokenizer"))
     cfg, params = load_gguf(path, name=name, cache_dir=cache_dir("weights"), progress=progress)
-    model = Gemma3(cfg, params=params, dtype=jdtype, attention_impl=attention_impl)
+    model = build_model(cfg, params=params, dtype=jdtype, attention_impl=attention_impl)
     log.info("loaded %s (%s) in %.1f s", name, dtype, time.perf_counter() - t0)
     return model, tokenizer

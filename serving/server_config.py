@@ -45,6 +45,11 @@ class ServerConfig:
     policy_plugins: tuple[str, ...] = ()
     otel_traces: bool = False
     log_text: bool = False
+    mesh: str | None = None
+    checkpoint: str | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

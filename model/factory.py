@@ -1,0 +1,38 @@
+"""Which decoder class a config builds: ``architecture`` -> Gemma3 or Llama."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from model.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, *, params: dict | None = None, rngs: nnx.Rngs | None = None,
+                **kwargs) -> nnx.Module:
+    """The decoder for ``cfg`` with ``params`` (or random weights from ``rngs``).
+
+    kwargs: dtype, attention_impl (both decoders); moe_impl (Llama only).
+    """
+    if cfg.architecture == "gemma3":
+        from model.gemma3 import Gemma3
+
+        kwargs.pop("moe_impl", None)
+        return Gemma3(cfg, params=params, rngs=rngs, **kwargs)
+    from model.llama import Llama
+
+    return Llama(cfg, params=params, rngs=rngs, **kwargs)
+
+
+def abstract_params(cfg: ModelConfig, dtype="float32", **kwargs) -> dict[str, tuple]:
+    """Every parameter of the model ``build_model(cfg, dtype=dtype)`` would build, without
+    allocating it: ``{name: (shape, dtype, logical axes)}`` (``jax.eval_shape`` of the
+    random initialiser; norms and the router stay float32 whatever ``dtype``)."""
+    import jax.numpy as jnp
+
+    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype),
+                                               **kwargs))
+    out = {}
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        out[".".join(map(str, path))] = (tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype),
+                                         tuple(v.get_metadata()["logical_axes"]))
+    return out

@@ -1,0 +1,114 @@
+"""Building blocks shared by the decoders: RMSNorm, RoPE, matmuls and the paged attention block.
+
+``attention_block`` is the whole attention sub-layer of Gemma 3, Llama 3 and
+Qwen3-MoE over the paged KV cache: QKV projections, optional per-head QK-norm
+(Gemma 3, Qwen3), RoPE, the KV write, paged attention and the output
+projection. Decoders differ around it (norm placement, MLP, embeddings).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels_pallas.attention import paged_attention, write_kv_pages
+from kernels_pallas.kv_storage import logical_dtype
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x: [..., d] (computed in float32), scale: [d] (the full multiplier). Returns float32."""
+    x = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+
+
+def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None) -> jax.Array:
+    """[head_dim / 2] f32 inverse frequencies, with Llama 3.1's frequency-dependent
+    scaling when ``cfg.rope_scaling_factor`` is set (HF ``_compute_llama3_parameters``):
+    wavelengths above ``original_max_position / low_freq_factor`` are divided by
+    ``factor``, those below ``original_max_position / high_freq_factor`` kept, and
+    the band between interpolated smoothly."""
+    half = head_dim // 2
+    exponent = jnp.arange(half, dtype=jnp.float32) * (2.0 / head_dim)
+    inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)
+    if cfg is None or cfg.rope_scaling_factor is None:
+        return inv_freq
+    factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = float(cfg.rope_original_max_position)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = jnp.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+    return jnp.where(medium, smoothed, out)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | None = None) -> jax.Array:
+    """Rotary embedding, rotate-half (NeoX) pairing: element d pairs with d + head_dim/2.
+
+    Args:
+      x: [T, heads, head_dim] float32.
+      positions: [T] int32 absolute positions.
+      theta: RoPE base (python float or traced scalar).
+      cfg: only for RoPE scaling (see :func:`rope_inv_freq`); None: unscaled.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = rope_inv_freq(x.shape[-1], theta, cfg)  # [half]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """einsum with both inputs in the compute dtype and float32 accumulation."""
+    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter annotated with its logical axes (read by ``sharding/``)."""
+    return nnx.Param(value, logical_axes=axes)
+
+
+def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Array,
+                    v_cache: jax.Array, md: AttentionMetadata, layer, *, cfg: ModelConfig, theta,
+                    window, dtype, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention sub-layer of one layer (inside the layer scan).
+
+    Args:
+      h: [T, D] f32, the normed residual stream.
+      p: this layer's weights: wq [D, N, H], wk, wv [D, K, H], wo [N, H, D];
+        with ``cfg.qk_norm`` also q_norm, k_norm [H].
+      positions: [T] int32.
+      k_cache, v_cache: the stacked cache [layers, K, pages, page_size, H].
+      md: the step's attention metadata.
+      layer: int32 scalar, this layer's index into the cache.
+      theta: this layer's RoPE base; window: its sliding window (None or int32, <= 0: global).
+      dtype: matmul-input dtype; impl: ``kernels_pallas.attention`` implementation.
+
+    Returns:
+      (o [T, D] f32 before any post-norm, k_cache, v_cache).
+    """
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    T = h.shape[0]
+    # 2-D dots (heads folded into columns): XLA:CPU runs N-D bf16 einsums slowly.
+    q = dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
+    k = dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
+    v = dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q = apply_rope(q, positions, theta, cfg)
+    k = apply_rope(k, positions, theta, cfg)
+    k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
+    attn = paged_attention(
+        q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
+        scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
+    o = dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
+    return o, k_cache, v_cache

@@ -1,0 +1,164 @@
+"""Llama-family decoder in Flax NNX over the paged KV cache: Llama 3 and MoE (Mixtral, Qwen3-MoE).
+
+Architecture (Llama 3: Grattafiori et al. 2024; HF ``modeling_llama.py``)::
+
+    x = embed[tokens]
+    per layer:  h = x + attn(rms_norm(x))              GQA, RoPE (rotate-half; Llama 3.1 scaling)
+                x = h + ffn(rms_norm(h))
+    logits = rms_norm(x) @ lm_head                       (lm_head = embed.T when tied)
+
+``ffn`` is a SwiGLU MLP ``down(silu(gate(h)) * up(h))``, or with
+``cfg.num_experts > 0`` the mixture of experts of ``model.moe`` (Mixtral:
+8 experts, top-2; Qwen3-30B-A3B: 128 experts, top-8, with QK-norm). The
+attention sub-layer is Gemma 3's (``model.layers.attention_block``) without
+sliding windows or soft-caps.
+
+Layer weights are stacked on a leading ``layers`` axis and the decoder runs
+as one ``lax.scan``. Parameters carry logical axes for ``sharding/``; the
+model has no parallelism of its own (the MoE layer asks the ambient mesh
+whether to run expert-parallel, see ``model.moe.moe_ffn``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.layers import attention_block, dot, param, rms_norm
+from model.moe import MOE_IMPLS, moe_ffn
+
+
+def param_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Every parameter's (shape, logical axes).
+
+    L = layers, D = hidden, N = heads, K = kv heads, H = head_dim, F = mlp,
+    E = experts, Fe = expert mlp, V = vocab.
+    """
+    L, D, N, K, H, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim, cfg.vocab_size)
+    out = {
+        "embed": ((V, D), ("vocab", "embed")),
+        "final_norm": ((D,), ("embed",)),
+        "attn_norm": ((L, D), ("layers", "embed")),
+        "ffw_norm": ((L, D), ("layers", "embed")),
+        "wq": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+        "wk": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head"] = ((D, V), ("embed", "vocab"))
+    if cfg.qk_norm:
+        out["q_norm"] = ((L, H), ("layers", "head_dim"))
+        out["k_norm"] = ((L, H), ("layers", "head_dim"))
+    if cfg.is_moe:
+        E, Fe = cfg.num_experts, cfg.expert_mlp_dim
+        out["router"] = ((L, D, E), ("layers", "embed", None))
+        out["w_gate"] = ((L, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        out["w_up"] = ((L, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        out["w_down"] = ((L, E, Fe, D), ("layers", "expert", "mlp", "embed"))
+    else:
+        F = cfg.mlp_dim
+        out["w_gate"] = ((L, D, F), ("layers", "embed", "mlp"))
+        out["w_up"] = ((L, D, F), ("layers", "embed", "mlp"))
+        out["w_down"] = ((L, F, D), ("layers", "mlp", "embed"))
+    return out
+
+
+_LAYER_PARAMS = ("attn_norm", "ffw_norm", "q_norm", "k_norm", "wq", "wk", "wv", "wo", "router",
+                 "w_gate", "w_up", "w_down")
+
+
+class Llama(nnx.Module):
+    """Llama-family decoder (dense or MoE) with stacked layer weights; shapes in :func:`param_layout`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_impl: str = "auto",
+                 moe_impl: str = "auto", rngs: nnx.Rngs | None = None, params: dict | None = None):
+        """Builds the model from ``params`` (arrays in :func:`param_layout`, e.g.
+        from ``model.gguf_loader`` or an orbax checkpoint) or random weights from ``rngs``.
+
+        Raises:
+          ValueError: wrong architecture, unknown moe_impl, missing or misshapen parameters.
+        """
+        if cfg.architecture != "llama":
+            raise ValueError(f"Llama needs architecture: llama, got {cfg.architecture!r}")
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        self.cfg = cfg
+        self.dtype = dtype
+        self.attention_impl = attention_impl
+        self.moe_impl = moe_impl
+        if params is None:
+            params = init_random_params(cfg, rngs or nnx.Rngs(0))
+        layout = param_layout(cfg)
+        missing = set(layout) - set(params)
+        if missing:
+            raise ValueError(f"missing parameters: {sorted(missing)}")
+        for name, (shape, axes) in layout.items():
+            value = params[name]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
+            p_dtype = jnp.float32 if name.endswith("norm") or name == "router" else dtype
+            setattr(self, name, param(jnp.asarray(value, p_dtype), axes))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
+                 md: AttentionMetadata, logits_indices: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Same contract as ``model.gemma3.Gemma3.__call__``.
+
+        Args:
+          tokens: [T] int32; positions: [T] int32; kv_cache: all layers' pages;
+          md: attention metadata; logits_indices: [S] int32.
+
+        Returns:
+          (logits [S, vocab] f32, updated kv_cache).
+        """
+        cfg, dtype = self.cfg, self.dtype
+        x = self.embed[...][tokens].astype(jnp.float32)
+        layout = param_layout(cfg)
+        layer_params = {n: getattr(self, n)[...] for n in _LAYER_PARAMS if n in layout}
+        eps = cfg.rms_norm_eps
+        theta = cfg.rope_theta_global
+
+        def layer(carry, xs):
+            x, k_cache, v_cache = carry
+            p, l = xs
+            o, k_cache, v_cache = attention_block(
+                rms_norm(x, p["attn_norm"], eps), p, positions, k_cache, v_cache, md, l, cfg=cfg,
+                theta=theta, window=None, dtype=dtype, impl=self.attention_impl)
+            h = x + o
+            y = rms_norm(h, p["ffw_norm"], eps)
+            if cfg.is_moe:
+                y = moe_ffn(y, p, k=cfg.num_experts_per_tok, dtype=dtype, impl=self.moe_impl)
+            else:
+                y = dot("tf,fd->td", jax.nn.silu(dot("td,df->tf", y, p["w_gate"], dtype))
+                        * dot("td,df->tf", y, p["w_up"], dtype), p["w_down"], dtype)
+            return (h + y, k_cache, v_cache), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(
+            layer, (x, kv_cache.k, kv_cache.v), (layer_params, layer_ids))
+        x = rms_norm(x[logits_indices], self.final_norm[...], eps)
+        if cfg.tie_embeddings:
+            logits = dot("sd,vd->sv", x, self.embed[...], dtype)
+        else:
+            logits = dot("sd,dv->sv", x, self.lm_head[...], dtype)
+        return logits, KVCache(k_cache, v_cache)
+
+
+def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:
+    """Random float32 weights in :func:`param_layout` (normal / sqrt(fan_in); norms near 1)."""
+    out = {}
+    for name, (shape, _) in param_layout(cfg).items():
+        if name.endswith("norm"):
+            out[name] = 1.0 + 0.1 * jax.random.normal(rngs.params(), shape, jnp.float32)
+            continue
+        fan_in = {"wo": cfg.num_heads * cfg.head_dim, "embed": cfg.hidden_size}.get(
+            name, shape[-2] if name not in ("wq", "wk", "wv") else cfg.hidden_size)
+        out[name] = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+    return out

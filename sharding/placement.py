@@ -1,0 +1,81 @@
+"""NamedShardings for a model's parameters, its KV cache and the step's small arrays.
+
+Derived from the logical axes the model puts on its parameters
+(``nnx.Param(..., logical_axes=...)``) and on the KV cache
+(``sharding.rules.KV_CACHE_AXES``) through :class:`sharding.rules.ShardingRules`.
+Placing never materialises a full copy per device: arrays are put shard by
+shard (``jax.device_put`` with a NamedSharding), and the KV cache is created
+directly in its sharding by a jitted ``zeros``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharding.rules import KV_CACHE_AXES, ShardingRules
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> dict[str, NamedSharding]:
+    """``{flat name: NamedSharding}`` for every parameter of an NNX state (real or abstract).
+
+    Raises:
+      ValueError: a parameter without logical axes, or one the mesh cannot split (see rules).
+    """
+    out = {}
+    for path, v in nnx.to_flat_state(state):
+        name = ".".join(map(str, path))
+        axes = v.get_metadata().get("logical_axes")
+        if axes is None:
+            raise ValueError(f"parameter {name} has no logical_axes; the model must name them")
+        out[name] = NamedSharding(mesh, rules.spec(v.get_value().shape, axes, dict(mesh.shape), what=name))
+    return out
+
+
+def place_params(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
+    """The state with every parameter put on ``mesh`` in its NamedSharding (shard by shard)."""
+    shardings = param_shardings(state, mesh, rules)
+    flat = nnx.to_flat_state(state)
+    placed = []
+    for path, v in flat:
+        name = ".".join(map(str, path))
+        placed.append((path, v.replace(jax.device_put(v.get_value(), shardings[name]))))
+    return nnx.from_flat_state(placed)
+
+
+def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh, rules: ShardingRules) -> NamedSharding:
+    """The KV cache ``[layers, kv_heads, num_pages, page_size, head_dim]``: kv heads over
+    tensor where they divide it (else replicated), pages over data (each replica
+    holds its share of the pool)."""
+    return NamedSharding(mesh, rules.spec(shape, KV_CACHE_AXES, dict(mesh.shape), what="KV cache"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def sharded_zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
+    """Zeros created in place on their shards (no full host or single-device copy)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def abstract_targets(layout: dict[str, tuple], mesh: Mesh | None, rules: ShardingRules
+                     ) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{name: ShapeDtypeStruct(shape, dtype, sharding)}`` for a parameter layout
+    ``{name: (shape, dtype, logical axes)}`` (``model.factory.abstract_params``):
+    the restore target of a checkpoint on ``mesh`` (None: JAX's first device)."""
+    out = {}
+    for name, (shape, dtype, axes) in layout.items():
+        if mesh is None:
+            sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        else:
+            sh = NamedSharding(mesh, rules.spec(shape, axes, dict(mesh.shape), what=name))
+        out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    return out
