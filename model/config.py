@@ -15,6 +15,8 @@ import math
 from typing import Any, Mapping
 
 ARCHITECTURES = ("gemma3", "llama")
+GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen3", "qwen3moe")
+"""``general.architecture`` values ``from_gguf_metadata`` reads (llama.cpp's names)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,17 +133,30 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], name: str | None = None) -> "ModelConfig":
-        """Builds a config from GGUF key/value metadata (``gemma3.*`` keys).
+        """Builds a config from GGUF key/value metadata (``{arch}.*`` keys, llama.cpp names).
 
-        The local RoPE base (10k) is not stored in Gemma 3 GGUFs; it is the
-        architecture's constant (see the reference README).
+        ``general.architecture`` (one of ``GGUF_ARCHITECTURES``) picks the decoder:
+
+          * "gemma3" -> gemma3. The local RoPE base (10k) is not stored in
+            Gemma 3 GGUFs; it is the architecture's constant.
+          * "llama" (Llama 2/3, and Mixtral with ``llama.expert_count``),
+            "qwen3" and "qwen3moe" (QK-norm) -> llama. head_dim is
+            ``attention.key_length``, else ``rope.dimension_count``, else
+            hidden / heads; the expert width is ``expert_feed_forward_length``
+            (Qwen3-MoE), else ``feed_forward_length`` (Mixtral).
+
+        Not in the metadata, set by ``model.gguf_loader`` from the tensors:
+        ``tie_embeddings`` (whether ``output.weight`` exists; ``meta["tie_embeddings"]``
+        if given) and Llama 3.1 RoPE scaling (the ``rope_freqs`` tensor).
 
         Raises:
-          ValueError: the architecture is not gemma3 or a required key is missing.
+          ValueError: an unsupported architecture, a required key is missing, or
+            RoPE scaling / expert gating this decoder does not implement.
         """
         arch = meta.get("general.architecture")
-        if arch not in ("gemma3", "llama"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; this loader reads 'gemma3' and 'llama'")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; this loader reads "
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
 
         def get(key: str, default: Any = None) -> Any:
             full = f"{arch}.{key}"
@@ -159,35 +174,45 @@ class ModelConfig:
             num_layers=int(get("block_count")),
             hidden_size=hidden,
             num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv")),
-            mlp_dim=int(get("feed_forward_length")),
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             rope_theta_global=float(get("rope.freq_base", 10_000.0)),
             max_position=int(get("context_length")),
         )
-        if arch == "llama":
-            # Llama-family GGUFs (llama.cpp's "llama" covers Llama 2/3 and Mixtral).
-            # Llama 3.1 RoPE scaling is stored as a rope_freqs tensor, which this
-            # loader does not read yet: such GGUFs are refused by the loader.
-            experts = int(get("expert_count", 0) or 0)
-            mlp = common.pop("mlp_dim")
+        if arch == "gemma3":
+            head_dim = int(get("attention.key_length"))
             return cls(
-                name=name or "llama", architecture="llama", qk_norm=False,
-                head_dim=int(get("rope.dimension_count", hidden // num_heads)),
-                mlp_dim=0 if experts else mlp,
-                num_experts=experts,
-                num_experts_per_tok=int(get("expert_used_count", 0) or 0),
-                expert_mlp_dim=mlp if experts else 0,
-                sliding_window=0, sliding_window_pattern=0,
-                tie_embeddings=bool(meta.get("tie_embeddings", False)),
-                **common)
-        head_dim = int(get("attention.key_length"))
+                name=name or "gemma-3",
+                head_dim=head_dim,
+                mlp_dim=int(get("feed_forward_length")),
+                rope_theta_local=10_000.0,
+                sliding_window=int(get("attention.sliding_window")),
+                sliding_window_pattern=6,
+                query_pre_attn_scalar=float(head_dim),
+                **common,
+            )
+        scaling = get("rope.scaling.type", "none")
+        if scaling not in ("none", "linear") or (
+                scaling == "linear" and float(get("rope.scaling.factor", 1.0)) != 1.0):
+            raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported "
+                             "(only Llama 3.1 scaling, stored as a rope_freqs tensor)")
+        gating = int(get("expert_gating_func", 1))
+        if gating != 1:  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+            raise ValueError(f"GGUF {arch}.expert_gating_func={gating} is not supported (softmax only)")
+        head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0)
+                       or hidden // num_heads)
+        if int(get("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"GGUF {arch}: value head width differs from key head width")
+        experts = int(get("expert_count", 0) or 0)
+        mlp = 0 if experts else int(get("feed_forward_length"))
+        expert_mlp = int(get("expert_feed_forward_length", 0) or get("feed_forward_length")) if experts else 0
+        default_name = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3-moe"}[arch]
         return cls(
-            name=name or "gemma-3",
-            head_dim=head_dim,
-            rope_theta_local=10_000.0,
-            sliding_window=int(get("attention.sliding_window")),
-            sliding_window_pattern=6,
-            query_pre_attn_scalar=float(head_dim),
-            **common,
-        )
+            name=name or default_name, architecture="llama", qk_norm=arch in ("qwen3", "qwen3moe"),
+            head_dim=head_dim, mlp_dim=mlp,
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count", 0) or 0),
+            expert_mlp_dim=expert_mlp,
+            sliding_window=0, sliding_window_pattern=0,
+            tie_embeddings=bool(meta.get("tie_embeddings", False)),
+            **common)

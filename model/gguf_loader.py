@@ -1,9 +1,17 @@
-"""GGUF -> the Gemma3 parameter layout, with an on-disk cache of the result.
+"""GGUF -> the parameter layout of our decoders, with an on-disk cache of the result.
+
+One loader for every architecture ``ModelConfig.from_gguf_metadata`` reads,
+dispatched on ``general.architecture``: "gemma3" (``model.gemma3``), and
+"llama" (Llama 2/3, Mixtral), "qwen3", "qwen3moe" (``model.llama``, dense or
+MoE). The tensor names and layouts per architecture are in
+``model.gguf_tensor_map``, including the undoing of llama.cpp's Q/K row
+permutation for "llama" GGUFs.
 
 Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (the
-same routine the golden reference used). GGUF stores a linear layer as
-``[ne0 = in, ne1 = out]``, so the dequantized row-major array is ``(out, in)``
-and ``y = x @ W.T``; we transpose once here into einsum-friendly layouts.
+same routine the golden reference used; any type it supports: F16, Q8_0,
+Q4_K, ...). GGUF stores a linear layer as ``[ne0 = in, ne1 = out]``, so the
+dequantized row-major array is ``(out, in)`` and ``y = x @ W.T``; we transpose
+once here into einsum-friendly layouts.
 
 The dequantized float32 arrays are cached as ``.npy`` files (loaded with
 ``mmap_mode``) under ``cache_dir``, keyed by the GGUF's name, size and mtime,
@@ -22,33 +30,22 @@ from pathlib import Path
 
 import numpy as np
 
+from model import gguf_tensor_map as tmap
 from model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 1
-_LAYER_TENSORS = {
-    # ours: (gguf name, transform)
-    "attn_norm": ("attn_norm", "vector"),
-    "post_attn_norm": ("post_attention_norm", "vector"),
-    "ffw_norm": ("ffn_norm", "vector"),
-    "post_ffw_norm": ("post_ffw_norm", "vector"),
-    "q_norm": ("attn_q_norm", "vector"),
-    "k_norm": ("attn_k_norm", "vector"),
-    "wq": ("attn_q", "qkv"),
-    "wk": ("attn_k", "kv"),
-    "wv": ("attn_v", "kv"),
-    "wo": ("attn_output", "out"),
-    "w_gate": ("ffn_gate", "in"),
-    "w_up": ("ffn_up", "in"),
-    "w_down": ("ffn_down", "in"),
-}
 
 
-def _config_from_reader(reader, name: str | None) -> ModelConfig:
+def _config_from_reader(reader, name: str | None, tensors: dict) -> ModelConfig:
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith(("tokenizer.", "GGUF."))}
-    meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if "tokenizer.ggml.tokens" in reader.fields:
+        meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    elif "token_embd.weight" in tensors:  # GGUF shape is [D, V]
+        meta["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
+    meta["tie_embeddings"] = "output.weight" not in tensors
     return ModelConfig.from_gguf_metadata(meta, name=name)
 
 
@@ -64,21 +61,6 @@ def _dequantize(tensor) -> np.ndarray:
     return arr.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def _to_layout(arr: np.ndarray, kind: str, cfg: ModelConfig) -> np.ndarray:
-    D, H = cfg.hidden_size, cfg.head_dim
-    if kind == "vector":
-        return arr
-    if kind == "qkv":  # (N*H, D) -> [D, N, H]
-        return arr.T.reshape(D, cfg.num_heads, H)
-    if kind == "kv":  # (K*H, D) -> [D, K, H]
-        return arr.T.reshape(D, cfg.num_kv_heads, H)
-    if kind == "out":  # (D, N*H) -> [N, H, D]
-        return arr.T.reshape(cfg.num_heads, H, D)
-    if kind == "in":  # (out, in) -> [in, out]
-        return arr.T
-    raise ValueError(kind)
-
-
 def _cache_key(path: Path) -> str:
     st = path.stat()
     raw = f"{path.name}:{st.st_size}:{int(st.st_mtime)}:{_CACHE_FORMAT}"
@@ -91,22 +73,28 @@ def load_gguf(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Loads a Gemma 3 GGUF: its config and its weights in the Gemma3 layout.
+    """Loads a GGUF: its config and its weights in our decoder's layout.
 
     Args:
-      path: the GGUF file.
-      name: the served model name for the config (default "gemma-3").
+      path: the GGUF file (``general.architecture`` gemma3, llama, qwen3 or qwen3moe).
+      name: the served model name for the config (default per architecture,
+        e.g. "gemma-3", "llama").
       cache_dir: where the config and dequantized arrays are cached; None
         disables caching. A cache hit never opens the GGUF (parsing its
         262k-entry vocabulary alone takes ~12 s on a 2-core machine).
       progress: show a tqdm bar while dequantizing.
 
     Returns:
-      (config, {"embed": [V, D], "final_norm": [D], "wq": [L, D, N, H], ...})
-      with float32 numpy arrays; see ``model.gemma3.Gemma3`` for every shape.
+      (config, params) with float32 numpy arrays. gemma3: {"embed": [V, D],
+      "final_norm": [D], "wq": [L, D, N, H], ...}, see ``model.gemma3.Gemma3``;
+      llama family: ``model.llama.param_layout(config)``, e.g. wq [L, D, N, H]
+      (rows un-permuted for "llama"), lm_head [D, V] when untied, and for MoE
+      router [L, D, E], w_gate / w_up [L, E, D, F], w_down [L, E, F, D].
 
     Raises:
-      ValueError: not a gemma3 GGUF, or a tensor is missing / misshapen.
+      ValueError: an unsupported architecture (naming it), a missing tensor
+        (naming it), a tensor this decoder would ignore (e.g. biases, shared
+        experts), or unsupported RoPE scaling.
     """
     path = Path(path)
     cache = Path(cache_dir) / f"gguf-{_cache_key(path)}" if cache_dir is not None else None
@@ -123,34 +111,75 @@ def load_gguf(
 
     t0 = time.perf_counter()
     reader = GGUFReader(str(path))
-    cfg = _config_from_reader(reader, name)
     tensors = {t.name: t for t in reader.tensors}
+    cfg = _config_from_reader(reader, name, tensors)
+    arch = str(reader.fields["general.architecture"].contents())
+    used: set[str] = set()
 
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"GGUF {path.name} lacks tensor {name!r}")
-        return _dequantize(tensors[name])
+    def get(tname: str) -> np.ndarray:
+        if tname not in tensors:
+            raise ValueError(f"GGUF {path.name} ({arch}) lacks tensor {tname!r}")
+        used.add(tname)
+        return _dequantize(tensors[tname])
 
-    if "output.weight" in tensors:
-        raise ValueError("untied output.weight is not supported by the Gemma3 model")
-    total = 2 + cfg.num_layers * len(_LAYER_TENSORS)
+    if arch == "gemma3":
+        if "output.weight" in tensors:
+            raise ValueError("untied output.weight is not supported by the Gemma3 model")
+        layer_tensors = tmap.GEMMA3_LAYER_TENSORS
+    else:
+        layer_tensors = tmap.llama_layer_tensors(cfg.qk_norm, cfg.is_moe)
+        if "rope_freqs.weight" in tensors:
+            scaling = tmap.llama3_rope_scaling(
+                get("rope_freqs.weight"), cfg.head_dim, cfg.rope_theta_global,
+                _metadata_int(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+            if scaling:
+                cfg = dataclasses.replace(cfg, **scaling)
+    shape_kw = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim)
+    permuted = arch in tmap.PERMUTED_QK
+
+    def layer_tensor(i: int, theirs: str, kind: str) -> np.ndarray:
+        tname = f"blk.{i}.{theirs}.weight"
+        per_expert = f"blk.{i}.{theirs.removesuffix('_exps')}.{{}}.weight"
+        if kind == "experts" and tname not in tensors and per_expert.format(0) in tensors:
+            # older Mixtral GGUFs: one tensor per expert, blk.{i}.ffn_gate.{e}.weight
+            arr = np.stack([get(per_expert.format(e)) for e in range(cfg.num_experts)])
+        else:
+            arr = get(tname)
+        if permuted and theirs == "attn_q":
+            arr = tmap.unpermute_qk(arr, cfg.num_heads)
+        elif permuted and theirs == "attn_k":
+            arr = tmap.unpermute_qk(arr, cfg.num_kv_heads)
+        return tmap.to_layout(arr, kind, **shape_kw)
+
+    total = 3 + cfg.num_layers * len(layer_tensors)
     bar = tqdm(total=total, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
     params["embed"] = get("token_embd.weight")
-    bar.update()
     params["final_norm"] = get("output_norm.weight")
-    bar.update()
-    for ours, (theirs, kind) in _LAYER_TENSORS.items():
+    if not cfg.tie_embeddings:
+        params["lm_head"] = get("output.weight").T  # (V, D) -> [D, V]
+    bar.update(3)
+    for ours, (theirs, kind) in layer_tensors.items():
         stacked = []
         for i in range(cfg.num_layers):
-            stacked.append(_to_layout(get(f"blk.{i}.{theirs}.weight"), kind, cfg))
+            stacked.append(layer_tensor(i, theirs, kind))
             bar.update()
         params[ours] = np.stack(stacked)
     bar.close()
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"GGUF {path.name} ({arch}) has tensors this decoder does not use: "
+                         f"{unused[:8]}{' ...' if len(unused) > 8 else ''}")
     log.info("dequantized %s in %.1f s", path.name, time.perf_counter() - t0)
     if cache is not None:
         _save_cache(cache, cfg, params)
     return cfg, params
+
+
+def _metadata_int(reader, key: str, default: int) -> int:
+    field = reader.fields.get(key)
+    return int(field.contents()) if field is not None else default
 
 
 def _load_cache(d: Path) -> tuple[dict, dict[str, np.ndarray]] | None:

@@ -29,7 +29,11 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
 
     Args:
       name: a key of configs/models.yaml (e.g. "gemma-3-270m", "tiny-random",
-        "tiny-llama", "tiny-moe") or a path to a Gemma 3 .gguf file.
+        "tiny-llama", "tiny-moe") or a path to a .gguf file. The weights of any
+        architecture ``model.gguf_loader`` reads load, but the tokenizer is rebuilt
+        for Gemma-style SentencePiece vocabularies only, so a Llama / Mixtral /
+        Qwen3 GGUF is refused here (ValueError from ``Tokenizer.from_gguf``); use
+        ``xlaserve convert`` and ``--checkpoint`` for those.
       dtype: "float32" or "bfloat16" (weights and matmul inputs).
       attention_impl: see kernels_pallas.attention.
       progress: show a progress bar while dequantizing a GGUF.

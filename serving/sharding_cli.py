@@ -65,8 +65,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         cfg, params = load_gguf(args.source, name=Path(args.source).stem, cache_dir=None)
         try:
             tok = Tokenizer.from_gguf(args.source).serialized_model
-        except (ValueError, KeyError) as e:  # e.g. a BPE (Llama 3) vocabulary
-            log.warning("tokenizer not converted: %s", e)
+        except (ValueError, KeyError, RuntimeError) as e:
+            # Our tokenizer rebuilds Gemma-style SentencePiece vocabularies only: a Llama 3
+            # BPE ("gpt2") vocabulary or a Llama 2 / Mixtral one (no chat pieces) is refused.
+            log.warning("tokenizer not converted (the checkpoint will have none): %s", e)
             tok = None
     elif args.source in models and models[args.source].get("source") == "gguf-package":
         import importlib
@@ -135,6 +137,9 @@ def load_for_serving(cfg):
     params = restore_params(cfg.checkpoint, targets)
     model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype), attention_impl=cfg.attention_impl)
     spm = tokenizer_model(cfg.checkpoint)
+    if not spm:
+        log.warning("checkpoint %s has no tokenizer.model: using the tiny test vocabulary, so "
+                    "text in and out is not the model's (token ids are)", cfg.checkpoint)
     tok = Tokenizer(spm) if spm else Tokenizer.tiny(mcfg.vocab_size)
     log.info("restored %s from %s onto mesh %s in %.1f s", mcfg.name, cfg.checkpoint,
              mesh_cfg or "1x1x1", time.perf_counter() - t0)
