@@ -49,6 +49,18 @@ def _config_from_reader(reader, name: str | None, tensors: dict) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(meta, name=name)
 
 
+def read_gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig:
+    """The model config from a GGUF's metadata alone (no tensor is read).
+
+    Raises:
+      ValueError: an architecture or metadata the config does not support.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return _config_from_reader(reader, name, {t.name: t for t in reader.tensors})
+
+
 def _dequantize(tensor) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

@@ -153,7 +153,7 @@ def add_commands(sub) -> None:
     tset.add_argument("tenant")
     _add_limit_flags(tset)
     tset.add_argument("--models", help="comma-separated models the tenant may use (default: all)")
-    tlist = tsub.add_parser("list")
+    tlist = tsub.add_parser("list", help="list tenants with their limits and models")
     for p in (tset, tlist):
         db_flag(p)
     tenants.set_defaults(func=cmd_tenants)

@@ -107,9 +107,10 @@ def open_gateway_services(cfg):
     if not store.has_keys():
         if not _is_loopback(cfg.host) and not cfg.allow_unauthenticated:
             services.close()
+            db = f" --database-url {cfg.database_url}" if cfg.database_url else ""
             raise ValueError(
                 f"refusing to serve {cfg.host} without API keys: create one with "
-                "'xlaserve keys create --tenant NAME', or pass --allow-unauthenticated")
+                f"'xlaserve keys create --tenant NAME{db}', or pass --allow-unauthenticated")
         log.warning("no API keys configured: the API is open to anyone who can reach %s", cfg.host)
     return services
 
@@ -138,12 +139,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = load_server_config(args.config, **_overrides(
         args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated", "otel_traces",
-               "database_url", "prices")))
+               "database_url", "prices", "served_model_name")))
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
         return run_follower(cfg)
     services = open_gateway_services(cfg)  # before the engine: a refused start is quick
     try:
         loop, tokenizer, name = build_engine(cfg)
+        name = cfg.served_model_name or name
         app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
                                              max_model_len=loop.max_model_len)}, services)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--database-url", help="SQLAlchemy URL of the keys + usage ledger "
                        "(default: $XLASERVE_DATABASE_URL, else SQLite under the data dir)")
     serve.add_argument("--prices", help="price table YAML (default: configs/prices.yaml)")
+    serve.add_argument("--served-model-name", help="the model id clients send as \"model\" "
+                       "(default: the model's own name)")
     serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
                        help="serve a non-loopback address even though no API keys exist")
     serve.add_argument("--otel-traces", action="store_true", default=None,
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         handler.addFilter(RequestIdLogFilter())
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("xlaserve: interrupted", file=sys.stderr)
+        return 130
     except ValueError as e:  # bad settings: a clear message, not a traceback
         print(f"xlaserve: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
+    served_model_name: str | None = None
     database_url: str | None = None
     prices: str | None = None
     allow_unauthenticated: bool = False

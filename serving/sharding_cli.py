@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -22,6 +23,8 @@ def register(sub) -> None:
                                           "from a GGUF or a named random model")
     conv.add_argument("source", help="a .gguf path, or a name from configs/models.yaml")
     conv.add_argument("out_dir", help="output directory (created; must not hold a checkpoint)")
+    conv.add_argument("--name", help="the model name the checkpoint serves as (default: the "
+                      "configs/models.yaml name, or the GGUF file's stem)")
     conv.set_defaults(func=cmd_convert)
 
     sp = sub.add_parser("shard-plan", help="per-device memory and decode floor of a model on a mesh")
@@ -95,6 +98,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         tok = Tokenizer.tiny(cfg.vocab_size).serialized_model
     else:
         raise ValueError(f"convert: {args.source!r} is neither a .gguf file nor a model in configs/models.yaml")
+    if args.name:
+        cfg = dataclasses.replace(cfg, name=args.name)
     out = save_checkpoint(args.out_dir, cfg, params, tokenizer_model=tok)
     print(f"wrote {out} ({cfg.name}, {len(params)} arrays) in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -121,6 +126,8 @@ def load_for_serving(cfg):
     mesh = build_mesh(mesh_cfg) if mesh_cfg is not None and mesh_cfg.size > 1 else None
     if not cfg.checkpoint:
         model, tok = load_model(cfg.model, dtype=cfg.dtype, attention_impl=cfg.attention_impl)
+        if mesh_cfg is not None:
+            log.info("serving %s on mesh %s (%d devices)", model.cfg.name, mesh_cfg, mesh_cfg.size)
         return model, tok, mesh
     import jax.numpy as jnp
 

@@ -173,7 +173,8 @@ def plan(cfg: ModelConfig, mesh: MeshConfig, device: DeviceSpec, *, slots: int =
 
 def load_model_config(model: str) -> ModelConfig:
     """A model config from a YAML path, a ``configs/*.yaml`` name (e.g. "llama3-70b"),
-    or a ``configs/models.yaml`` entry with a ``config`` block (e.g. "tiny-moe").
+    a ``configs/models.yaml`` entry (e.g. "tiny-moe", or "gemma-3-270m" from its
+    GGUF's metadata), or a GGUF path.
 
     Raises:
       ValueError: unknown name or not a model config.
@@ -194,8 +195,18 @@ def load_model_config(model: str) -> ModelConfig:
     models = load_yaml_config("models.yaml")
     if model in models and "config" in models[model]:
         return ModelConfig.from_dict(models[model]["config"])
-    raise ValueError(f"unknown model config {model!r}: give a YAML path, a name from configs/ "
-                     f"(llama3-8b, llama3-70b, mixtral-8x7b, qwen3-30b-a3b) or a random model "
-                     f"from configs/models.yaml")
+    if model in models and models[model].get("source") == "gguf-package":
+        import importlib
+
+        from model.gguf_loader import read_gguf_config
+
+        return read_gguf_config(importlib.import_module(models[model]["package"]).assemble(), name=model)
+    if path.suffix == ".gguf" and path.is_file():
+        from model.gguf_loader import read_gguf_config
+
+        return read_gguf_config(path, name=path.stem)
+    raise ValueError(f"unknown model config {model!r}: give a YAML or GGUF path, a name from configs/ "
+                     f"(llama3-8b, llama3-70b, mixtral-8x7b, qwen3-30b-a3b) or a model from "
+                     f"configs/models.yaml")
 
 
