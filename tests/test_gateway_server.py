@@ -392,7 +392,10 @@ def test_ledger_survives_a_killed_server(tmp_path):
             rids.append(rid)
         proc.send_signal(signal.SIGKILL)  # no shutdown, no flush
         proc.wait()
-    with serve_process(SERVER_ARGS + ["--database-url", db], tmp_path / "b.log") as (_, url, _):
+    # Restarted under another served name: the old rows stay, keyed by the name they had.
+    with serve_process(SERVER_ARGS + ["--database-url", db, "--served-model-name", "renamed"],
+                       tmp_path / "b.log") as (_, url, _):
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]] == ["renamed"]
         usage = httpx.get(f"{url}/v1/usage", timeout=30).json()
         assert usage["totals"]["requests"] == 6 and usage["totals"]["incomplete"] == 0
         for rid in rids:

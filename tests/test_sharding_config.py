@@ -46,3 +46,12 @@ def test_shard_plan_cli(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["shard-plan", "--model", "mixtral-8x7b", "--mesh", "tensor=3", "--device", "h200"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_shard_plan_reads_the_default_models_config_from_its_gguf():
+    from sharding.plan import load_model_config
+
+    cfg = load_model_config("gemma-3-270m")
+    assert (cfg.name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("gemma-3-270m", 18, 4, 1)
+    with pytest.raises(ValueError, match="unknown model config"):
+        load_model_config("no-such-model")
