@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=cmd_generate)
 
+    from benchmarks.cli import register as register_bench  # xlaserve bench ... (source tree)
+    register_bench(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
