@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.attention import paged_attention, write_kv_pages
-from kernels_pallas.kv_storage import logical_dtype, storage_dtype
+from kernels_pallas.kv_storage import from_storage, logical_dtype, storage_dtype, to_storage
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 
@@ -92,8 +92,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta) -> jax.Array:
 
 
 def _dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    """einsum with both inputs in the compute dtype and float32 accumulation."""
-    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+    """einsum with both inputs in the compute dtype and float32 accumulation.
+
+    ``a``'s leading axis is the rows (tokens). XLA:CPU runs a one-row bfloat16
+    product (matrix-vector) ~10x slower than a two-row one, so a single bf16 row
+    is computed as two (benchmarks/RESULTS.md, 2026-11-30).
+    """
+    a, b = a.astype(dtype), b.astype(dtype)
+    if a.shape[0] == 1 and a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jnp.einsum(eq, jnp.concatenate([a, a]), b, preferred_element_type=jnp.float32)[:1]
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
 def _param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -154,7 +162,13 @@ class Gemma3(nnx.Module):
                 raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
             # Norm scales stay float32 (tiny, and precision-sensitive).
             p_dtype = jnp.float32 if name.endswith("norm") else dtype
-            setattr(self, name, _param(jnp.asarray(value, p_dtype), axes))
+            value = jnp.asarray(value, p_dtype)
+            if axes[0] == "layers":
+                # Stacked bfloat16 layer weights are held as uint16 bits on XLA:CPU, as the
+                # KV cache is (kernels_pallas.kv_storage): it slices a bf16 array in the layer
+                # scan ~10x slower than its bits (benchmarks/RESULTS.md, 2026-11-30).
+                value = to_storage(value, storage_dtype(p_dtype))
+            setattr(self, name, _param(value, axes))
         # The input lookup is not a matmul: with low-precision weights it reads a
         # float32 copy of the table, as the reference's bf16 simulation does
         # (only matmul inputs are rounded). The tied output head reads `embed`.
@@ -200,6 +214,7 @@ class Gemma3(nnx.Module):
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, l, window, theta = xs
+            p = {name: from_storage(w) for name, w in p.items()}  # uint16 bits -> bf16 (XLA:CPU)
             h = rms_norm(x, p["attn_norm"], eps)
             # 2-D dots (heads folded into columns): XLA:CPU runs N-D bf16 einsums slowly.
             T = h.shape[0]
