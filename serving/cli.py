@@ -62,7 +62,7 @@ def build_engine(cfg, warmup: bool = True):
         max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
         max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
         max_prefill_seqs=cfg.max_prefill_seqs,
-        min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
+        min_decode_batch=cfg.min_decode_batch or 1,
         kv_dtype=cfg.kv_dtype or cfg.dtype))
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
