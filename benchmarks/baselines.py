@@ -1,10 +1,10 @@
 """Baselines for the engine benchmark: llama.cpp and Hugging Face transformers on the same GGUF.
 
 Optional: neither is an install dependency of xlaserve. Install them into the
-same environment with (see benchmarks/RESULTS.md)::
+same environment (exact commands in benchmarks/RESULTS.md)::
 
-    pip install 'llama-cpp-python[server]==0.3.36'     # compiles llama.cpp (~10 min on 2 cores)
-    pip install torch==2.13.0 --index-url <the CPU wheel index>  'transformers>=5,<6'
+    pip install torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl   # torch's CPU build first
+    pip install -e '.[baselines]'   # llama-cpp-python[server] (compiles, ~10 min), transformers, accelerate
 
 Each runner takes prompts as token ids (``[N][prompt_len]``, the same ids our
 engine gets, so tokenizers cannot differ) and decodes ``new_tokens`` greedy

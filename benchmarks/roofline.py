@@ -6,8 +6,8 @@ The limits come from the machine the benchmark runs on, in the same run:
   write) and a JAX read (``sum(x)``); the larger of the two is the limit. On an
   accelerator whose kind is in :data:`PEAK_BANDWIDTH_GBS` the datasheet figure
   is the limit instead (the probe is printed beside it).
-* matmul rate: a ``[512, 2048] x [2048, 2048]`` product in the model's compute
-  dtype (float32, or bfloat16 inputs with float32 accumulation, as the model
+* matmul rate: a ``[512, 2048] x [2048, 2048]`` product (8192 cubed on an
+  accelerator) in the model's compute dtype (float32, or bfloat16 inputs with float32 accumulation, as the model
   runs it).
 
 A step's cost (:func:`step_cost`) counts the bytes it must move (every weight
@@ -97,7 +97,8 @@ def measure_limits(dtypes=("float32", "bfloat16"), mib: int = 256, iters: int = 
             bw, src = gbs, f"{name} datasheet"
     if bandwidth_override:
         bw, src = bandwidth_override, "given"
-    m, k, n = 512, 2048, 2048
+    # Large enough to be compute-bound: a few ms on a 2-core CPU, ~1 ms on an H200.
+    m, k, n = (512, 2048, 2048) if jax.default_backend() == "cpu" else (8192, 8192, 8192)
     mm = {}
     for name in dtypes:
         dt = jnp.dtype(name)
