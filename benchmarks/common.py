@@ -16,7 +16,7 @@ def build_engine(model: str, dtype: str = "float32", **engine_overrides):
     enable_compilation_cache()
     m, tok = load_model(model, dtype=dtype, progress=False)
     cfg = dict(max_slots=32, num_pages=2048, max_model_len=min(8192, m.cfg.max_position),
-               min_decode_batch=1 if dtype == "float32" else 8)
+               min_decode_batch=1)
     cfg.update(engine_overrides)
     return Engine(m, EngineConfig(**cfg)), tok
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.roofline import PEAK_BANDWIDTH_GBS, measure_limits  # noqa: F401 (re-exported)
 from kernels_pallas.attention import paged_attention
 from kernels_pallas.kv_storage import storage_dtype
 from kernels_pallas.paged_attention_xla import write_kv_pages
@@ -47,23 +48,12 @@ HEAD_CONFIGS = {  # name: (num_heads, kv_heads, head_dim)
     "gemma3-270m": (4, 1, 256),
     "llama3-8b": (32, 8, 128),
 }
-PEAK_BANDWIDTH_GBS = {  # HBM bandwidth by device kind (substring match), GB/s
-    "H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "TPU v5 lite": 819.0, "TPU v6": 1640.0,
-}
 
 
 def device_bandwidth_gbs(override: float | None) -> tuple[float, str]:
-    if override:
-        return override, "given"
-    kind = jax.devices()[0].device_kind
-    for name, gbs in PEAK_BANDWIDTH_GBS.items():
-        if name in kind:
-            return gbs, f"{kind} datasheet"
-    x = jnp.ones((256 * 1024 * 1024 // 4,), jnp.float32)  # 256 MiB
-    copy = jax.jit(lambda a: a + 1.0)
-    copy(x).block_until_ready()
-    t = _median_time(lambda: copy(x), 5)
-    return 2 * x.nbytes / t / 1e9, f"{kind}, measured copy"
+    """(GB/s, where the figure comes from): a datasheet figure, the override, or the copy probe."""
+    limits = measure_limits(dtypes=(), bandwidth_override=override)
+    return limits.bandwidth_gbs, f"{limits.device}, {limits.bandwidth_source}"
 
 
 def _median_time(fn, iters: int) -> float:

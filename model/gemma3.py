@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.kv_storage import from_storage, storage_dtype, to_storage
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.kv_cache import KVCache
@@ -95,7 +96,13 @@ class Gemma3(nnx.Module):
                 raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
             # Norm scales stay float32 (tiny, and precision-sensitive).
             p_dtype = jnp.float32 if name.endswith("norm") else dtype
-            setattr(self, name, _param(jnp.asarray(value, p_dtype), axes))
+            value = jnp.asarray(value, p_dtype)
+            if axes[0] == "layers":
+                # Stacked bfloat16 layer weights are held as uint16 bits on XLA:CPU, as the
+                # KV cache is (kernels_pallas.kv_storage): it slices a bf16 array in the layer
+                # scan ~10x slower than its bits (benchmarks/RESULTS.md, 2026-11-30).
+                value = to_storage(value, storage_dtype(p_dtype))
+            setattr(self, name, _param(value, axes))
         # The input lookup is not a matmul: with low-precision weights it reads a
         # float32 copy of the table, as the reference's bf16 simulation does
         # (only matmul inputs are rounded). The tied output head reads `embed`.
@@ -140,6 +147,7 @@ class Gemma3(nnx.Module):
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, l, window, theta = xs
+            p = {name: from_storage(w) for name, w in p.items()}  # uint16 bits -> bf16 (XLA:CPU)
             h = rms_norm(x, p["attn_norm"], eps)
             o, k_cache, v_cache = attention_block(
                 h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,

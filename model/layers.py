@@ -67,8 +67,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | Non
 
 
 def dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    """einsum with both inputs in the compute dtype and float32 accumulation."""
-    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+    """einsum with both inputs in the compute dtype and float32 accumulation.
+
+    ``a``'s leading axis is the rows (tokens). XLA:CPU runs a one-row bfloat16
+    product (matrix-vector) ~10x slower than a two-row one, so a single bf16 row
+    is computed as two (benchmarks/RESULTS.md, 2026-11-30).
+    """
+    a, b = a.astype(dtype), b.astype(dtype)
+    if a.shape[0] == 1 and a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jnp.einsum(eq, jnp.concatenate([a, a]), b, preferred_element_type=jnp.float32)[:1]
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:

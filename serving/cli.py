@@ -71,7 +71,7 @@ def build_engine(cfg, warmup: bool = True):
         max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
         max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
         max_prefill_seqs=cfg.max_prefill_seqs,
-        min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
+        min_decode_batch=cfg.min_decode_batch or 1,
         kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh, lockstep=lockstep_for(mesh))
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     from serving.sharding_cli import register as register_sharding_commands
 
     register_sharding_commands(sub)  # convert, shard-plan
+
+    from benchmarks.cli import register as register_bench  # xlaserve bench ... (source tree)
+    register_bench(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

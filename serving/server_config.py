@@ -22,7 +22,7 @@ class ServerConfig:
     model: str = "gemma-3-270m"
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     kv_dtype: str | None = None
     max_model_len: int = 8192
     max_slots: int = 32

@@ -297,3 +297,17 @@ def test_from_rows_pads_with_greedy_rows_and_wraps_seeds():
     np.testing.assert_array_equal(s.top_p, np.array([0.9, 1, 1, 1], np.float32))
     assert s.seed.dtype == np.uint32
     np.testing.assert_array_equal(s.seed, [2**32 - 1, 3, 0, 0])
+
+
+@SETTINGS
+@given(st.integers(0, 2**32 - 1), st.sampled_from([4096, 8192, 300]), st.integers(0, 6))
+def test_blocked_argmax_is_argmax_with_ties(seed, vocab, ties):
+    """argmax_rows == jnp.argmax (first index of the max), including ties across blocks and -inf rows."""
+    from serving.sampling import argmax_rows
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-5, 5, (5, vocab)).astype(np.float32)  # small ints: many ties
+    x[0, rng.integers(0, vocab, ties)] = 10.0  # several maxima, possibly in different blocks
+    x[1] = -np.inf
+    got = np.asarray(jax.jit(lambda a: argmax_rows(a, block=1024))(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

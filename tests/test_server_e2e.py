@@ -84,6 +84,7 @@ def server(tmp_path_factory) -> ServerProcess:
         sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve",
         "--port", str(port), "--max-slots", "8", "--num-pages", "1024",
         "--max-model-len", str(MAX_MODEL_LEN), "--database-url", f"sqlite:///{tmp / 'ledger.db'}",
+        "--dtype", "float32",  # the golden checks below are float32 claims (bf16: test_engine_gemma)
     ]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=dict(os.environ),
