@@ -98,7 +98,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         tok = Tokenizer.tiny(cfg.vocab_size).serialized_model
     else:
         raise ValueError(f"convert: {args.source!r} is neither a .gguf file nor a model in configs/models.yaml")
-    if args.name:
+    if getattr(args, "name", None):
         cfg = dataclasses.replace(cfg, name=args.name)
     out = save_checkpoint(args.out_dir, cfg, params, tokenizer_model=tok)
     print(f"wrote {out} ({cfg.name}, {len(params)} arrays) in {time.perf_counter() - t0:.1f} s")
