@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.roofline import PEAK_BANDWIDTH_GBS, measure_limits  # noqa: F401 (re-exported)
+from benchmarks.roofline import PEAK_BANDWIDTH_GBS, measure_limits, median_time  # noqa: F401 (re-exported)
 from kernels_pallas.attention import paged_attention
 from kernels_pallas.kv_storage import storage_dtype
 from kernels_pallas.paged_attention_xla import write_kv_pages
@@ -54,15 +54,6 @@ def device_bandwidth_gbs(override: float | None) -> tuple[float, str]:
     """(GB/s, where the figure comes from): a datasheet figure, the override, or the copy probe."""
     limits = measure_limits(dtypes=(), bandwidth_override=override)
     return limits.bandwidth_gbs, f"{limits.device}, {limits.bandwidth_source}"
-
-
-def _median_time(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_case(kind, batch, context, page_size, heads, dtype, chunk=512, seed=0):
@@ -151,7 +142,7 @@ def main(argv=None) -> None:
             try:
                 out = fns[impl](q, k, v, md)
                 err = float(np.abs(np.asarray(out.astype(jnp.float32)) - ref).max())
-                t = _median_time(lambda: fns[impl](q, k, v, md), args.iters)
+                t = median_time(lambda: fns[impl](q, k, v, md), args.iters)
             except Exception as e:  # a lowering or launch failure is a result too
                 print(f"{kind:7} {h:12} {b:5} {c:5} {ps:4} {impl:7} FAILED: {type(e).__name__}: {str(e)[:200]}")
                 continue
