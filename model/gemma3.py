@@ -34,7 +34,7 @@ from kernels_pallas.kv_storage import from_storage, storage_dtype, to_storage
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.layers import apply_rope, attention_block, dot, param, rms_norm
+from model.layers import apply_rope, attention_block, check_params, dot, param, rms_norm
 
 __all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
 
@@ -87,13 +87,9 @@ class Gemma3(nnx.Module):
             "w_up": ((L, D, F), ("layers", "embed", "mlp")),
             "w_down": ((L, F, D), ("layers", "mlp", "embed")),
         }
-        missing = set(expected) - set(params)
-        if missing:
-            raise ValueError(f"missing parameters: {sorted(missing)}")
-        for name, (shape, axes) in expected.items():
+        check_params(params, expected)
+        for name, (_, axes) in expected.items():
             value = params[name]
-            if tuple(value.shape) != shape:
-                raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
             # Norm scales stay float32 (tiny, and precision-sensitive).
             p_dtype = jnp.float32 if name.endswith("norm") else dtype
             value = jnp.asarray(value, p_dtype)

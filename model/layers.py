@@ -79,6 +79,20 @@ def dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
+def check_params(params, layout) -> None:
+    """Checks that `params` has every entry of `layout` ({name: (shape, axes)}) at its shape.
+
+    Raises:
+      ValueError: naming the missing parameters, or the first one with a wrong shape.
+    """
+    missing = set(layout) - set(params)
+    if missing:
+        raise ValueError(f"missing parameters: {sorted(missing)}")
+    for name, (shape, _) in layout.items():
+        if tuple(params[name].shape) != tuple(shape):
+            raise ValueError(f"parameter {name} has shape {tuple(params[name].shape)}, expected {shape}")
+
+
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """A parameter annotated with its logical axes (read by ``sharding/``)."""
     return nnx.Param(value, logical_axes=axes)

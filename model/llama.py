@@ -30,7 +30,7 @@ from flax import nnx
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.layers import attention_block, dot, param, rms_norm
+from model.layers import attention_block, check_params, dot, param, rms_norm
 from model.moe import MOE_IMPLS, moe_ffn
 
 
@@ -97,13 +97,9 @@ class Llama(nnx.Module):
         if params is None:
             params = init_random_params(cfg, rngs or nnx.Rngs(0))
         layout = param_layout(cfg)
-        missing = set(layout) - set(params)
-        if missing:
-            raise ValueError(f"missing parameters: {sorted(missing)}")
-        for name, (shape, axes) in layout.items():
+        check_params(params, layout)
+        for name, (_, axes) in layout.items():
             value = params[name]
-            if tuple(value.shape) != shape:
-                raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
             p_dtype = jnp.float32 if name.endswith("norm") or name == "router" else dtype
             setattr(self, name, param(jnp.asarray(value, p_dtype), axes))
 
