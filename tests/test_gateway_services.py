@@ -295,3 +295,18 @@ async def test_request_id_is_in_every_gateway_log_line(caplog, services):
     lines = [handler.format(r) for r in caplog.records if r.name == "xlaserve.gateway"]
     assert lines and all("[log-rid-1]" in line for line in lines), lines
     assert not any("secret prompt" in line for line in lines)  # no text unless log_text is on
+
+
+def test_chained_output_filters_each_see_the_previous_ones_text():
+    chain = Policies(output_policies=[BlocklistPolicy(["zap"]), BlocklistPolicy(["bam"])]).output_filter()
+    sent = ""
+    for piece in ["a b", "a", "m c"]:  # "bam" only clears both hold-backs at the end
+        out, stopped = chain.feed(piece)
+        sent += out
+        assert not stopped
+    out, stopped = chain.flush()
+    assert stopped and sent + out == "a "
+    chain = Policies(output_policies=[BlocklistPolicy(["zap"]), BlocklistPolicy(["bam"])]).output_filter()
+    out, stopped = chain.feed("clean text ba")
+    rest, stopped2 = chain.flush()
+    assert not stopped and not stopped2 and out + rest == "clean text ba"

@@ -134,23 +134,24 @@ class _Chain:
         self.filters = list(filters)
 
     def feed(self, text: str) -> tuple[str, bool]:
-        stop = False
         for f in self.filters:
-            text, s = f.feed(text)
-            stop = stop or s
+            text, stop = f.feed(text)
             if stop:
-                break
-        return text, stop
+                return text, True
+        return text, False
 
     def flush(self) -> tuple[str, bool]:
-        text, stop = "", False
+        """Each filter gets what the previous one released at the end, then flushes."""
+        text = ""
         for f in self.filters:
+            out, stop = f.feed(text) if text else ("", False)
+            if not stop:
+                rest, stop = f.flush()
+                out += rest
+            text = out
             if stop:
-                break
-            fed, s = f.feed(text) if text else ("", False)
-            rest, s2 = f.flush()
-            text, stop = fed + rest, s or s2
-        return text, stop
+                return text, True
+        return text, False
 
 
 class Policies:
