@@ -1,0 +1,116 @@
+"""The step plan: what the scheduler hands the engine each step, as plain value records.
+
+A plan is decided on the host (``serving.scheduler``, no JAX) and executed on
+device (``serving.engine``); it holds no live request objects, so the engine
+loop, the real engine and the scheduler tests' fake engine all read the same
+facts from it: which slot, which positions, which token ids, which pages::
+
+    prefill row:  tokens [start, start + len(token_ids)) of one sequence      (a prompt chunk,
+                  K/V written into page_ids; samples the next token if         a recompute after
+                  ``samples`` (the chunk ends the sequence's known tokens)     preemption, or the
+                                                                               rest after a prefix hit)
+    decode row:   one token at ``position``: the token the previous step sampled
+                  into ``slot`` on device (the host need not have read it back)
+
+Positions are absolute (0 = the first prompt token). ``page_ids`` lists the
+sequence's pages in order and covers at least every position the row writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """One row's sampling settings (host side; the engine packs them into device arrays).
+
+    Attributes:
+      temperature: 0.0 = greedy (argmax); otherwise logits are divided by it.
+      top_k: keep the k most likely tokens; 0 = off.
+      top_p: nucleus mass in (0, 1]; 1.0 = off.
+      seed: the request's seed, taken modulo 2**32; the random stream is keyed by
+        (seed, position), so a sample never depends on batch neighbours.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+GREEDY = SamplingSettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRow:
+    """One sequence's share of a prefill step.
+
+    Attributes:
+      request_id: the request the row belongs to.
+      slot: the slot it runs in (its sampled token is kept there on device).
+      start: position of the first of ``token_ids`` (tokens before it are in the cache).
+      token_ids: the token ids to compute, in order.
+      page_ids: the sequence's pages in order, covering positions < start + len(token_ids).
+      samples: whether the step samples a token after this row (it ends the known tokens).
+      sampling: the request's sampling settings (used when ``samples``).
+    """
+
+    request_id: str
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    page_ids: tuple[int, ...]
+    samples: bool
+    sampling: SamplingSettings = GREEDY
+
+    @property
+    def end(self) -> int:
+        """Tokens in the cache after this row (start + number of tokens)."""
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """One running sequence's share of a decode step.
+
+    Attributes:
+      request_id: the request the row belongs to.
+      slot: its slot; the input token is the one the previous step sampled into it.
+      position: the input token's position (= tokens in the cache before this step).
+      page_ids: the sequence's pages in order, covering positions <= position.
+      sampling: the request's sampling settings.
+    """
+
+    request_id: str
+    slot: int
+    position: int
+    page_ids: tuple[int, ...]
+    sampling: SamplingSettings = GREEDY
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one engine step runs.
+
+    Attributes:
+      decode: one row per running sequence that feeds its last sampled token
+        (one budget token each).
+      prefill: prompt / recompute chunks (their token counts fill the rest of the budget).
+      preempted: ids of requests preempted while planning (already back in the waiting queue).
+      needs_sync: preemption was needed while tokens are in flight; read them
+        back and plan again (nothing was planned).
+    """
+
+    decode: list[DecodeRow] = dataclasses.field(default_factory=list)
+    prefill: list[PrefillRow] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+    needs_sync: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the step: decode rows plus prefill tokens."""
+        return len(self.decode) + sum(len(r.token_ids) for r in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
