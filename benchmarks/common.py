@@ -9,7 +9,8 @@ from serving.engine_client import EngineRequest, SamplingParams
 
 def build_engine(model: str, dtype: str = "float32", **engine_overrides):
     """(Engine, tokenizer) with the server's defaults, overridden by engine_overrides."""
-    from serving.engine import Engine, EngineConfig
+    from serving.engine import Engine
+    from serving.engine_config import EngineConfig
     from serving.model_registry import load_model
     from serving.server_config import enable_compilation_cache
 

@@ -50,8 +50,6 @@ import numpy as np
 from benchmarks.roofline import fractions, measure_limits, roofline_line, step_cost
 from model.config import ModelConfig
 
-GREEDY = (0.0, 0, 1.0, 0)
-
 SHAPES = {
     # Gemma 3 270M's shapes (reference README).
     "gemma3-270m": ModelConfig(
@@ -95,7 +93,8 @@ def load_named_model(name: str, dtype: str):
 def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: int = 16,
                 prefill_chunk: int = 512):
     """An Engine sized for ``max_slots`` sequences of ``max_context`` tokens, KV in ``dtype``."""
-    from serving.engine import Engine, EngineConfig
+    from serving.engine import Engine
+    from serving.engine_config import EngineConfig
 
     per_seq = -(-max_context // page_size)
     max_len = page_size * 2 ** math.ceil(math.log2(max(per_seq, 1)))
@@ -107,11 +106,11 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
 
 def time_decode(engine, slots: int, context: int, steps: int, repeats: int) -> float:
     """Seconds per decode step for ``slots`` rows at ``context`` tokens (median of repeats)."""
-    from serving.engine import DecodeRow
+    from serving.step_plan import DecodeRow
 
     ps = engine.cfg.page_size
     per_seq = -(-context // ps)
-    rows = [DecodeRow(s, context - 1, list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)), GREEDY)
+    rows = [DecodeRow(f"bench-{s}", s, context - 1, tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)))
             for s in range(slots)]
     jax.block_until_ready(engine.decode(rows))  # compile (or cache hit) and warm up
     jax.block_until_ready(engine.decode(rows))
@@ -127,17 +126,17 @@ def time_decode(engine, slots: int, context: int, steps: int, repeats: int) -> f
 
 def time_prefill(engine, tokens: int, repeats: int) -> float:
     """Seconds for one prefill step of a ``tokens``-token prompt at position 0 (median)."""
-    from serving.engine import PrefillChunk
+    from serving.step_plan import PrefillRow
 
     ps = engine.cfg.page_size
-    pages = list(range(1, 1 + -(-tokens // ps)))
-    ids = [(7 * i + 3) % engine.model_cfg.vocab_size for i in range(tokens)]
-    chunk = PrefillChunk(0, ids, 0, pages, GREEDY)
-    jax.block_until_ready(engine.prefill([chunk]))
+    pages = tuple(range(1, 1 + -(-tokens // ps)))
+    ids = tuple((7 * i + 3) % engine.model_cfg.vocab_size for i in range(tokens))
+    row = PrefillRow("bench", 0, 0, ids, pages, samples=True)
+    jax.block_until_ready(engine.prefill([row]))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(engine.prefill([chunk]))
+        jax.block_until_ready(engine.prefill([row]))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -168,7 +167,7 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
                 report["decode"].append(dict(slots=B, context=C, dtype=dt, seconds=t, tokens_per_s=B / t,
                                              **fractions(cost, t, limits, dt)))
     for eng in engines.values():
-        del eng.kv_cache
+        del eng.state
 
 
 # -- end to end with baselines ------------------------------------------------------------------

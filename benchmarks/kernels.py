@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.roofline import PEAK_BANDWIDTH_GBS, measure_limits, median_time  # noqa: F401 (re-exported)
-from kernels_pallas.attention import paged_attention
+from kernels_pallas.attention import paged_attention, select_attention
 from kernels_pallas.kv_storage import storage_dtype
 from kernels_pallas.paged_attention_xla import write_kv_pages
 from model.attention_metadata import AttentionMetadata
@@ -81,7 +81,7 @@ def time_kv_write(batch, heads, dtype, page_size=16, num_pages=4096, layers=18, 
     """Seconds for one decode step's KV write into the stacked, donated cache (all layers)."""
     _, kv_heads, head_dim = heads
     shape = (layers, kv_heads, num_pages, page_size, head_dim)
-    stored = storage_dtype(dtype)  # as the engine stores it (bf16 as uint16 bits on XLA:CPU)
+    stored = storage_dtype(dtype, jax.default_backend())  # as the engine stores it (bf16 as bits on CPU)
     kc, vc = jnp.zeros(shape, stored), jnp.zeros(shape, stored)
     new = jnp.ones((batch, kv_heads, head_dim), dtype)
     slots = jnp.arange(batch, dtype=jnp.int32) * page_size + page_size
@@ -135,7 +135,8 @@ def main(argv=None) -> None:
             continue  # a prefill step holds a few sequences, not a decode batch
         (q, k, v, md), nbytes = make_case(kind, b, c, ps, HEAD_CONFIGS[h], dtype)
         scale = HEAD_CONFIGS[h][2] ** -0.5
-        fns = {impl: jax.jit(functools.partial(paged_attention, scale=scale, impl=impl))
+        fns = {impl: jax.jit(functools.partial(paged_attention, scale=scale,
+                                               config=select_attention(impl, jax.default_backend())))
                for impl in ("xla", "pallas")}
         ref = np.asarray(fns["xla"](q, k, v, md).astype(jnp.float32))
         for impl in args.impls:

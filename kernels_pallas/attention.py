@@ -1,21 +1,31 @@
 """The one dispatch point for paged attention.
 
-``attention_impl``:
-  * "xla": the pure-XLA reference (``paged_attention_xla``), the CPU path.
-  * "pallas": the Pallas kernels. On TPU the Mosaic kernels
-    (``paged_attention_tpu``: scalar-prefetched page tables, one page per grid
-    step); elsewhere the GPU-style kernels (``paged_decode_pallas``,
-    ``paged_prefill_pallas``), lowered with Triton on GPUs and run in interpret
-    mode on CPU (tests).
-  * "auto": "xla" everywhere for now: the Pallas kernels become the default on
-    GPU and TPU once they have been run and timed there (benchmarks/RESULTS.md).
-The model calls only :func:`paged_attention` and :func:`write_kv_pages`.
+The model calls only :func:`paged_attention` and :func:`write_kv_pages`; which
+implementation runs is an :class:`AttentionConfig` that the engine's backend
+policy chose once, with :func:`select_attention`, from the user's setting and
+the platform (no function here asks JAX which platform it is on)::
+
+    attention_impl   platform   kernel
+    "xla"            any        the pure-XLA reference (``paged_attention_xla``)
+    "auto"           any        "xla" for now: the Pallas kernels become the default on GPU
+                                and TPU once they have been run and timed there
+                                (benchmarks/RESULTS.md)
+    "pallas"         tpu        Mosaic kernels (``paged_attention_tpu``: scalar-prefetched
+                                page tables, one page per grid step)
+    "pallas"         gpu        Triton-style kernels (``paged_decode_pallas``, ``paged_prefill_pallas``)
+    "pallas"         cpu        the same Triton-style kernels in the Pallas interpreter (tests)
+
+Block sizes come from ``kernels_pallas.block_sizes``, the row of the platform
+the kernel runs on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
+from kernels_pallas.block_sizes import decode_block_sizes, prefill_block_sizes
 from kernels_pallas.paged_attention_tpu import (
     paged_decode_attention_tpu,
     paged_prefill_attention_tpu,
@@ -29,8 +39,51 @@ from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
 from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
+KERNELS = ("xla", "mosaic", "triton")
+PLATFORMS = ("cpu", "gpu", "tpu")
 
-__all__ = ["ATTENTION_IMPLS", "paged_attention", "write_kv_pages"]
+__all__ = ["ATTENTION_IMPLS", "AttentionConfig", "paged_attention", "select_attention", "write_kv_pages"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How paged attention runs (static: part of every compiled step).
+
+    Attributes:
+      kernel: "xla" (the reference), "mosaic" (Pallas on TPU) or "triton" (Pallas on GPU).
+      interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
+      block_sizes_row: the row of ``kernels_pallas.block_sizes`` to use: "cpu", "gpu" or "tpu".
+    """
+
+    kernel: str = "xla"
+    interpret: bool = False
+    block_sizes_row: str = "gpu"
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+
+def select_attention(impl: str, platform: str) -> AttentionConfig:
+    """The attention configuration for a user setting on a platform.
+
+    Args:
+      impl: one of ATTENTION_IMPLS ("auto", "xla", "pallas").
+      platform: "cpu", "gpu" (also "cuda", "rocm") or "tpu".
+
+    Raises:
+      ValueError: an unknown impl or platform.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; one of {PLATFORMS}")
+    if impl in ("auto", "xla"):
+        return AttentionConfig("xla", block_sizes_row=platform)
+    if platform == "tpu":
+        return AttentionConfig("mosaic", block_sizes_row="tpu")
+    return AttentionConfig("triton", interpret=platform == "cpu", block_sizes_row=platform)
 
 
 def paged_attention(
@@ -43,38 +96,44 @@ def paged_attention(
     sliding_window=None,
     soft_cap: float | None = None,
     layer=None,
-    impl: str = "auto",
+    config: AttentionConfig = AttentionConfig(),
 ) -> jax.Array:
     """Attention of a step's queries over the paged KV cache.
 
     Args:
       q: [T, num_heads, head_dim]: one row per slot in decode mode, the ragged
         chunk tokens in prefill mode.
-      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], already
-        holding this step's K/V.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] (or the stacked
+        [layers, ...] cache with ``layer``), already holding this step's K/V.
       md: ``model.attention_metadata.AttentionMetadata``.
       scale, sliding_window, soft_cap, layer: see ``paged_attention_xla``.
-      impl: one of ATTENTION_IMPLS.
+      config: which implementation and block sizes (see :func:`select_attention`).
 
     Returns:
       [T, num_heads, head_dim] in q's dtype.
 
     Raises:
-      ValueError: unknown impl or mode.
+      ValueError: unknown attention mode.
     """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if md.mode not in ("decode", "prefill"):
         raise ValueError(f"unknown attention mode {md.mode!r}")
-    backend = jax.default_backend()
-    kernel = "xla" if impl in ("auto", "xla") else ("tpu" if backend == "tpu" else "triton")
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
-    if kernel == "triton":
-        opts["interpret"] = backend == "cpu"
+    head_dim, page_size = q.shape[-1], k_pages.shape[-2]
+    if config.kernel != "xla":
+        opts["interpret"] = config.interpret
+    if config.kernel == "triton":
+        if md.mode == "decode":
+            opts["pages_per_block"] = decode_block_sizes(
+                config.block_sizes_row, head_dim, page_size).pages_per_block
+        else:
+            sizes = prefill_block_sizes(config.block_sizes_row, head_dim, page_size)
+            opts.update(block_q=sizes.block_q, pages_per_block=sizes.pages_per_block)
+    elif config.kernel == "mosaic" and md.mode == "prefill":
+        opts["block_q"] = prefill_block_sizes(config.block_sizes_row, head_dim, page_size).block_q
     if md.mode == "decode":
-        fn = {"xla": paged_decode_attention_xla, "tpu": paged_decode_attention_tpu,
-              "triton": paged_decode_attention_pallas}[kernel]
+        fn = {"xla": paged_decode_attention_xla, "mosaic": paged_decode_attention_tpu,
+              "triton": paged_decode_attention_pallas}[config.kernel]
         return fn(q, k_pages, v_pages, md.kv_lens, md.page_table, **opts)
-    fn = {"xla": paged_prefill_attention_xla, "tpu": paged_prefill_attention_tpu,
-          "triton": paged_prefill_attention_pallas}[kernel]
+    fn = {"xla": paged_prefill_attention_xla, "mosaic": paged_prefill_attention_tpu,
+          "triton": paged_prefill_attention_pallas}[config.kernel]
     return fn(q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs, **opts)

@@ -1,11 +1,17 @@
-"""How KV pages are stored: bfloat16 pages live as uint16 bits on XLA:CPU.
+"""How KV pages (and stacked weights) are stored: bfloat16 may live as its uint16 bits.
 
-XLA:CPU does not scatter or dynamic-update bfloat16 in place: each KV write
-converted the whole cache (4.4 s per decode step for a 4096-page cache,
-against 0.12 ms in float32; benchmarks/RESULTS.md). Integer scatters are in
-place, so on CPU a bfloat16 cache is stored as its uint16 bit pattern: writes
-bit-cast the new rows, reads bit-cast the gathered pages back. Accelerators
-store bfloat16 as is. Convention: a uint16 KV cache always holds bfloat16 bits.
+Convention: a uint16 cache or weight always holds bfloat16 bits. Writes
+bit-cast the new rows into the stored dtype, reads bit-cast gathered pages
+back, and every function here is a no-op for any other dtype, so code that
+reads through :func:`from_storage` works whatever the storage.
+
+Which platforms store bits is :func:`storage_dtype`'s table, consulted by the
+engine's backend policy (``serving.backend_policy``), never by the model or the
+kernels: XLA:CPU does not scatter or dynamic-update bfloat16 in place (each
+KV write converted the whole cache: 4.4 s per decode step for a 4096-page
+cache, against 0.12 ms in float32; benchmarks/RESULTS.md) and slices a
+stacked bfloat16 weight in the layer scan ~10x slower than its bits, while
+integer scatters and slices are fast. Accelerators store bfloat16 as is.
 """
 
 from __future__ import annotations
@@ -16,10 +22,10 @@ import jax.numpy as jnp
 _BITS = jnp.uint16
 
 
-def storage_dtype(dtype, backend: str | None = None):
-    """The array dtype that holds a KV cache of logical ``dtype`` on ``backend`` (default: JAX's)."""
+def storage_dtype(dtype, backend: str):
+    """The array dtype that holds values of logical ``dtype`` on ``backend`` ("cpu", "gpu", "tpu")."""
     dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16 and (backend or jax.default_backend()) == "cpu":
+    if dtype == jnp.bfloat16 and backend == "cpu":
         return jnp.dtype(_BITS)
     return dtype
 

@@ -168,26 +168,26 @@ def paged_prefill_attention_xla(
     seq = jnp.minimum(seq, max_seqs - 1)
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]
     q_pos = kv_lens[seq] - q_len[seq] + (jnp.arange(num_tokens) - cu_q_lens[seq])  # [T]
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
+    # KV-head-major layout, so every dot has its batch axis (the KV head) leading on
+    # both operands: the canonical batched-matmul form.
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [K, T, G, d]
     L = k.shape[2]
     k_pos = jnp.arange(L, dtype=jnp.int32)
-    out = jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32)
+    out = jnp.zeros((kv_heads, num_tokens, group, head_dim), jnp.float32)
     # One pass per sequence slot (S is small and static); each token only
     # keeps the pass of its own sequence.
     for s in range(max_seqs):
-        scores = jnp.einsum("tkgd,kld->tkgl", qg, k[s], preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum("ktgd,kld->ktgl", qg, k[s], preferred_element_type=jnp.float32) * scale
         mask = (
             _window_mask(q_pos[:, None], k_pos[None, :], sliding_window)
             & (k_pos[None, :] < kv_lens[s])
             & ((seq == s) & valid_tok)[:, None]
         )  # [T, L]
-        probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap)
+        probs = _softmax_weighted_sum(scores, mask[None, :, None, :], v, soft_cap)
         vs = jnp.where(((k_pos < kv_lens[s]) & (s < num_seqs))[None, :, None], v[s], 0)
-        # kv head leads on both operands: XLA:CPU has no bf16 x bf16 -> f32 dot for the
-        # "tkgl,kld" form when kv_heads > 1 (fails at run time), but runs this one.
-        pv = jnp.einsum("ktgl,kld->ktgd", probs.transpose(1, 0, 2, 3).astype(vs.dtype), vs,
-                        preferred_element_type=jnp.float32)
-        out = out + pv.transpose(1, 0, 2, 3)
+        out = out + jnp.einsum("ktgl,kld->ktgd", probs.astype(vs.dtype), vs,
+                               preferred_element_type=jnp.float32)
+    out = out.transpose(1, 0, 2, 3)  # [T, K, G, d]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 

@@ -108,7 +108,8 @@ def paged_decode_attention_pallas(
       sliding_window: None or an int / int32 scalar (<= 0: unlimited).
       soft_cap: optional tanh soft-cap on scores.
       layer: None or an int / int32 scalar selecting the layer of a stacked cache.
-      pages_per_block: pages gathered per inner iteration (default: the block-size table).
+      pages_per_block: pages gathered per inner iteration (default: the block-size
+        table's GPU row; ``kernels_pallas.attention`` passes the row of the backend it runs on).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -121,7 +122,7 @@ def paged_decode_attention_pallas(
     k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
     rows = max(_MIN_ROWS, group)
-    ppb = pages_per_block or decode_block_sizes(jax.default_backend(), head_dim, page_size).pages_per_block
+    ppb = pages_per_block or decode_block_sizes("gpu", head_dim, page_size).pages_per_block
     num_cols = page_table.shape[1]
     ppb = min(ppb, num_cols)
     if num_cols % ppb:  # pad the table with null pages to whole blocks

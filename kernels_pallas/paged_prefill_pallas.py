@@ -119,7 +119,8 @@ def paged_prefill_attention_pallas(
       cu_q_lens: [S + 1] int32; kv_lens: [S] int32 (cache length after this chunk);
       page_table: [S, P] int32; num_seqs: [] int32.
       scale, sliding_window, soft_cap, layer: as in ``paged_prefill_attention_xla``.
-      block_q, pages_per_block: tile sizes (default: the block-size table).
+      block_q, pages_per_block: tile sizes (default: the block-size table's GPU row;
+        ``kernels_pallas.attention`` passes the row of the backend it runs on).
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -132,7 +133,7 @@ def paged_prefill_attention_pallas(
     k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
     max_seqs = kv_lens.shape[0]
-    sizes = prefill_block_sizes(jax.default_backend(), head_dim, page_size)
+    sizes = prefill_block_sizes("gpu", head_dim, page_size)
     bq = min(block_q or sizes.block_q, num_tokens)
     ppb = min(pages_per_block or sizes.pages_per_block, page_table.shape[1])
     num_cols = page_table.shape[1]

@@ -11,12 +11,12 @@ def build_model(cfg: ModelConfig, *, params: dict | None = None, rngs: nnx.Rngs 
                 **kwargs) -> nnx.Module:
     """The decoder for ``cfg`` with ``params`` (or random weights from ``rngs``).
 
-    kwargs: dtype, attention_impl (both decoders); moe_impl (Llama only).
+    kwargs: ``dtype`` (weights and matmul inputs). What depends on the platform is
+    not the model's: it is passed to each call (``model.compute``).
     """
     if cfg.architecture == "gemma3":
         from model.gemma3 import Gemma3
 
-        kwargs.pop("moe_impl", None)
         return Gemma3(cfg, params=params, rngs=rngs, **kwargs)
     from model.llama import Llama
 

@@ -15,8 +15,13 @@ the GGUF stores them: ``y = x * rsqrt(mean(x^2) + eps) * scale``.
 
 The layer weights are stacked on a leading ``layers`` axis and the decoder
 runs as one ``lax.scan``, so a step compiles one layer body instead of 18.
-The model knows nothing of serving: it maps (tokens, positions, kv_cache,
-attention metadata, logits_indices) to (logits, kv_cache).
+The model knows nothing of serving or of the platform: it maps (tokens,
+positions, kv_cache, attention metadata, logits_indices) to (logits, kv_cache),
+and takes what depends on the platform (the dot, the attention
+implementation) as one static ``compute`` argument (``model.compute``).
+Stacked layer weights may arrive in a storage representation (the engine's
+backend policy decides); they are turned back into their logical dtype
+inside the layer scan, as the Llama decoder does.
 
 Parameters carry logical axis names (``logical_axes`` metadata) for
 ``sharding/`` to map onto a mesh; the model itself has no parallelism.
@@ -30,16 +35,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.kv_storage import from_storage, storage_dtype, to_storage
 from model.attention_metadata import AttentionMetadata
+from model.compute import REFERENCE, Compute
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.layers import apply_rope, attention_block, check_params, dot, param, rms_norm
+from model.layers import (
+    apply_rope,
+    attention_block,
+    check_params,
+    embed_lookup_param,
+    embed_tokens,
+    param,
+    param_dtype,
+    rms_norm,
+)
 
 __all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
-
-_dot = dot
-_param = param
 
 
 class Gemma3(nnx.Module):
@@ -52,8 +63,8 @@ class Gemma3(nnx.Module):
       w_gate, w_up [L, D, F]; w_down [L, F, D].
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 rngs: nnx.Rngs | None = None, params: dict | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 params: dict | None = None):
         """Builds the model from ``params`` (a dict of arrays in the layout above,
         e.g. from ``model.gguf_loader``) or with random weights from ``rngs``.
 
@@ -61,11 +72,12 @@ class Gemma3(nnx.Module):
           cfg: shapes.
           dtype: weight and matmul-input dtype (float32 or bfloat16); norms,
             softmax and accumulation are float32 regardless.
-          attention_impl: see ``kernels_pallas.attention``.
+
+        Raises:
+          ValueError: missing or misshapen parameters.
         """
         self.cfg = cfg
         self.dtype = dtype
-        self.attention_impl = attention_impl
         if params is None:
             params = init_random_params(cfg, rngs or nnx.Rngs(0))
         L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
@@ -89,22 +101,8 @@ class Gemma3(nnx.Module):
         }
         check_params(params, expected)
         for name, (_, axes) in expected.items():
-            value = params[name]
-            # Norm scales stay float32 (tiny, and precision-sensitive).
-            p_dtype = jnp.float32 if name.endswith("norm") else dtype
-            value = jnp.asarray(value, p_dtype)
-            if axes[0] == "layers":
-                # Stacked bfloat16 layer weights are held as uint16 bits on XLA:CPU, as the
-                # KV cache is (kernels_pallas.kv_storage): it slices a bf16 array in the layer
-                # scan ~10x slower than its bits (benchmarks/RESULTS.md, 2026-11-30).
-                value = to_storage(value, storage_dtype(p_dtype))
-            setattr(self, name, _param(value, axes))
-        # The input lookup is not a matmul: with low-precision weights it reads a
-        # float32 copy of the table, as the reference's bf16 simulation does
-        # (only matmul inputs are rounded). The tied output head reads `embed`.
-        self.embed_lookup = (
-            None if jnp.dtype(dtype) == jnp.float32
-            else _param(jnp.asarray(params["embed"], jnp.float32), ("vocab", "embed")))
+            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype, True)), axes))
+        self.embed_lookup = embed_lookup_param(params["embed"], dtype, tied=True)
 
     def __call__(
         self,
@@ -113,6 +111,7 @@ class Gemma3(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         logits_indices: jax.Array,
+        compute: Compute = REFERENCE,
     ) -> tuple[jax.Array, KVCache]:
         """Runs the decoder over a step's tokens.
 
@@ -122,14 +121,14 @@ class Gemma3(nnx.Module):
           kv_cache: all layers' pages; this step's K/V are written into it.
           md: the step's attention metadata.
           logits_indices: [S] int32, the tokens whose logits are returned.
+          compute: platform-dependent choices (static; see ``model.compute``).
 
         Returns:
           (logits [S, vocab] float32, updated kv_cache).
         """
         cfg = self.cfg
         dtype = self.dtype
-        table = self.embed if self.embed_lookup is None else self.embed_lookup
-        x = table[...][tokens].astype(jnp.float32) * jnp.float32(math.sqrt(cfg.hidden_size))
+        x = embed_tokens(self, tokens) * jnp.float32(math.sqrt(cfg.hidden_size))
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
         thetas = jnp.asarray(cfg.layer_rope_thetas(), jnp.float32)
         layer_params = {
@@ -143,16 +142,16 @@ class Gemma3(nnx.Module):
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, l, window, theta = xs
-            p = {name: from_storage(w) for name, w in p.items()}  # uint16 bits -> bf16 (XLA:CPU)
+            p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             h = rms_norm(x, p["attn_norm"], eps)
             o, k_cache, v_cache = attention_block(
                 h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,
-                window=window if use_window else None, dtype=dtype, impl=self.attention_impl)
+                window=window if use_window else None, dtype=dtype, compute=compute)
             x = x + rms_norm(o, p["post_attn_norm"], eps)
             h = rms_norm(x, p["ffw_norm"], eps)
-            gate = _dot("td,df->tf", h, p["w_gate"], dtype)
-            up = _dot("td,df->tf", h, p["w_up"], dtype)
-            mlp = _dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
+            gate = compute.dot("td,df->tf", h, p["w_gate"], dtype)
+            up = compute.dot("td,df->tf", h, p["w_up"], dtype)
+            mlp = compute.dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
             x = x + rms_norm(mlp, p["post_ffw_norm"], eps)
             return (x, k_cache, v_cache), None
 
@@ -161,7 +160,7 @@ class Gemma3(nnx.Module):
             layer, (x, kv_cache.k, kv_cache.v), (layer_params, layer_ids, windows, thetas)
         )
         x = rms_norm(x[logits_indices], self.final_norm[...], eps)
-        logits = _dot("sd,vd->sv", x, self.embed[...], dtype)
+        logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
         if cfg.final_logit_softcap is not None:
             c = cfg.final_logit_softcap
             logits = c * jnp.tanh(logits / c)

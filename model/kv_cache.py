@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kv_storage import storage_dtype
 from model.config import ModelConfig
 
 
@@ -18,8 +17,9 @@ class KVCache:
 
     Attributes:
       k, v: [num_layers, kv_heads, num_pages, page_size, head_dim] in the
-        KV storage dtype (``kernels_pallas.kv_storage``: bfloat16 is held as
-        uint16 bits on XLA:CPU). Page 0 is the null page (padding writes land there).
+        KV storage dtype (``kernels_pallas.kv_storage``: uint16 holds bfloat16
+        bits; the engine's backend policy picks the storage). Page 0 is the null
+        page (padding writes land there).
         Logical axes: ``sharding.rules.KV_CACHE_AXES``.
     """
 
@@ -40,6 +40,6 @@ class KVCache:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+        """An all-zero cache; ``dtype`` is the stored dtype (float32, bfloat16, or uint16 bits)."""
         shape = cls.shape(cfg, num_pages, page_size)
-        stored = storage_dtype(dtype)  # bf16 is kept as uint16 bits on XLA:CPU
-        return cls(jnp.zeros(shape, stored), jnp.zeros(shape, stored))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

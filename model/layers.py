@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoders: RMSNorm, RoPE, matmuls and the paged attention block.
+"""Building blocks shared by the decoders: RMSNorm, RoPE, parameters and the paged attention block.
 
 ``attention_block`` is the whole attention sub-layer of Gemma 3, Llama 3 and
 Qwen3-MoE over the paged KV cache: QKV projections, optional per-head QK-norm
@@ -17,6 +17,7 @@ from flax import nnx
 from kernels_pallas.attention import paged_attention, write_kv_pages
 from kernels_pallas.kv_storage import logical_dtype
 from model.attention_metadata import AttentionMetadata
+from model.compute import Compute
 from model.config import ModelConfig
 
 
@@ -66,19 +67,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | Non
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def dot(eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    """einsum with both inputs in the compute dtype and float32 accumulation.
-
-    ``a``'s leading axis is the rows (tokens). XLA:CPU runs a one-row bfloat16
-    product (matrix-vector) ~10x slower than a two-row one, so a single bf16 row
-    is computed as two (benchmarks/RESULTS.md, 2026-11-30).
-    """
-    a, b = a.astype(dtype), b.astype(dtype)
-    if a.shape[0] == 1 and a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return jnp.einsum(eq, jnp.concatenate([a, a]), b, preferred_element_type=jnp.float32)[:1]
-    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
-
-
 def check_params(params, layout) -> None:
     """Checks that `params` has every entry of `layout` ({name: (shape, axes)}) at its shape.
 
@@ -98,9 +86,40 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, logical_axes=axes)
 
 
+# The dtype rule both decoders store their parameters by. Only matmul inputs are
+# rounded to the serving dtype, as in the reference's bf16 simulation (the golden
+# bf16 continuations depend on it): norm scales and the MoE router stay float32,
+# and the embedding lookup (a gather, not a matmul) reads a float32 table. A tied
+# output head reads the table in the serving dtype, so a tied low-precision model
+# also keeps a float32 lookup copy (``embed_lookup``); an untied one keeps its
+# lookup-only table in float32.
+_FLOAT32_PARAMS = ("router",)
+
+
+def param_dtype(name: str, dtype, tied: bool):
+    """The stored dtype of parameter ``name`` of a decoder serving in ``dtype``."""
+    if name.endswith("norm") or name in _FLOAT32_PARAMS or (name == "embed" and not tied):
+        return jnp.float32
+    return dtype
+
+
+def embed_lookup_param(embed, dtype, tied: bool) -> nnx.Param | None:
+    """The float32 lookup copy of a tied low-precision embedding table (None when
+    ``embed`` itself is read in float32)."""
+    if not tied or jnp.dtype(dtype) == jnp.float32:
+        return None
+    return param(jnp.asarray(embed, jnp.float32), ("vocab", "embed"))
+
+
+def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """[T] int32 -> [T, D] float32 rows of the model's lookup table (``embed_lookup`` or ``embed``)."""
+    table = model.embed if model.embed_lookup is None else model.embed_lookup
+    return table[...][tokens].astype(jnp.float32)
+
+
 def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Array,
                     v_cache: jax.Array, md: AttentionMetadata, layer, *, cfg: ModelConfig, theta,
-                    window, dtype, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    window, dtype, compute: Compute) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention sub-layer of one layer (inside the layer scan).
 
     Args:
@@ -112,7 +131,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
       md: the step's attention metadata.
       layer: int32 scalar, this layer's index into the cache.
       theta: this layer's RoPE base; window: its sliding window (None or int32, <= 0: global).
-      dtype: matmul-input dtype; impl: ``kernels_pallas.attention`` implementation.
+      dtype: matmul-input dtype; compute: the dot and the attention implementation.
 
     Returns:
       (o [T, D] f32 before any post-norm, k_cache, v_cache).
@@ -120,10 +139,10 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     T = h.shape[0]
-    # 2-D dots (heads folded into columns): XLA:CPU runs N-D bf16 einsums slowly.
-    q = dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
-    k = dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
-    v = dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
+    # Projections as plain 2-D matmuls, the heads folded into the columns.
+    q = compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
+    k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
+    v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q = apply_rope(q, positions, theta, cfg)
@@ -131,6 +150,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
     attn = paged_attention(
         q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
-        scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
-    o = dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
+        scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+        config=compute.attention)
+    o = compute.dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
     return o, k_cache, v_cache

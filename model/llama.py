@@ -14,9 +14,12 @@ attention sub-layer is Gemma 3's (``model.layers.attention_block``) without
 sliding windows or soft-caps.
 
 Layer weights are stacked on a leading ``layers`` axis and the decoder runs
-as one ``lax.scan``. Parameters carry logical axes for ``sharding/``; the
-model has no parallelism of its own (the MoE layer asks the ambient mesh
-whether to run expert-parallel, see ``model.moe.moe_ffn``).
+as one ``lax.scan``; stacked weights in a storage representation are turned
+back into their logical dtype inside it, as in ``model.gemma3``. What depends
+on the platform arrives in the static ``compute`` argument (``model.compute``).
+Parameters carry logical axes for ``sharding/``; the model has no parallelism
+of its own (the MoE layer runs expert-parallel over the mesh axes that
+``compute.moe`` names when the ambient mesh splits them, see ``model.moe.moe_ffn``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.attention_metadata import AttentionMetadata
+from model.compute import REFERENCE, Compute
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.layers import attention_block, check_params, dot, param, rms_norm
-from model.moe import MOE_IMPLS, moe_ffn
+from model.layers import (
+    attention_block,
+    check_params,
+    embed_lookup_param,
+    embed_tokens,
+    param,
+    param_dtype,
+    rms_norm,
+)
+from model.moe import moe_ffn
 
 
 def param_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
@@ -78,44 +90,47 @@ _LAYER_PARAMS = ("attn_norm", "ffw_norm", "q_norm", "k_norm", "wq", "wk", "wv", 
 class Llama(nnx.Module):
     """Llama-family decoder (dense or MoE) with stacked layer weights; shapes in :func:`param_layout`."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 moe_impl: str = "auto", rngs: nnx.Rngs | None = None, params: dict | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 params: dict | None = None):
         """Builds the model from ``params`` (arrays in :func:`param_layout`, e.g.
         from ``model.gguf_loader`` or an orbax checkpoint) or random weights from ``rngs``.
 
+        Args:
+          dtype: weight and matmul-input dtype (float32 or bfloat16); norms, the
+            router, the embedding lookup, softmax and accumulation are float32
+            regardless (``model.layers.param_dtype``).
+
         Raises:
-          ValueError: wrong architecture, unknown moe_impl, missing or misshapen parameters.
+          ValueError: wrong architecture, missing or misshapen parameters.
         """
         if cfg.architecture != "llama":
             raise ValueError(f"Llama needs architecture: llama, got {cfg.architecture!r}")
-        if moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.cfg = cfg
         self.dtype = dtype
-        self.attention_impl = attention_impl
-        self.moe_impl = moe_impl
         if params is None:
             params = init_random_params(cfg, rngs or nnx.Rngs(0))
         layout = param_layout(cfg)
         check_params(params, layout)
+        tied = cfg.tie_embeddings
         for name, (_, axes) in layout.items():
-            value = params[name]
-            p_dtype = jnp.float32 if name.endswith("norm") or name == "router" else dtype
-            setattr(self, name, param(jnp.asarray(value, p_dtype), axes))
+            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype, tied)), axes))
+        self.embed_lookup = embed_lookup_param(params["embed"], dtype, tied)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                 md: AttentionMetadata, logits_indices: jax.Array) -> tuple[jax.Array, KVCache]:
+                 md: AttentionMetadata, logits_indices: jax.Array,
+                 compute: Compute = REFERENCE) -> tuple[jax.Array, KVCache]:
         """Same contract as ``model.gemma3.Gemma3.__call__``.
 
         Args:
           tokens: [T] int32; positions: [T] int32; kv_cache: all layers' pages;
-          md: attention metadata; logits_indices: [S] int32.
+          md: attention metadata; logits_indices: [S] int32; compute: platform-dependent
+          choices (static; see ``model.compute``).
 
         Returns:
           (logits [S, vocab] f32, updated kv_cache).
         """
         cfg, dtype = self.cfg, self.dtype
-        x = self.embed[...][tokens].astype(jnp.float32)
+        x = embed_tokens(self, tokens)
         layout = param_layout(cfg)
         layer_params = {n: getattr(self, n)[...] for n in _LAYER_PARAMS if n in layout}
         eps = cfg.rms_norm_eps
@@ -124,14 +139,16 @@ class Llama(nnx.Module):
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, l = xs
+            p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             o, k_cache, v_cache = attention_block(
                 rms_norm(x, p["attn_norm"], eps), p, positions, k_cache, v_cache, md, l, cfg=cfg,
-                theta=theta, window=None, dtype=dtype, impl=self.attention_impl)
+                theta=theta, window=None, dtype=dtype, compute=compute)
             h = x + o
             y = rms_norm(h, p["ffw_norm"], eps)
             if cfg.is_moe:
-                y = moe_ffn(y, p, k=cfg.num_experts_per_tok, dtype=dtype, impl=self.moe_impl)
+                y = moe_ffn(y, p, k=cfg.num_experts_per_tok, dtype=dtype, compute=compute)
             else:
+                dot = compute.dot
                 y = dot("tf,fd->td", jax.nn.silu(dot("td,df->tf", y, p["w_gate"], dtype))
                         * dot("td,df->tf", y, p["w_up"], dtype), p["w_down"], dtype)
             return (h + y, k_cache, v_cache), None
@@ -141,9 +158,9 @@ class Llama(nnx.Module):
             layer, (x, kv_cache.k, kv_cache.v), (layer_params, layer_ids))
         x = rms_norm(x[logits_indices], self.final_norm[...], eps)
         if cfg.tie_embeddings:
-            logits = dot("sd,vd->sv", x, self.embed[...], dtype)
+            logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
         else:
-            logits = dot("sd,dv->sv", x, self.lm_head[...], dtype)
+            logits = compute.dot("sd,dv->sv", x, self.lm_head[...], dtype)
         return logits, KVCache(k_cache, v_cache)
 
 

@@ -20,13 +20,13 @@ Two dropless implementations of the expert matmuls (``impl``):
     (GShard's einsum formulation with capacity = T, so nothing is dropped):
     work is E x T rows whatever the routing.
 
-"auto" (the default) picks by measurement (``python -m benchmarks.moe_dispatch``,
-benchmarks/RESULTS.md "MoE expert matmuls"): on XLA:CPU ``ragged_dot`` has no
-fast lowering and loses 4-5x to the capacity einsum at decode sizes (1-64
-tokens: 232 vs 48 ms for one token of a D=1024, F=3584, 8-expert layer), but
-the capacity einsum's E x T work overtakes it by 256 tokens (1153 vs 599 ms);
-so "auto" is "capacity" on CPU for up to 128 assignment rows and "ragged"
-otherwise, and "ragged" on accelerators (grouped-GEMM kernels; not yet timed there).
+"auto" chooses by the number of assignment rows: "capacity" up to
+``MoEConfig.capacity_max_rows`` rows, "ragged" beyond. The threshold is the
+backend policy's (``serving.backend_policy``), measured with ``python -m
+benchmarks.moe_dispatch`` (benchmarks/RESULTS.md "MoE expert matmuls"): where
+``ragged_dot`` has no fast lowering, the capacity einsum wins at decode sizes
+and loses once its E x T work grows; with the default threshold 0, "auto" is
+"ragged".
 
 Expert parallelism (``moe_ffn`` under a mesh whose ``expert`` or ``tensor``
 axis is > 1) runs the layer in ``jax.shard_map``: tokens are split over the
@@ -35,8 +35,10 @@ the expert axis sends every assignment to the device that owns its expert
 (fixed-size buffers of T_local * k rows per destination, so no token is ever
 dropped), the local experts run (their hidden columns split over the tensor
 axis, partial outputs summed with psum), and a second all-to-all brings the
-results back to be combined. Which mesh axes play these roles comes from
-``sharding.rules`` (logical axes "expert", "mlp", "batch").
+results back to be combined. Which mesh axes play these roles is the
+caller's to say (``MoEConfig.expert_axis``, ``tensor_axis``, ``batch_axis``: the
+engine reads them off its sharding rules for the logical axes "expert", "mlp"
+and "batch").
 """
 
 from __future__ import annotations
@@ -47,11 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from model.layers import dot
+from model.compute import MOE_IMPLS, REFERENCE, Compute, MoEConfig
 
-MOE_IMPLS = ("auto", "ragged", "capacity")
-CPU_CAPACITY_MAX_ROWS = 128
-"""On XLA:CPU, "auto" uses the capacity einsum up to this many assignment rows."""
+__all__ = ["MOE_IMPLS", "MoEConfig", "grouped_ffn", "moe_ffn", "route"]
 
 
 def route(x: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -72,7 +72,7 @@ def route(x: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array
 
 
 def grouped_ffn(rows: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array, dtype, impl: str = "ragged") -> jax.Array:
+                w_down: jax.Array, dtype, impl: str = "ragged", compute: Compute = REFERENCE) -> jax.Array:
     """Each row through its expert's SwiGLU MLP.
 
     Args:
@@ -81,15 +81,19 @@ def grouped_ffn(rows: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         empty row, whose output is 0.
       w_gate, w_up: [G, D, F]; w_down: [G, F, D].
       dtype: matmul-input dtype (accumulation is float32).
-      impl: "auto", "ragged" or "capacity" (see the module docstring).
+      impl: "auto", "ragged" or "capacity" (see the module docstring; "auto" uses
+        ``compute.moe.capacity_max_rows``).
+      compute: the dot of the capacity path and the "auto" threshold.
 
     Returns:
       [R, D] f32.
+
+    Raises:
+      ValueError: an unknown impl.
     """
     G = w_gate.shape[0]
     if impl == "auto":
-        small = rows.shape[0] <= CPU_CAPACITY_MAX_ROWS
-        impl = "capacity" if jax.default_backend() == "cpu" and small else "ragged"
+        impl = "capacity" if rows.shape[0] <= compute.moe.capacity_max_rows else "ragged"
     valid = ids < G
     if impl == "ragged":
         order = jnp.argsort(ids, stable=True)  # empty rows (id G) sort last, outside every group
@@ -109,15 +113,16 @@ def grouped_ffn(rows: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         dispatch = onehot[:, :, None] * jax.nn.one_hot(pos.sum(-1).astype(jnp.int32), rows.shape[0],
                                                        dtype=jnp.float32)[:, None, :]  # [R, G, C=R]
         xe = jnp.einsum("rgc,rd->gcd", dispatch, rows)  # [G, C, D]
-        h = jax.nn.silu(dot("gcd,gdf->gcf", xe, w_gate, dtype)) * dot("gcd,gdf->gcf", xe, w_up, dtype)
-        ye = dot("gcf,gfd->gcd", h, w_down, dtype)
+        h = (jax.nn.silu(compute.dot("gcd,gdf->gcf", xe, w_gate, dtype))
+             * compute.dot("gcd,gdf->gcf", xe, w_up, dtype))
+        ye = compute.dot("gcf,gfd->gcd", h, w_down, dtype)
         y = jnp.einsum("rgc,gcd->rd", dispatch, ye)
     else:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
     return jnp.where(valid[:, None], y, 0.0)
 
 
-def _moe_local(x, router, w_gate, w_up, w_down, *, k: int, dtype, impl: str,
+def _moe_local(x, router, w_gate, w_up, w_down, *, k: int, dtype, impl: str, compute: Compute,
                expert_axis: str | None, tensor_axis: str | None) -> jax.Array:
     """The MoE layer on one device's tokens (inside shard_map, or alone without a mesh).
 
@@ -143,7 +148,7 @@ def _moe_local(x, router, w_gate, w_up, w_down, *, k: int, dtype, impl: str,
         send_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=True)
         send_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=True)
     y = grouped_ffn(send_x.reshape(n * A, D), send_e.reshape(n * A), w_gate, w_up, w_down,
-                    dtype, impl)
+                    dtype, impl, compute)
     if tensor_axis:  # hidden columns were split: sum the partial down projections
         y = jax.lax.psum(y, tensor_axis)
     y = y.reshape(n, A, D)
@@ -153,7 +158,8 @@ def _moe_local(x, router, w_gate, w_up, w_down, *, k: int, dtype, impl: str,
     return jnp.einsum("tkd,tk->td", y, weights)
 
 
-def moe_ffn(x: jax.Array, p: dict, *, k: int, dtype, impl: str = "auto") -> jax.Array:
+def moe_ffn(x: jax.Array, p: dict, *, k: int, dtype, impl: str | None = None,
+            compute: Compute = REFERENCE) -> jax.Array:
     """The MoE feed-forward of one layer; expert-parallel when a mesh is set.
 
     Args:
@@ -161,28 +167,26 @@ def moe_ffn(x: jax.Array, p: dict, *, k: int, dtype, impl: str = "auto") -> jax.
       p: router [D, E]; w_gate, w_up [E, D, F]; w_down [E, F, D].
       k: top-k.
       dtype: matmul-input dtype.
-      impl: "auto" | "ragged" | "capacity".
+      impl: "auto" | "ragged" | "capacity"; None: ``compute.moe.impl``.
+      compute: the dot, the "auto" threshold and the mesh axes (``compute.moe``).
 
     Returns:
       [T, D] f32.
 
-    Under ``jax.set_mesh(mesh)`` with an expert or tensor axis > 1 (the engine
-    sets it), the layer runs in ``jax.shard_map`` with all-to-all dispatch as
-    described in the module docstring; T is padded to a multiple of the
-    token-splitting axes.
+    Under ``jax.set_mesh(mesh)`` (the engine sets it) where ``compute.moe``'s
+    expert or tensor axis has size > 1, the layer runs in ``jax.shard_map`` with
+    all-to-all dispatch as described in the module docstring; T is padded to a
+    multiple of the token-splitting axes.
     """
-    from sharding.rules import ShardingRules
-
+    cfg = compute.moe
+    impl = impl or cfg.impl
     args = (x, p["router"], p["w_gate"], p["w_up"], p["w_down"])
     mesh = jax.sharding.get_abstract_mesh()
-    rules = ShardingRules.default()
     sizes = dict(mesh.shape) if not mesh.empty else {}
-    expert_axis = rules.mesh_axis("expert")
-    tensor_axis = rules.mesh_axis("mlp")
-    batch_axis = rules.mesh_axis("batch")
-    expert_axis = expert_axis if sizes.get(expert_axis, 1) > 1 else None
-    tensor_axis = tensor_axis if sizes.get(tensor_axis, 1) > 1 else None
-    local = functools.partial(_moe_local, k=k, dtype=dtype, impl=impl)
+    expert_axis = cfg.expert_axis if sizes.get(cfg.expert_axis, 1) > 1 else None
+    tensor_axis = cfg.tensor_axis if sizes.get(cfg.tensor_axis, 1) > 1 else None
+    batch_axis = cfg.batch_axis
+    local = functools.partial(_moe_local, k=k, dtype=dtype, impl=impl, compute=compute)
     if expert_axis is None and tensor_axis is None:
         return local(*args, expert_axis=None, tensor_axis=None)
     tok_axes = tuple(a for a in (batch_axis, expert_axis) if a and sizes.get(a, 1) > 1)

@@ -58,7 +58,9 @@ def _overrides(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
 
 def build_engine(cfg, warmup: bool = True):
     """Loads the model and starts the batching loop. Returns (EngineLoop, tokenizer, model name)."""
-    from serving.engine import Engine, EngineConfig
+    from serving.backend_policy import BackendPolicy
+    from serving.engine import Engine
+    from serving.engine_config import EngineConfig
     from serving.engine_loop import EngineLoop
     from serving.server_config import enable_compilation_cache
     from serving.sharding_cli import load_for_serving, lockstep_for
@@ -66,13 +68,9 @@ def build_engine(cfg, warmup: bool = True):
     enable_compilation_cache()
     t0 = time.perf_counter()
     model, tokenizer, mesh = load_for_serving(cfg)
-    max_len = min(cfg.max_model_len, model.cfg.max_position)
-    engine = Engine(model, EngineConfig(
-        max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
-        max_model_len=max_len, prefill_chunk=cfg.prefill_chunk,
-        max_prefill_seqs=cfg.max_prefill_seqs,
-        min_decode_batch=cfg.min_decode_batch or 1,
-        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh, lockstep=lockstep_for(mesh))
+    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl)
+    engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
+                    lockstep=lockstep_for(mesh), policy=policy)
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
     loop.start(warmup=warmup)

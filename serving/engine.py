@@ -1,44 +1,45 @@
 """The engine: device state and the two jitted step functions.
 
-It owns the parameters (split once from the NNX model), the paged KV cache
-and a per-slot "last token" buffer, and executes the steps that the batching
-loop (``serving.engine_loop``) runs for the scheduler. Step functions are pure and the cache is
-donated, so a step updates the cache in place::
+It owns the parameters (split once from the NNX model), the device state (the
+paged KV cache and each slot's last sampled token) and the backend policy,
+and executes the steps that the engine loop (``serving.engine_loop``) plans
+with the scheduler. The step contract (the current form of the one drawn in
+the project's architecture notes)::
 
-    prefill_step(params, kv_cache, tokens [T], positions [T], cu_q_lens [S+1],
-                 kv_lens [S], page_table [S, P], num_seqs [], logits_indices [S],
-                 sampling [S], slot_ids [S], slot_tokens [slots])
-        -> (kv_cache, next_tokens [S], slot_tokens)
-    decode_step(params, kv_cache, slot_ids [B], positions [B], page_table [B, P],
-                lengths [B], sampling [B], slot_tokens [slots])
-        -> (kv_cache, next_tokens [B], slot_tokens)
+    prefill_step(params, state: DeviceState, batch: PrefillBatch) -> (state, next_tokens [S])
+    decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, next_tokens [B])
 
-Shapes are fixed per compilation and come from small bucket sets (JetStream's
-approach), so the number of compiled programs stays small:
-  * T: token-count buckets, powers of two from 16 up to the prefill chunk.
-  * B: decode batch buckets, powers of two from ``min_decode_batch`` up to
-    the slot count; a step's rows are the running slots (gathered by
-    ``slot_ids``), so a lone stream does not pay for 32 slots.
-  * P: page-table width buckets, powers of two (in pages) from 512 tokens'
-    worth up to ``max_pages_per_seq``, covering the longest sequence in the
-    step, so attention work follows the real context length.
+    DeviceState   kv_cache: KVCache    k, v [layers, kv_heads, num_pages, page_size, head_dim]
+                  slot_tokens [slots]  int32: each slot's last sampled token
+    PrefillBatch, DecodeBatch: serving.step_batch (shapes and buckets there and in
+                  serving.engine_config)
 
-The decode step reads its input tokens from ``slot_tokens`` on device and
-writes its outputs back there, so the host never has to wait for step n's
-tokens before dispatching step n+1 (JetStream-style pipelining).
+Both are pure and jitted once per shape bucket, with ``state`` donated by name
+(``donate_argnames``), so the cache is updated in place. What depends on the
+platform is fixed when the engine is built, by its :class:`BackendPolicy`
+(``serving.backend_policy``): the storage of bfloat16 KV pages and stacked
+weights, the model's ``Compute`` (dot, attention implementation, MoE), the
+argmax, the smallest decode bucket and the dispatch-sync rule.
+
+A prefill row's sampled token (when the row ends its sequence's known tokens)
+and every decode row's token are written into ``slot_tokens``; the decode step
+reads its input tokens from there, so the host never waits for step n's tokens
+before dispatching step n+1 (JetStream-style pipelining). A row's sample is
+keyed by (seed, position), so it depends only on the row.
 
 Sharded serving: given a ``jax.sharding.Mesh`` (``sharding.mesh``), the
 parameters are placed by their logical axes (``sharding.placement``), the KV
 cache is created in its sharding (KV heads over ``tensor`` where they divide
-it, pages over ``data``), and both steps are jitted with that cache sharding
+it, pages over ``data``), and both steps are jitted with that state sharding
 as their output sharding and run under ``jax.set_mesh(mesh)`` (which the MoE
-layer's expert-parallel ``shard_map`` reads). XLA's SPMD partitioner inserts
-the tensor-parallel collectives. Host inputs are replicated.
+layer's expert-parallel ``shard_map`` reads; its mesh axis names come from
+the sharding rules through ``Compute``). XLA's SPMD partitioner inserts the
+tensor-parallel collectives. Batches are replicated.
 
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
-publishes each step's host arrays before running it and the other processes
-run the same step from what they receive (``Lockstep.follow``), so every
-process takes part in every collective in the same order.
+publishes each batch's kind and leaves before running it, and the other
+processes run the same step from what they receive (:meth:`Engine.run_published`),
+so every process takes part in every collective in the same order.
 """
 
 from __future__ import annotations
@@ -48,321 +49,194 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.attention_metadata import AttentionMetadata
+from model.compute import Compute
 from model.kv_cache import KVCache
-from serving.sampling import SamplingArrays, sample
+from serving.backend_policy import BackendPolicy
+from serving.engine_config import EngineConfig, batch_bucket, page_bucket
+from serving.sampling import sample
+from serving.step_batch import DecodeBatch, PrefillBatch, batch_treedef
+from serving.step_plan import GREEDY, DecodeRow, PrefillRow
 
 log = logging.getLogger(__name__)
 
+StepBatch = PrefillBatch | DecodeBatch
 
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Static sizes of the engine.
+class DeviceState:
+    """What the steps update in place (donated).
 
     Attributes:
-      max_slots: decode rows (concurrently running sequences).
-      page_size: tokens per KV page.
-      num_pages: KV pool size in pages, including the null page 0.
-      max_model_len: context window in tokens (prompt + generated).
-      prefill_chunk: most tokens in one prefill step (a power of two >= 16).
-      max_prefill_seqs: sequences packed into one prefill step (S).
-      min_decode_batch: smallest decode batch bucket (XLA:CPU runs bf16
-        matrix-vector products far slower than small matrix products).
-      kv_dtype: KV cache dtype name ("float32" or "bfloat16").
+      kv_cache: the paged KV cache of all layers, in the policy's storage dtype.
+      slot_tokens: [max_slots] int32, each slot's last sampled token.
     """
 
-    max_slots: int = 32
-    page_size: int = 16
-    num_pages: int = 4096
-    max_model_len: int = 8192
-    prefill_chunk: int = 512
-    max_prefill_seqs: int = 1
-    min_decode_batch: int = 8
-    kv_dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
-        if self.max_model_len % self.page_size:
-            raise ValueError("max_model_len must be a multiple of page_size")
-        if self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
-        # A pool smaller than one full context is allowed: requests that could
-        # never fit are rejected at submit (RequestRejectedError).
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return self.max_model_len // self.page_size
+    kv_cache: KVCache
+    slot_tokens: jax.Array
 
 
-def _pow2_at_least(n: int, lo: int, hi: int) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
+def _write_slots(slot_tokens: jax.Array, slot_ids: jax.Array, real: jax.Array,
+                 tokens: jax.Array) -> jax.Array:
+    """slot_tokens with tokens[i] written to slot slot_ids[i] for real rows (padding rows
+    scatter out of bounds and are dropped)."""
+    return slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(tokens, mode="drop")
 
 
-def token_bucket(n: int, cfg: EngineConfig) -> int:
-    """Prefill token-count bucket for n tokens (16, 32, ..., prefill_chunk)."""
-    return _pow2_at_least(n, 16, cfg.prefill_chunk)
-
-
-MIN_PAGE_BUCKET_TOKENS = 512
-"""The narrowest page-table bucket, in tokens: attention over 512 tokens costs
-little next to reading the weights, and fewer buckets mean fewer programs."""
-
-
-def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
-    """Page-table width bucket covering num_pages (powers of two, >= 512 tokens' worth)."""
-    lo = max(1, min(MIN_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
-    return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
-
-
-def batch_bucket(n: int, cfg: EngineConfig) -> int:
-    """Decode batch bucket for n running slots."""
-    return _pow2_at_least(n, min(cfg.min_decode_batch, cfg.max_slots), cfg.max_slots)
-
-
-def _prefill_step(graphdef, params, kv_cache, tokens, positions, cu_q_lens, kv_lens, page_table,
-                  num_seqs, logits_indices, sampling, slot_ids, slot_tokens):
+def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                  batch: PrefillBatch):
     model = nnx.merge(graphdef, params)
-    page_size = kv_cache.page_size
-    seq = jnp.searchsorted(cu_q_lens[1:], jnp.arange(tokens.shape[0]), side="right")
-    valid = jnp.arange(tokens.shape[0]) < cu_q_lens[num_seqs]
-    seq = jnp.minimum(seq, page_table.shape[0] - 1)
-    page = page_table[seq, positions // page_size]
-    slot_mapping = jnp.where(valid, page * page_size + positions % page_size, 0).astype(jnp.int32)
-    md = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, kv_lens=kv_lens,
-                           cu_q_lens=cu_q_lens, num_seqs=num_seqs, mode="prefill")
-    logits, kv_cache = model(tokens, positions, kv_cache, md, logits_indices)
-    next_tokens = sample(logits, kv_lens, sampling)
-    real = jnp.arange(slot_ids.shape[0]) < num_seqs
-    # Padding rows scatter out of bounds and are dropped.
-    slot_tokens = slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(
-        next_tokens, mode="drop")
-    return kv_cache, next_tokens, slot_tokens
+    md = batch.attention_metadata(state.kv_cache.page_size)
+    logits, kv_cache = model(batch.tokens, batch.positions, state.kv_cache, md, batch.logits_indices,
+                             compute=compute)
+    next_tokens = sample(logits, batch.kv_lens, batch.sampling, argmax_block)
+    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, next_tokens)
+    return DeviceState(kv_cache, slot_tokens), next_tokens
 
 
-def _decode_step(graphdef, params, kv_cache, slot_ids, positions, page_table, lengths, sampling,
-                 slot_tokens):
+def _decode_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                 batch: DecodeBatch):
     model = nnx.merge(graphdef, params)
-    page_size = kv_cache.page_size
-    rows = slot_ids.shape[0]
-    tokens = slot_tokens[jnp.minimum(slot_ids, slot_tokens.shape[0] - 1)]
-    real = lengths > 0
-    page = page_table[jnp.arange(rows), positions // page_size]
-    slot_mapping = jnp.where(real, page * page_size + positions % page_size, 0).astype(jnp.int32)
-    md = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, kv_lens=lengths,
-                           cu_q_lens=jnp.arange(rows + 1, dtype=jnp.int32),
-                           num_seqs=jnp.asarray(rows, jnp.int32), mode="decode")
-    logits, kv_cache = model(tokens, positions, kv_cache, md, jnp.arange(rows, dtype=jnp.int32))
-    next_tokens = sample(logits, lengths, sampling)
-    slot_tokens = slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(
-        next_tokens, mode="drop")
-    return kv_cache, next_tokens, slot_tokens
-
-
-@dataclasses.dataclass
-class PrefillChunk:
-    """One sequence's share of a prefill step (host side).
-
-    Attributes:
-      slot: the slot the sequence runs in.
-      tokens: this chunk's token ids.
-      start: position of the chunk's first token (tokens before it are cached).
-      pages: the sequence's pages, in order (covering at least start + len(tokens)).
-      sampling: (temperature, top_k, top_p, seed), used if this chunk ends the prompt.
-    """
-
-    slot: int
-    tokens: list[int]
-    start: int
-    pages: list[int]
-    sampling: tuple[float, int, float, int]
-
-
-@dataclasses.dataclass
-class DecodeRow:
-    """One running slot's share of a decode step (host side).
-
-    Attributes:
-      slot: the slot; its input token is the slot's last token on device.
-      position: position of that input token (= tokens in cache before this step).
-      pages: the sequence's pages.
-      sampling: (temperature, top_k, top_p, seed).
-    """
-
-    slot: int
-    position: int
-    pages: list[int]
-    sampling: tuple[float, int, float, int]
+    rows = batch.slot_ids.shape[0]
+    tokens = state.slot_tokens[jnp.minimum(batch.slot_ids, state.slot_tokens.shape[0] - 1)]
+    md = batch.attention_metadata(state.kv_cache.page_size)
+    logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
+                             jnp.arange(rows, dtype=jnp.int32), compute=compute)
+    next_tokens = sample(logits, batch.lengths, batch.sampling, argmax_block)
+    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, next_tokens)
+    return DeviceState(kv_cache, slot_tokens), next_tokens
 
 
 class Engine:
-    """Device state plus compiled steps. Not thread-safe: one caller (the batching loop)."""
+    """Device state plus compiled steps. Not thread-safe: one caller (the engine loop)."""
 
-    def __init__(self, model: nnx.Module, cfg: EngineConfig, mesh=None, rules=None, lockstep=None):
+    def __init__(self, model: nnx.Module, cfg: EngineConfig, mesh=None, rules=None, lockstep=None,
+                 policy: BackendPolicy | None = None):
         """Args:
           model: a decoder of ``model/`` (Gemma3 or Llama) with ``.cfg``.
-          cfg: engine sizes.
+          cfg: engine sizes (``min_decode_batch`` None: the policy's).
           mesh: optional ``jax.sharding.Mesh`` with axes data, tensor, expert.
           rules: ``sharding.rules.ShardingRules`` (default: configs/sharding.yaml).
           lockstep: optional ``sharding.multihost.Lockstep`` (multi-process serving).
+          policy: the backend policy (default: :meth:`BackendPolicy.detect` for the
+            mesh's devices, or JAX's default backend).
 
         Raises:
           ValueError: the mesh cannot split the model (e.g. tensor does not divide heads).
         """
+        self.policy = policy or BackendPolicy.detect(mesh)
+        if cfg.min_decode_batch is None:
+            cfg = dataclasses.replace(cfg, min_decode_batch=self.policy.min_decode_batch)
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.mesh = mesh
         self.lockstep = lockstep
-        self.graphdef, self.params = nnx.split(model)
-        kv_dtype = jnp.dtype(cfg.kv_dtype)
+        graphdef, params = nnx.split(model)
+        kv_stored = self.policy.storage_dtype(jnp.dtype(cfg.kv_dtype))
+        kv_shape = KVCache.shape(model.cfg, cfg.num_pages, cfg.page_size)
         if mesh is None:
-            self.kv_cache = KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_dtype)
-            self.slot_tokens = jnp.zeros((cfg.max_slots,), jnp.int32)
+            self.params = self.policy.store_params(params)
+            self.state = DeviceState(KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_stored),
+                                     jnp.zeros((cfg.max_slots,), jnp.int32))
             out_shardings = None
+            compute = self.policy.compute()
         else:
-            from kernels_pallas.kv_storage import storage_dtype
             from sharding.placement import kv_cache_sharding, place_params, replicated, sharded_zeros
             from sharding.rules import ShardingRules
 
             rules = rules or ShardingRules.default()
-            self.params = place_params(self.params, mesh, rules)
-            shape = KVCache.shape(model.cfg, cfg.num_pages, cfg.page_size)
-            kv_sh = kv_cache_sharding(shape, mesh, rules)
-            stored = storage_dtype(kv_dtype)
-            self.kv_cache = KVCache(sharded_zeros(shape, stored, kv_sh), sharded_zeros(shape, stored, kv_sh))
+            self.params = self.policy.store_params(place_params(params, mesh, rules))
+            kv_sh = kv_cache_sharding(kv_shape, mesh, rules)
             rep = replicated(mesh)
-            self.slot_tokens = sharded_zeros((cfg.max_slots,), jnp.int32, rep)
-            out_shardings = (KVCache(kv_sh, kv_sh), rep, rep)
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef), donate_argnums=(1, 11),
-                                out_shardings=out_shardings)
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef), donate_argnums=(1, 7),
-                               out_shardings=out_shardings)
+            self.state = DeviceState(
+                KVCache(sharded_zeros(kv_shape, kv_stored, kv_sh), sharded_zeros(kv_shape, kv_stored, kv_sh)),
+                sharded_zeros((cfg.max_slots,), jnp.int32, rep))
+            out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep), rep)
+            compute = self.policy.compute(rules)
+        jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
+        self._steps = {
+            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
+            "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
+        }
+        self._treedefs = {kind: batch_treedef(kind) for kind in self._steps}
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
-        self._bound_in_flight = (mesh is not None and mesh.size > 1
-                                 and mesh.devices.flat[0].platform == "cpu")
+        self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
 
-    def run_step(self, kind: str, host: tuple) -> jax.Array:
-        """Runs one step from its host arrays (``kind``: "prefill" or "decode").
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.state.kv_cache
 
-        With a lockstep, process 0 publishes ``host`` first so that the other
-        processes run the same step. Returns the step's next_tokens (device array).
+    # -- steps -------------------------------------------------------------------------
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> jax.Array:
+        """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows.
+
+        Returns:
+          next_tokens: [S] int32 device array (not yet synced); element i is the
+          token sampled after rows[i] (meaningful only when rows[i].samples).
+
+        Raises:
+          ValueError: too many rows or tokens for one step.
+        """
+        return self.run(PrefillBatch.from_rows(rows, self.cfg))
+
+    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
+        """Dispatches one decode step over the given plan rows (running slots).
+
+        Returns:
+          next_tokens: [B] int32 device array (not yet synced); element i belongs to rows[i].
+
+        Raises:
+          ValueError: no rows or more than ``max_slots``.
+        """
+        return self.run(DecodeBatch.from_rows(rows, self.cfg))
+
+    def run(self, batch: StepBatch) -> jax.Array:
+        """Runs one step on a host-built batch; returns its next_tokens (device array).
+
+        With a lockstep, process 0 publishes the batch first so that the other
+        processes run the same step.
         """
         if self.lockstep is not None:
-            self.lockstep.publish(kind, host)
-        if self._bound_in_flight and self._in_flight is not None:
-            # XLA:CPU runs every fake device's share of a collective on one shared
-            # thread pool; with many multi-device steps queued, the participants of
-            # a later step's all-gather can hold the threads that an earlier one
-            # waits for, and the step deadlocks (seen: 7 of 8 devices waiting in an
-            # all-gather within 2000 unsynchronised tiny-moe decode steps on 1x1x8). So on CPU
-            # a sharded step waits for the previous one before it is dispatched.
+            self.lockstep.publish(batch.kind, [np.asarray(x) for x in jax.tree.leaves(batch)])
+        return self._dispatch(batch)
+
+    def run_published(self, kind: str, leaves: list[np.ndarray]) -> None:
+        """A follower process's step: the batch the leader published, rebuilt from its leaves."""
+        self._dispatch(jax.tree.unflatten(self._treedefs[kind], leaves))
+
+    def _dispatch(self, batch: StepBatch) -> jax.Array:
+        if self._sync_each_step and self._in_flight is not None:
+            # On a multi-device CPU mesh every device's share of a collective runs on one
+            # shared thread pool; with many multi-device steps queued, the participants of
+            # a later step's all-gather can hold the threads that an earlier one waits for,
+            # and the step deadlocks (seen: 7 of 8 devices waiting in an all-gather within
+            # 2000 unsynchronised tiny-moe decode steps on 1x1x8). The policy says wait.
             jax.block_until_ready(self._in_flight)
-        fn = self._prefill if kind == "prefill" else self._decode
         if self.mesh is not None and jax.process_count() > 1:
             from sharding.multihost import global_inputs
 
-            host = global_inputs(host, self.mesh)
+            batch = global_inputs(batch, self.mesh)
+        key = batch.shape_key
+        t0 = time.perf_counter()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
-            self.kv_cache, next_tokens, self.slot_tokens = fn(
-                self.params, self.kv_cache, *host, self.slot_tokens)
-        self._in_flight = next_tokens
-        return next_tokens
-
-    # -- prefill ---------------------------------------------------------------
-
-    def prefill(self, chunks: list[PrefillChunk]) -> jax.Array:
-        """Dispatches one prefill step over up to max_prefill_seqs chunks.
-
-        Returns:
-          next_tokens: [S] int32 device array (not yet synced); row i is the
-          token sampled after chunk i (meaningful only for a prompt's last chunk).
-
-        Raises:
-          ValueError: too many chunks or tokens for one step.
-        """
-        cfg = self.cfg
-        S = cfg.max_prefill_seqs
-        n_tok = sum(len(c.tokens) for c in chunks)
-        if not chunks or len(chunks) > S or n_tok > cfg.prefill_chunk:
-            raise ValueError(f"prefill step takes 1..{S} chunks and <= {cfg.prefill_chunk} tokens")
-        T = token_bucket(n_tok, cfg)
-        max_kv = max(c.start + len(c.tokens) for c in chunks)
-        P = page_bucket(-(-max_kv // cfg.page_size), cfg)
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        cu = np.full(S + 1, n_tok, np.int32)
-        kv_lens = np.zeros(S, np.int32)
-        page_table = np.zeros((S, P), np.int32)
-        logits_indices = np.zeros(S, np.int32)
-        slot_ids = np.zeros(S, np.int32)
-        off = 0
-        for i, c in enumerate(chunks):
-            n = len(c.tokens)
-            tokens[off:off + n] = c.tokens
-            positions[off:off + n] = np.arange(c.start, c.start + n)
-            cu[i] = off
-            kv_lens[i] = c.start + n
-            used = -(-(c.start + n) // cfg.page_size)
-            page_table[i, :used] = c.pages[:used]
-            logits_indices[i] = off + n - 1
-            slot_ids[i] = c.slot
-            off += n
-        cu[len(chunks)] = off
-        sampling = SamplingArrays.from_rows([c.sampling for c in chunks], S)
-        key = ("prefill", T, P)
-        t0 = time.perf_counter()
-        next_tokens = self.run_step("prefill", (tokens, positions, cu, kv_lens, page_table,
-                                                np.int32(len(chunks)), logits_indices, sampling,
-                                                slot_ids))
-        self._note_compile(key, t0)
-        return next_tokens
-
-    # -- decode ----------------------------------------------------------------
-
-    def decode(self, rows: list[DecodeRow]) -> jax.Array:
-        """Dispatches one decode step for the given running slots.
-
-        Returns:
-          next_tokens: [B] int32 device array (not yet synced); row i belongs to rows[i].
-        """
-        cfg = self.cfg
-        B = batch_bucket(len(rows), cfg)
-        max_len = max(r.position + 1 for r in rows)
-        P = page_bucket(-(-max_len // cfg.page_size), cfg)
-        slot_ids = np.full(B, cfg.max_slots, np.int32)  # padding rows: out of range -> dropped
-        positions = np.zeros(B, np.int32)
-        lengths = np.zeros(B, np.int32)
-        page_table = np.zeros((B, P), np.int32)
-        for i, r in enumerate(rows):
-            slot_ids[i] = r.slot
-            positions[i] = r.position
-            lengths[i] = r.position + 1
-            used = -(-(r.position + 1) // cfg.page_size)
-            page_table[i, :used] = r.pages[:used]
-        sampling = SamplingArrays.from_rows([r.sampling for r in rows], B)
-        key = ("decode", B, P)
-        t0 = time.perf_counter()
-        next_tokens = self.run_step("decode", (slot_ids, positions, page_table, lengths, sampling))
-        self._note_compile(key, t0)
-        return next_tokens
-
-    def _note_compile(self, key: tuple, t0: float) -> None:
+            self.state, next_tokens = self._steps[batch.kind](self.params, self.state, batch)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
             # persistent-cache hit); dispatch of later calls is asynchronous.
             self.compile_times[key] = time.perf_counter() - t0
             log.info("compiled %s in %.2f s", key, self.compile_times[key])
+        self._in_flight = next_tokens
+        return next_tokens
 
     def warmup(self) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:
@@ -371,14 +245,13 @@ class Engine:
         compile. Prefill of later chunks (a prefix in the cache) compiles on
         first use. Writes go to the null page 0 only, so the cache is unaffected."""
         cfg = self.cfg
-        null_pages = [0] * cfg.max_pages_per_seq
-        greedy = (0.0, 0, 1.0, 0)
+        null_pages = (0,) * cfg.max_pages_per_seq
         T = 16
         while T <= cfg.prefill_chunk:
-            self.prefill([PrefillChunk(0, [0] * T, 0, null_pages, greedy)])
+            self.prefill([PrefillRow("warmup", 0, 0, (0,) * T, null_pages, True, GREEDY)])
             T *= 2
         for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}):
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
                 position = min(P * cfg.page_size, cfg.max_model_len) - 1
-                self.decode([DecodeRow(0, position, null_pages, greedy)] * B)
-        jax.block_until_ready(self.slot_tokens)
+                self.decode([DecodeRow("warmup", 0, position, null_pages, GREEDY)] * B)
+        jax.block_until_ready(self.state.slot_tokens)

@@ -32,7 +32,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from serving.engine import DecodeRow, Engine, PrefillChunk
+from serving.engine import Engine
+from serving.step_plan import DecodeRow, PrefillRow, SamplingSettings
 from serving.engine_client import (
     EngineOverloadedError,
     EngineStats,
@@ -59,9 +60,9 @@ class _Sequence:
     scheduled_time: float | None = None
 
     @property
-    def sampling_row(self) -> tuple[float, int, float, int]:
+    def sampling_row(self) -> SamplingSettings:
         s = self.req.sampling
-        return (float(s.temperature), int(s.top_k), float(s.top_p), self.seed)
+        return SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), self.seed)
 
 
 class EngineLoop:
@@ -317,7 +318,8 @@ class EngineLoop:
         if not plan.prefill:
             return None
         seqs = [self._by_id[c.request.request_id] for c in plan.prefill]
-        chunks = [PrefillChunk(c.request.slot, c.token_ids, c.start, c.request.pages, seq.sampling_row)
+        chunks = [PrefillRow(seq.req.request_id, c.request.slot, c.start, tuple(c.token_ids),
+                             tuple(c.request.pages), c.samples, seq.sampling_row)
                   for c, seq in zip(plan.prefill, seqs)]
         try:
             out = self.engine.prefill(chunks)
@@ -337,7 +339,7 @@ class EngineLoop:
         if not plan.decode:
             return None
         seqs = [self._by_id[r.request_id] for r in plan.decode]
-        rows = [DecodeRow(r.slot, r.num_computed - 1, r.pages, seq.sampling_row)
+        rows = [DecodeRow(r.request_id, r.slot, r.num_computed - 1, tuple(r.pages), seq.sampling_row)
                 for r, seq in zip(plan.decode, seqs)]
         try:
             out = self.engine.decode(rows)

@@ -23,8 +23,7 @@ def known_models() -> dict:
     return load_yaml_config("models.yaml")
 
 
-def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
-               progress: bool = True) -> tuple[nnx.Module, Tokenizer]:
+def load_model(name: str, dtype: str = "float32", progress: bool = True) -> tuple[nnx.Module, Tokenizer]:
     """Builds the named model and its tokenizer.
 
     Args:
@@ -35,7 +34,6 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
         Qwen3 GGUF is refused here (ValueError from ``Tokenizer.from_gguf``); use
         ``xlaserve convert`` and ``--checkpoint`` for those.
       dtype: "float32" or "bfloat16" (weights and matmul inputs).
-      attention_impl: see kernels_pallas.attention.
       progress: show a progress bar while dequantizing a GGUF.
 
     Raises:
@@ -48,8 +46,7 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
         spec = models[name]
         if spec["source"] == "random":
             cfg = ModelConfig.from_dict(spec["config"])
-            model = build_model(cfg, dtype=jdtype, attention_impl=attention_impl,
-                                rngs=nnx.Rngs(int(spec.get("seed", 0))))
+            model = build_model(cfg, dtype=jdtype, rngs=nnx.Rngs(int(spec.get("seed", 0))))
             return model, Tokenizer.tiny(cfg.vocab_size)
         if spec["source"] == "gguf-package":
             path = importlib.import_module(spec["package"]).assemble()
@@ -62,6 +59,6 @@ def load_model(name: str, dtype: str = "float32", attention_impl: str = "auto",
         raise ValueError(f"unknown model {name!r}: use one of {sorted(models)} or a path to a .gguf file")
     tokenizer = Tokenizer.from_gguf(path, cache_dir=cache_dir("tokenizer"))
     cfg, params = load_gguf(path, name=name, cache_dir=cache_dir("weights"), progress=progress)
-    model = build_model(cfg, params=params, dtype=jdtype, attention_impl=attention_impl)
+    model = build_model(cfg, params=params, dtype=jdtype)
     log.info("loaded %s (%s) in %.1f s", name, dtype, time.perf_counter() - t0)
     return model, tokenizer

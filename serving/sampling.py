@@ -10,16 +10,20 @@ each finds its logit threshold by bisection (32 halvings of the uint32 space of
 order-preserving float32 keys, i.e. exact up to float32 ties whatever the value
 range), which is O(vocab) per halving instead of a sort. When every row is
 greedy the sampling branch is skipped entirely (``lax.cond``), so a greedy
-batch pays only an argmax.
+batch pays only an argmax. How the argmax runs (``jnp.argmax`` or in blocks,
+:func:`argmax_rows`) is the backend policy's choice (``argmax_block``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from serving.step_plan import SamplingSettings
 
 _BISECT_STEPS = 32
 
@@ -42,14 +46,15 @@ class SamplingArrays:
     seed: jax.Array
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[float, int, float, int]], size: int) -> "SamplingArrays":
-        """Host-side builder; rows past len(rows) are greedy padding. Returns numpy arrays."""
+    def from_rows(cls, rows: Sequence[SamplingSettings], size: int) -> "SamplingArrays":
+        """Host-side builder, one row per settings record; rows past len(rows) are
+        greedy padding. Seeds are taken modulo 2**32. Returns numpy arrays."""
         t = np.zeros(size, np.float32)
         k = np.zeros(size, np.int32)
         p = np.ones(size, np.float32)
         s = np.zeros(size, np.uint32)
-        for i, (temp, top_k, top_p, seed) in enumerate(rows):
-            t[i], k[i], p[i], s[i] = temp, top_k, top_p, seed & 0xFFFFFFFF
+        for i, row in enumerate(rows):
+            t[i], k[i], p[i], s[i] = row.temperature, row.top_k, row.top_p, row.seed & 0xFFFFFFFF
         return cls(t, k, p, s)
 
 
@@ -94,23 +99,24 @@ def _threshold_for_mass(probs: jax.Array, keys: jax.Array, top_p: jax.Array) -> 
         lambda t: jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p)
 
 
-def argmax_rows(x: jax.Array, block: int = 2048) -> jax.Array:
+def argmax_rows(x: jax.Array, block: int | None = 2048) -> jax.Array:
     """First index of each row's maximum, like ``jnp.argmax(x, -1)``, in two blocked passes.
 
-    XLA:CPU runs the variadic (value, index) reduce of ``argmax`` over a
-    262144-wide row at under 1 GB/s (37 ms for 32 rows); a max per block of
-    ``block`` columns, the first block holding the row max, then the first
-    index inside that block takes 0.7 ms (benchmarks/RESULTS.md, 2026-11-30).
+    A max per block of ``block`` columns, the first block holding the row max,
+    then the first index inside that block. Where the variadic (value, index)
+    reduce of ``argmax`` is slow (XLA:CPU runs it over a 262144-wide row at
+    under 1 GB/s: 37 ms for 32 rows, against 0.7 ms blocked; benchmarks/RESULTS.md,
+    2026-11-30) the backend policy asks for this form.
 
     Args:
       x: [R, V] float.
-      block: columns per block; used when it divides V and V > block.
+      block: columns per block; used when it divides V and V > block (None: plain argmax).
 
     Returns:
       [R] int32.
     """
     rows, vocab = x.shape
-    if vocab <= block or vocab % block:
+    if block is None or vocab <= block or vocab % block:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     xb = x.reshape(rows, vocab // block, block)
     block_max = jnp.max(xb, axis=-1)  # [R, V / block]
@@ -121,18 +127,20 @@ def argmax_rows(x: jax.Array, block: int = 2048) -> jax.Array:
     return (first_block * block + offset).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Array:
+def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
+           argmax_block: int | None = None) -> jax.Array:
     """Samples one token per row.
 
     Args:
       logits: [R, vocab] float32.
       positions: [R] int32, the position the sampled token will occupy (keys the random stream).
       s: per-row settings.
+      argmax_block: see :func:`argmax_rows` (None: ``jnp.argmax``); the same token either way.
 
     Returns:
       [R] int32 token ids.
     """
-    greedy = argmax_rows(logits)
+    greedy = argmax_rows(logits, argmax_block)
 
     def sampled(_):
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
@@ -151,7 +159,7 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Ar
             s.seed, positions
         )
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-        drawn = argmax_rows(scaled + gumbel)
+        drawn = argmax_rows(scaled + gumbel, argmax_block)
         return jnp.where(s.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy, None)

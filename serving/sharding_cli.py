@@ -125,7 +125,7 @@ def load_for_serving(cfg):
     mesh_cfg = MeshConfig.parse(cfg.mesh) if cfg.mesh else None
     mesh = build_mesh(mesh_cfg) if mesh_cfg is not None and mesh_cfg.size > 1 else None
     if not cfg.checkpoint:
-        model, tok = load_model(cfg.model, dtype=cfg.dtype, attention_impl=cfg.attention_impl)
+        model, tok = load_model(cfg.model, dtype=cfg.dtype)
         if mesh_cfg is not None:
             log.info("serving %s on mesh %s (%d devices)", model.cfg.name, mesh_cfg, mesh_cfg.size)
         return model, tok, mesh
@@ -142,7 +142,7 @@ def load_for_serving(cfg):
     # Restored as stored (float32), each device reading its own shard; cast after.
     targets = abstract_targets(abstract_params(mcfg, "float32"), mesh, ShardingRules.default())
     params = restore_params(cfg.checkpoint, targets)
-    model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype), attention_impl=cfg.attention_impl)
+    model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype))
     spm = tokenizer_model(cfg.checkpoint)
     if not spm:
         log.warning("checkpoint %s has no tokenizer.model: using the tiny test vocabulary, so "
@@ -176,18 +176,16 @@ def run_follower(cfg) -> int:
     the steps process 0 publishes, until it stops."""
     import jax
 
-    from serving.engine import Engine, EngineConfig
+    from serving.backend_policy import BackendPolicy
+    from serving.engine import Engine
+    from serving.engine_config import EngineConfig
     from sharding.multihost import Lockstep
 
     model, _, mesh = load_for_serving(cfg)
-    engine = Engine(model, EngineConfig(
-        max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
-        max_model_len=min(cfg.max_model_len, model.cfg.max_position), prefill_chunk=cfg.prefill_chunk,
-        max_prefill_seqs=cfg.max_prefill_seqs,
-        min_decode_batch=cfg.min_decode_batch or (1 if cfg.dtype == "float32" else 8),
-        kv_dtype=cfg.kv_dtype or cfg.dtype), mesh=mesh, lockstep=Lockstep())
+    engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
+                    lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl))
     log.info("process %d following process 0's steps", jax.process_index())
-    steps = engine.lockstep.follow(engine)
+    steps = engine.lockstep.follow(engine.run_published)
     log.info("process %d ran %d steps; leader stopped", jax.process_index(), steps)
     return 0
 

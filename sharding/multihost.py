@@ -4,10 +4,12 @@ Every process runs the same program over one global mesh (``jax.devices()``
 lists all processes' devices after :func:`initialize`). Only process 0 runs
 the HTTP gateway, the scheduler and the engine loop; it decides each step.
 The other processes run :meth:`Lockstep.follow`: before each step process 0
-broadcasts the step's host arrays (``multihost_utils.broadcast_one_to_all``:
-a small header with the step kind and shapes, then the arrays), and every
-process dispatches the same jitted step with the same inputs, so all of them
-join every collective in the same order. The cost is two small broadcasts
+broadcasts the step's batch as its kind and pytree leaves
+(``multihost_utils.broadcast_one_to_all``: a small header with the kind and
+each leaf's dtype and shape, then the leaves), and every process dispatches
+the same jitted step with the same inputs, so all of them join every
+collective in the same order. The step's structure is the engine's business:
+this module moves a kind and a list of arrays. The cost is two small broadcasts
 per step; a production version would send the scheduler's plan once over
 DCN and overlap it with the previous step.
 """
@@ -17,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-_HEADER = 64
+_HEADER = 2 + 4 * 32  # kind, count, then (dtype, ndim, dim0, dim1) for up to 32 leaves
 _KINDS = {"stop": 0, "prefill": 1, "decode": 2}
 _DTYPES = [np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)]
 
@@ -79,19 +82,12 @@ def initialize(pc: ProcessConfig | None, timeout_s: int = 120) -> bool:
     return True
 
 
-def _templates():
-    from serving.sampling import SamplingArrays
-
-    s = SamplingArrays(0, 0, 0, 0)
-    return {"prefill": jax.tree.structure((0,) * 7 + (s, 0)),
-            "decode": jax.tree.structure((0, 0, 0, 0, s))}
-
-
 class Lockstep:
-    """Process 0 publishes each engine step's host arrays; the others run the same step.
+    """Process 0 publishes each engine step's batch; the others run the same step.
 
-    Used by ``serving.engine.Engine`` (``lockstep=``): ``Engine.run_step``
-    calls :meth:`publish` on process 0; followers call :meth:`follow`.
+    Used by ``serving.engine.Engine`` (``lockstep=``): ``Engine.run`` calls
+    :meth:`publish` on process 0; followers call :meth:`follow` with the
+    engine's ``run_published``.
     """
 
     def __init__(self):
@@ -99,16 +95,24 @@ class Lockstep:
 
         self._broadcast = multihost_utils.broadcast_one_to_all
         self.is_leader = jax.process_index() == 0
-        self._treedefs = _templates()
 
-    def publish(self, kind: str, host: tuple) -> None:
-        """Leader only: sends the step (kind and host arrays) to the followers."""
+    def publish(self, kind: str, leaves: Sequence[np.ndarray]) -> None:
+        """Leader only: sends a step (its kind and its batch's leaves, at most 2-D each,
+        int32, float32 or uint32) to the followers.
+
+        Raises:
+          ValueError: an unknown kind, too many leaves, or a leaf of another dtype or rank.
+        """
         if not self.is_leader:
             return
-        leaves = [np.asarray(x) for x in jax.tree.leaves(host)]
+        leaves = [np.asarray(x) for x in leaves]
+        if kind not in _KINDS or 2 + 4 * len(leaves) > _HEADER:
+            raise ValueError(f"lockstep: cannot send a {kind!r} step of {len(leaves)} arrays")
         header = np.zeros(_HEADER, np.int32)
         header[0], header[1] = _KINDS[kind], len(leaves)
         for i, x in enumerate(leaves):
+            if x.dtype not in _DTYPES or x.ndim > 2:
+                raise ValueError(f"lockstep: leaf {i} is {x.dtype} with {x.ndim} dims")
             header[2 + 4 * i: 6 + 4 * i] = [_DTYPES.index(x.dtype), x.ndim, *(list(x.shape) + [0, 0])[:2]]
         self._broadcast(header)
         if leaves:
@@ -118,9 +122,9 @@ class Lockstep:
         """Leader only: tells the followers to return from :meth:`follow`."""
         self.publish("stop", ())
 
-    def follow(self, engine) -> int:
-        """Follower loop: runs the leader's steps on ``engine`` until :meth:`stop`.
-        Returns the number of steps run."""
+    def follow(self, run_step: Callable[[str, list[np.ndarray]], None]) -> int:
+        """Follower loop: calls ``run_step(kind, leaves)`` for each of the leader's steps
+        until :meth:`stop`. Returns the number of steps run."""
         names = {v: k for k, v in _KINDS.items()}
         steps = 0
         while True:
@@ -132,9 +136,7 @@ class Lockstep:
             for i in range(int(header[1])):
                 code, ndim, d0, d1 = header[2 + 4 * i: 6 + 4 * i]
                 zeros.append(np.zeros((int(d0), int(d1))[:int(ndim)], _DTYPES[int(code)]))
-            leaves = [np.asarray(x) for x in self._broadcast(zeros)]
-            host = jax.tree.unflatten(self._treedefs[kind], leaves)
-            engine.run_step(kind, host)
+            run_step(kind, [np.asarray(x) for x in self._broadcast(zeros)])
             steps += 1
 
 

@@ -33,7 +33,8 @@ def main(port: int, pid: int, out_dir: str) -> None:
 
     from model.config import ModelConfig
     from model.factory import build_model
-    from serving.engine import Engine, EngineConfig
+    from serving.engine import Engine
+    from serving.engine_config import EngineConfig
     from serving.model_registry import known_models
     from sharding.mesh import MeshConfig, build_mesh
     from tests.sharding.forward import run_steps
@@ -62,7 +63,7 @@ def main(port: int, pid: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, "ids.json"), "w") as f:
             json.dump(ids, f)
     else:
-        steps = engine.lockstep.follow(engine)
+        steps = engine.lockstep.follow(engine.run_published)
         print(f"process 1 followed {steps} steps", flush=True)
     jax.distributed.shutdown()
 

@@ -6,14 +6,17 @@ import jax.numpy as jnp
 import pytest
 
 from model.gemma3 import Gemma3
-from serving.engine import Engine, EngineConfig
+from serving.backend_policy import BackendPolicy
+from serving.engine import Engine
+from serving.engine_config import EngineConfig
 from serving.engine_loop import EngineLoop
 from tests.engine_helpers import agree_until_near_tie, generate, request
 
 pytestmark = pytest.mark.gemma
 
-# Small pool; prefill chunk 256 so the 712-token prompt takes three chunks.
-CFG = EngineConfig(max_slots=8, num_pages=768, max_model_len=2048, prefill_chunk=256)
+# Small pool; prefill chunk 256 so the 712-token prompt takes three chunks; one decode
+# bucket of 8 rows, so alone and batched runs share their compiled programs.
+CFG = EngineConfig(max_slots=8, num_pages=768, max_model_len=2048, prefill_chunk=256, min_decode_batch=8)
 
 
 def make_loop(gemma_params, dtype) -> EngineLoop:
@@ -89,8 +92,9 @@ def test_golden_greedy_with_pallas_decode_kernel(gemma_params, golden):
     import dataclasses
 
     cfg, params = gemma_params
-    loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=jnp.float32, attention_impl="pallas"),
-                             dataclasses.replace(CFG, max_slots=4)))
+    pallas = BackendPolicy.for_platform("cpu", attention_impl="pallas")
+    loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=jnp.float32),
+                             dataclasses.replace(CFG, max_slots=4), policy=pallas))
     loop.start(warmup=False)
     try:
         prompts = [p for p in golden["prompts"] if p["name"] in ("english", "code", "long_repeated_sliding_window")]

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.attention import select_attention
 from model.attention_metadata import AttentionMetadata
+from model.compute import REFERENCE, Compute
 from model.gemma3 import Gemma3, KVCache
 
 pytestmark = pytest.mark.gemma
@@ -20,7 +22,8 @@ ATOL = 5e-3
 PAGE_SIZE = 16
 
 
-def prefill_logits(model: Gemma3, ids: list[int], rows: list[int], chunk: int | None = None) -> np.ndarray:
+def prefill_logits(model: Gemma3, ids: list[int], rows: list[int], chunk: int | None = None,
+                   compute: Compute = REFERENCE) -> np.ndarray:
     """Logits at positions ``rows`` of one sequence, prefilled in chunks of ``chunk`` tokens.
 
     Pages are handed out in reverse order so the page table is not the identity.
@@ -42,7 +45,8 @@ def prefill_logits(model: Gemma3, ids: list[int], rows: list[int], chunk: int | 
             kv_lens=jnp.asarray([start + T], jnp.int32), cu_q_lens=jnp.asarray([0, T], jnp.int32),
             num_seqs=jnp.asarray(1, jnp.int32), mode="prefill")
         li = jnp.asarray([r - start for r in want] or [0], jnp.int32)
-        logits, cache = model(jnp.asarray(toks, jnp.int32), jnp.asarray(positions), cache, md, li)
+        logits, cache = model(jnp.asarray(toks, jnp.int32), jnp.asarray(positions), cache, md, li,
+                              compute=compute)
         for r, row in zip(want, np.asarray(logits)):
             out[r] = row
     return np.stack([out[r] for r in rows])
@@ -81,13 +85,14 @@ def test_golden_logits_with_pallas_kernels(gemma_params, golden):
     """attention_impl="pallas" (interpret mode on CPU): short prompts and the 712-token one,
     whose attention spans many page blocks and the sliding window; the long one in 256-token chunks."""
     cfg, params = gemma_params
-    model = Gemma3(cfg, params=params, dtype=jnp.float32, attention_impl="pallas")
+    model = Gemma3(cfg, params=params, dtype=jnp.float32)
+    pallas = Compute(attention=select_attention("pallas", "cpu"))
     with jax.default_matmul_precision("highest"):
         for p in golden["prompts"]:
             if p["name"] not in ("english", "emoji", "long_repeated_sliding_window"):
                 continue
             rows = [q["pos"] for q in p["positions"]]
-            logits = prefill_logits(model, p["ids"], rows, chunk=256)
+            logits = prefill_logits(model, p["ids"], rows, chunk=256, compute=pallas)
             for q, ours in zip(p["positions"], logits):
                 check_position(ours, q, f"pallas {p['name']}@{q['pos']}")
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving.sampling import SamplingArrays, sample
+from serving.step_plan import SamplingSettings
 
 V = 64  # vocabulary
 R = 64  # rows of the small batch
@@ -291,7 +292,8 @@ def test_different_positions_and_seeds_give_different_streams():
 
 
 def test_from_rows_pads_with_greedy_rows_and_wraps_seeds():
-    s = SamplingArrays.from_rows([(0.7, 5, 0.9, -1), (1.0, 0, 1.0, 2**32 + 3)], 4)
+    s = SamplingArrays.from_rows([SamplingSettings(0.7, 5, 0.9, -1),
+                                  SamplingSettings(1.0, 0, 1.0, 2**32 + 3)], 4)
     np.testing.assert_array_equal(s.temperature, np.array([0.7, 1.0, 0, 0], np.float32))
     np.testing.assert_array_equal(s.top_k, [5, 0, 0, 0])
     np.testing.assert_array_equal(s.top_p, np.array([0.9, 1, 1, 1], np.float32))

@@ -1,8 +1,9 @@
 """One prefill step and one decode step of a model, optionally sharded on a mesh: their logits.
 
 Mirrors what ``serving.engine`` does (params and KV cache placed by
-``sharding.placement``, the step jitted with the cache's sharding and run
-under ``jax.set_mesh``), but returns logits instead of sampled tokens.
+``sharding.placement``, the model called with its backend policy's
+``Compute``, the step jitted with the cache's sharding and run under
+``jax.set_mesh``), but returns logits instead of sampled tokens.
 Every step is synchronised (``block_until_ready``) before the next one is
 dispatched: see tests/test_sharding_multidevice.py on why.
 """
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.attention_metadata import AttentionMetadata
 from model.kv_cache import KVCache
+from serving.backend_policy import BackendPolicy
 
 PAGE_SIZE = 8
 
@@ -28,12 +30,13 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, vocab, n).tolist()
 
 
-def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4) -> np.ndarray:
+def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4, moe_impl: str = "auto") -> np.ndarray:
     """Prefills ``rows`` prompts (one prefill step each, chunked at 16 tokens), then one
     decode step over all rows. Returns the logits of every prefill step's last
     token and of the decode step: [2 * rows, vocab] f32 numpy (the prefill rows first).
     """
     cfg = model.cfg
+    policy = BackendPolicy.detect(mesh, moe_impl=moe_impl)
     graphdef, params = nnx.split(model)
     pages_per_seq = -(-(prompt_len + 1) // PAGE_SIZE)
     num_pages = 1 + rows * pages_per_seq
@@ -43,11 +46,13 @@ def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4) -> np.ndarr
         cache = KVCache.zeros(cfg, num_pages, PAGE_SIZE, jnp.float32)
         out_sh = None
         ctx = contextlib.nullcontext
+        compute = policy.compute()
     else:
         from sharding.placement import kv_cache_sharding, place_params, sharded_zeros
         from sharding.rules import ShardingRules
 
         rules = ShardingRules.default()
+        compute = policy.compute(rules)
         params = place_params(params, mesh, rules)
         kv_sh = kv_cache_sharding(shape, mesh, rules)
         cache = KVCache(sharded_zeros(shape, jnp.float32, kv_sh), sharded_zeros(shape, jnp.float32, kv_sh))
@@ -58,7 +63,7 @@ def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4) -> np.ndarr
             return jax.set_mesh(mesh)
 
     def step(params, cache, tokens, positions, md, li):
-        return nnx.merge(graphdef, params)(tokens, positions, cache, md, li)
+        return nnx.merge(graphdef, params)(tokens, positions, cache, md, li, compute=compute)
 
     fn = jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
     tables = [np.arange(1 + r * pages_per_seq, 1 + (r + 1) * pages_per_seq, dtype=np.int32)[::-1].copy()

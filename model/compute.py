@@ -1,0 +1,97 @@
+"""What a decoder needs from the platform it runs on, handed to it by its caller.
+
+The decoders in ``model/`` compute in logical dtypes and never ask JAX which
+platform they run on. Every backend-specific choice they depend on arrives in
+one static :class:`Compute` argument of ``__call__``, made once by the engine's
+backend policy (``serving.backend_policy``):
+
+  * how a matmul with very few rows is computed (``pad_single_row``),
+  * which paged-attention implementation and block sizes run (``attention``),
+  * how the MoE expert matmuls run and over which mesh axes (``moe``).
+
+The defaults are the plain reference path (what a reader of the model expects):
+``einsum`` dots, the pure-XLA attention, ``ragged_dot`` experts, no mesh axes.
+
+Weights may arrive in a storage representation (bfloat16 held as uint16 bits,
+``kernels_pallas.kv_storage``); :meth:`Compute.load` turns a stored array back
+into its logical dtype and is a no-op for everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.attention import AttentionConfig
+from kernels_pallas.kv_storage import from_storage
+
+MOE_IMPLS = ("auto", "ragged", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """How the mixture-of-experts layers run (see ``model.moe``).
+
+    Attributes:
+      impl: "ragged" (grouped matmul with ``jax.lax.ragged_dot``), "capacity"
+        (dense one-hot dispatch), or "auto": "capacity" for at most
+        ``capacity_max_rows`` token-expert assignment rows, else "ragged".
+      capacity_max_rows: the "auto" threshold (0: always "ragged").
+      expert_axis: the mesh axis the experts are split over (None: not split).
+      tensor_axis: the mesh axis each expert's hidden columns are split over (None: not split).
+      batch_axis: the mesh axis tokens are split over besides the expert axis (None: not split).
+    """
+
+    impl: str = "auto"
+    capacity_max_rows: int = 0
+    expert_axis: str | None = None
+    tensor_axis: str | None = None
+    batch_axis: str | None = None
+
+    def __post_init__(self):
+        if self.impl not in MOE_IMPLS:
+            raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {self.impl!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """Platform-dependent choices a decoder receives (static: part of every compiled step).
+
+    Attributes:
+      pad_single_row: compute a one-row low-precision matmul as a two-row one
+        (some backends run matrix-vector products far slower than small matrix
+        products; the backend policy knows which).
+      attention: the paged-attention implementation (``kernels_pallas.attention``).
+      moe: the MoE implementation and mesh axes.
+    """
+
+    pad_single_row: bool = False
+    attention: AttentionConfig = AttentionConfig()
+    moe: MoEConfig = MoEConfig()
+
+    def dot(self, eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+        """``einsum(eq, a, b)`` with both inputs in ``dtype`` and float32 accumulation.
+
+        Args:
+          eq: an einsum equation whose first operand's leading axis is the rows (tokens).
+          a, b: the operands (any float dtype; cast to ``dtype``).
+          dtype: the matmul-input dtype (float32 or bfloat16).
+
+        Returns:
+          float32 result.
+        """
+        a, b = a.astype(dtype), b.astype(dtype)
+        if self.pad_single_row and a.shape[0] == 1 and a.dtype != jnp.float32:
+            return jnp.einsum(eq, jnp.concatenate([a, a]), b, preferred_element_type=jnp.float32)[:1]
+        return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+
+    @staticmethod
+    def load(w: jax.Array) -> jax.Array:
+        """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16)."""
+        return from_storage(w)
+
+
+REFERENCE = Compute()
+"""The plain reference path: the default of every decoder's ``__call__``."""

@@ -1,0 +1,140 @@
+"""The backend policy: every platform-specific choice of the engine, made once.
+
+The model, the kernels and sampling compute in logical dtypes and never ask
+JAX which platform they are on. The engine builds one :class:`BackendPolicy`
+from the platform of its devices and the server settings, and hands each
+piece what it needs:
+
+    choice                        cpu (XLA:CPU)                         gpu / tpu
+    KV-cache and stacked-weight   bfloat16 held as uint16 bits (XLA:CPU  as is
+      storage                     scatters and slices bf16 slowly)
+    one-row low-precision dots    computed as two rows (matrix-vector   as is
+                                  products ~10x slower than 2-row ones)
+    argmax over the vocabulary    blocked, 2048 columns (the variadic   jnp.argmax
+                                  reduce runs at < 1 GB/s)
+    attention implementation      "auto" -> the XLA reference; "pallas" -> the Pallas kernels
+                                  (interpreted on CPU, Triton on GPU, Mosaic on TPU)
+    MoE expert matmuls ("auto")   capacity einsum up to 128 rows,       ragged_dot (grouped GEMM)
+                                  then ragged_dot
+    smallest decode bucket        1 row                                 1 row
+    sharded steps                 each waits for the previous one       dispatched back to back
+                                  (XLA:CPU collectives share one thread
+                                  pool and can deadlock when queued)
+
+The CPU numbers are measurements on the 2-core test machine
+(benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
+the MoE threshold). The accelerator column is the plain path, pending
+measurements on real hardware (``benchmarks/device.sh``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels_pallas.attention import AttentionConfig, select_attention
+from kernels_pallas.kv_storage import storage_dtype, to_storage
+from model.compute import MOE_IMPLS, Compute, MoEConfig
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+CPU_ARGMAX_BLOCK = 2048
+CPU_MOE_CAPACITY_MAX_ROWS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendPolicy:
+    """Platform-specific choices of one engine.
+
+    Attributes:
+      platform: "cpu", "gpu" or "tpu"; it also picks the storage of bfloat16 KV
+        pages and stacked layer weights (``kernels_pallas.kv_storage.storage_dtype``).
+      pad_single_row: compute one-row low-precision matmuls as two rows.
+      argmax_block: the blocked argmax's block (None: ``jnp.argmax``).
+      attention: the paged-attention implementation.
+      moe_impl: "auto", "ragged" or "capacity".
+      moe_capacity_max_rows: "auto" uses the capacity einsum up to this many rows.
+      min_decode_batch: the smallest decode batch bucket (rows).
+      sync_sharded_steps: a step on a multi-device mesh waits for the previous one
+        before it is dispatched.
+    """
+
+    platform: str
+    pad_single_row: bool = False
+    argmax_block: int | None = None
+    attention: AttentionConfig = AttentionConfig()
+    moe_impl: str = "auto"
+    moe_capacity_max_rows: int = 0
+    min_decode_batch: int = 1
+    sync_sharded_steps: bool = False
+
+    @classmethod
+    def for_platform(cls, platform: str, *, attention_impl: str = "auto",
+                     moe_impl: str = "auto") -> "BackendPolicy":
+        """The policy for a platform.
+
+        Args:
+          platform: "cpu", "gpu" (also "cuda", "rocm") or "tpu".
+          attention_impl: "auto", "xla" or "pallas" (``kernels_pallas.attention``).
+          moe_impl: "auto", "ragged" or "capacity" (``model.moe``).
+
+        Raises:
+          ValueError: an unknown platform, attention_impl or moe_impl.
+        """
+        platform = "gpu" if platform in ("cuda", "rocm") else platform
+        if platform not in PLATFORMS:
+            raise ValueError(f"unknown platform {platform!r}; one of {PLATFORMS}")
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        attention = select_attention(attention_impl, platform)
+        if platform == "cpu":
+            return cls(platform, pad_single_row=True, argmax_block=CPU_ARGMAX_BLOCK,
+                       attention=attention, moe_impl=moe_impl,
+                       moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True)
+        return cls(platform, attention=attention, moe_impl=moe_impl)
+
+    @classmethod
+    def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
+        """The policy for the platform of ``mesh``'s devices (default: JAX's default backend).
+
+        The one place in the serving path that asks JAX which platform it runs on.
+        kwargs: as :meth:`for_platform`.
+        """
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        return cls.for_platform(platform, **kwargs)
+
+    # -- what the pieces receive ------------------------------------------------------
+
+    def compute(self, rules=None) -> Compute:
+        """What the model's ``__call__`` receives (``model.compute.Compute``).
+
+        Args:
+          rules: ``sharding.rules.ShardingRules`` when serving on a mesh: the MoE
+            layer's expert, tensor and batch mesh axes are the ones the rules map
+            the logical axes "expert", "mlp" and "batch" to.
+        """
+        axes = {}
+        if rules is not None:
+            axes = dict(expert_axis=rules.mesh_axis("expert"), tensor_axis=rules.mesh_axis("mlp"),
+                        batch_axis=rules.mesh_axis("batch"))
+        return Compute(pad_single_row=self.pad_single_row, attention=self.attention,
+                       moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes))
+
+    def storage_dtype(self, dtype) -> jnp.dtype:
+        """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""
+        return storage_dtype(dtype, self.platform)
+
+    def store_params(self, state: nnx.State) -> nnx.State:
+        """The parameters with every stacked layer weight (leading logical axis "layers")
+        in its storage dtype; other parameters unchanged."""
+        out = []
+        for path, v in nnx.to_flat_state(state):
+            axes = v.get_metadata().get("logical_axes") or ()
+            value = v.get_value()
+            stored = self.storage_dtype(value.dtype)
+            if axes[:1] == ("layers",) and stored != value.dtype:
+                v = v.replace(to_storage(value, stored))
+            out.append((path, v))
+        return nnx.from_flat_state(out)

@@ -1,0 +1,103 @@
+"""The engine's static sizes and the shape buckets its steps compile for (no JAX).
+
+Shapes are fixed per compilation and come from small bucket sets (JetStream's
+approach), so the number of compiled programs stays small:
+
+  * T: prefill token-count buckets, powers of two from 16 up to the prefill chunk.
+  * B: decode batch buckets, powers of two from ``min_decode_batch`` up to the
+    slot count; a step's rows are the running slots, so a lone stream does not
+    pay for 32 slots.
+  * P: page-table width buckets, powers of two (in pages) from 512 tokens'
+    worth up to ``max_pages_per_seq``, covering the longest sequence in the
+    step, so attention work follows the real context length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static sizes of the engine.
+
+    Attributes:
+      max_slots: decode rows (concurrently running sequences).
+      page_size: tokens per KV page.
+      num_pages: KV pool size in pages, including the null page 0.
+      max_model_len: context window in tokens (prompt + generated).
+      prefill_chunk: most tokens in one prefill step (a power of two >= 16).
+      max_prefill_seqs: sequences packed into one prefill step (S).
+      min_decode_batch: smallest decode batch bucket in rows (None: the backend
+        policy's, ``serving.backend_policy``).
+      kv_dtype: KV cache dtype name ("float32" or "bfloat16"); the backend
+        policy decides how it is stored.
+    """
+
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int = 4096
+    max_model_len: int = 8192
+    prefill_chunk: int = 512
+    max_prefill_seqs: int = 1
+    min_decode_batch: int | None = None
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.max_model_len % self.page_size:
+            raise ValueError("max_model_len must be a multiple of page_size")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.min_decode_batch is not None and self.min_decode_batch < 1:
+            raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
+        # A pool smaller than one full context is allowed: requests that could
+        # never fit are rejected at submit (RequestRejectedError).
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.max_model_len // self.page_size
+
+    @classmethod
+    def from_server_config(cls, server, model_cfg) -> "EngineConfig":
+        """The engine sizes of ``xlaserve serve`` (and of every process of a multi-host job).
+
+        Args:
+          server: a ``serving.server_config.ServerConfig``.
+          model_cfg: the served model's ``model.config.ModelConfig``: the context
+            window is the smaller of ``server.max_model_len`` and ``max_position``.
+        """
+        return cls(
+            max_slots=server.max_slots, page_size=server.page_size, num_pages=server.num_pages,
+            max_model_len=min(server.max_model_len, model_cfg.max_position),
+            prefill_chunk=server.prefill_chunk, max_prefill_seqs=server.max_prefill_seqs,
+            min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype)
+
+
+def _pow2_at_least(n: int, lo: int, hi: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+def token_bucket(n: int, cfg: EngineConfig) -> int:
+    """Prefill token-count bucket for n tokens (16, 32, ..., prefill_chunk)."""
+    return _pow2_at_least(n, 16, cfg.prefill_chunk)
+
+
+MIN_PAGE_BUCKET_TOKENS = 512
+"""The narrowest page-table bucket, in tokens: attention over 512 tokens costs
+little next to reading the weights, and fewer buckets mean fewer programs."""
+
+
+def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
+    """Page-table width bucket covering num_pages (powers of two, >= 512 tokens' worth)."""
+    lo = max(1, min(MIN_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
+    return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
+
+
+def batch_bucket(n: int, cfg: EngineConfig) -> int:
+    """Decode batch bucket for n running slots (``cfg.min_decode_batch`` resolved, see Engine)."""
+    return _pow2_at_least(n, min(cfg.min_decode_batch or 1, cfg.max_slots), cfg.max_slots)
