@@ -301,7 +301,7 @@ class EngineLoop:
         kv = self.kv
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_cache_usage=1.0 - kv.num_free / (kv.num_pages - 1) if kv.num_pages > 1 else 0.0,
+            kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions)
         if self.on_step is not None:
@@ -317,7 +317,8 @@ class EngineLoop:
         if not plan.prefill:
             return None
         seqs = [self._by_id[c.request.request_id] for c in plan.prefill]
-        chunks = [PrefillChunk(c.request.slot, c.token_ids, c.start, c.request.pages, seq.sampling_row)
+        chunks = [PrefillChunk(c.request.slot, c.token_ids, c.start, list(self.kv.page_ids(c.request.request_id)),
+                               seq.sampling_row)
                   for c, seq in zip(plan.prefill, seqs)]
         try:
             out = self.engine.prefill(chunks)
@@ -337,7 +338,7 @@ class EngineLoop:
         if not plan.decode:
             return None
         seqs = [self._by_id[r.request_id] for r in plan.decode]
-        rows = [DecodeRow(r.slot, r.num_computed - 1, r.pages, seq.sampling_row)
+        rows = [DecodeRow(r.slot, r.num_computed - 1, list(self.kv.page_ids(r.request_id)), seq.sampling_row)
                 for r, seq in zip(plan.decode, seqs)]
         try:
             out = self.engine.decode(rows)

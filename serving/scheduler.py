@@ -1,6 +1,6 @@
 """The scheduler: which requests run each step, within a token budget, over shared pages.
 
-Plain Python over token counts and page ids (no JAX), after vLLM v1's
+Plain Python over token counts and request ids (no JAX), after vLLM v1's
 scheduler: a request has no "prefill phase". It has *known* tokens (prompt
 plus generated) and *computed* tokens (whose K/V are in the cache), and each
 step moves computed towards known::
@@ -13,6 +13,11 @@ so chunked prefill, prefix-cache hits and recomputation after preemption are
 one mechanism. When a step computes a request's last known token, the engine
 samples its next token (keyed by (seed, position), so recomputation draws
 the same token as the first time).
+
+Pages belong to the :class:`~serving.kv_cache_manager.KVCacheManager`, which
+holds each request's page list, keys and reference counts by request id; the
+scheduler only says how many tokens a request needs pages for, when its
+computed pages may be cached, and when it lets go of them.
 
 Each step (:meth:`Scheduler.schedule`): every running request that is one
 token behind gets a decode row (one budget token each); then the rest of the
@@ -27,6 +32,10 @@ Generated tokens are "in flight" between dispatch and read-back (the engine
 pipelines steps). Preemption needs every token id of its victim, so when it
 would be needed while tokens are in flight, :meth:`schedule` asks the caller
 to read them back first (``StepPlan.needs_sync``).
+
+Invariants (checked by :meth:`Scheduler.check_invariants` with the manager's):
+running requests hold distinct slots and pages covering their computed
+tokens; waiting and finished requests hold no slot and no pages.
 """
 
 from __future__ import annotations
@@ -49,10 +58,10 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class SchedRequest:
-    """One request's scheduling state.
+    """One request's scheduling state (its pages are the KV-cache manager's, by ``request_id``).
 
     Attributes:
-      request_id: unique id.
+      request_id: unique among live requests (names its pages in the manager).
       prompt_ids: prompt token ids.
       max_tokens: most tokens to generate.
       stop_token_ids: a generated token in here finishes the request ("stop").
@@ -61,8 +70,6 @@ class SchedRequest:
       output_ids: generated tokens read back so far.
       num_inflight: generated tokens sampled on device, not yet read back.
       num_computed: tokens whose K/V are in (or being written to) the cache.
-      pages: the request's pages in order (shared prefix pages first).
-      num_cached_pages: leading pages registered in the prefix cache.
       cached_tokens: prompt tokens served from the prefix cache at first admission.
       slot: the engine slot while running.
       token_on_device: the last known token was sampled on device and sits in
@@ -80,9 +87,6 @@ class SchedRequest:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_inflight: int = 0
     num_computed: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
-    page_keys: list[bytes] = dataclasses.field(default_factory=list)
-    num_cached_pages: int = 0
     cached_tokens: int | None = None
     slot: int | None = None
     token_on_device: bool = False
@@ -172,7 +176,8 @@ class Scheduler:
     # -- lifecycle ---------------------------------------------------------------
 
     def pages_needed_alone(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv.page_size)
+        """Pages a request of num_tokens tokens needs with nothing shared."""
+        return self.kv.pages_for(num_tokens)
 
     def add(self, req: SchedRequest) -> None:
         """Queues a new request (validated by the caller to fit the pool alone)."""
@@ -190,8 +195,7 @@ class Scheduler:
             req.slot = None
         else:
             self.waiting.remove(req)
-        self.kv.release(req.pages)
-        req.pages = []
+        self.kv.free(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
@@ -289,22 +293,15 @@ class Scheduler:
         assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
         # A full hit still recomputes the last token, to get its logits.
         hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
-        hit_tokens = len(hit) * self.kv.page_size
-        n = min(len(tokens) - hit_tokens, budget)
-        need = self.pages_needed_alone(hit_tokens + n) - len(hit)
-        evictable_hit = sum(1 for p in hit if self.kv.ref_count[p] == 0)
-        if need + evictable_hit + self.watermark_pages > self.kv.num_free and self.running:
-            return False
-        if need + evictable_hit > self.kv.num_free:
+        n = min(len(tokens) - hit.num_tokens, budget)
+        # The watermark only holds back admissions next to running requests.
+        watermark = self.watermark_pages if self.running else 0
+        if not self.kv.allocate_pages(req.request_id, hit.num_tokens + n, prefix=hit, watermark=watermark):
             return False
         self.waiting.remove(req)
-        self.kv.acquire(hit)
-        req.pages = list(hit) + self.kv.allocate(need)
-        req.page_keys = self.kv.page_keys(tokens[:hit_tokens], req.salt)
-        req.num_cached_pages = len(hit)
-        req.num_computed = hit_tokens
+        req.num_computed = hit.num_tokens
         if req.cached_tokens is None:
-            req.cached_tokens = min(hit_tokens, len(req.prompt_ids))
+            req.cached_tokens = min(hit.num_tokens, len(req.prompt_ids))
             self.kv.record_lookup(len(req.prompt_ids), req.cached_tokens)
         req.slot = self._free_slots.pop()
         req.token_on_device = False
@@ -313,12 +310,11 @@ class Scheduler:
         return True
 
     def _reserve_pages(self, req: SchedRequest, num_tokens: int, plan: StepPlan) -> bool:
-        """Makes req own pages for its first num_tokens tokens, preempting others if needed.
+        """Makes req hold pages for its first num_tokens tokens, preempting others if needed.
 
         Returns False if req itself was preempted or preemption needs a sync first.
         """
-        need = self.pages_needed_alone(num_tokens) - len(req.pages)
-        while need > self.kv.num_free:
+        while not self.kv.allocate_pages(req.request_id, num_tokens):
             if self.num_inflight:
                 plan.needs_sync = True
                 return False
@@ -326,8 +322,6 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is req:
                 return False
-        if need > 0:
-            req.pages += self.kv.allocate(need)
         return True
 
     def _preempt(self, req: SchedRequest, plan: StepPlan) -> None:
@@ -335,8 +329,7 @@ class Scheduler:
         self.running.remove(req)
         self._free_slots.append(req.slot)
         req.slot = None
-        self.kv.release(req.pages)
-        req.pages, req.page_keys, req.num_cached_pages = [], [], 0
+        self.kv.free(req.request_id)
         req.num_computed = 0
         req.token_on_device = False
         req.num_preemptions += 1
@@ -347,27 +340,28 @@ class Scheduler:
         plan.preempted.append(req)
 
     def _cache_full_pages(self, req: SchedRequest) -> None:
-        """Registers the request's full, computed, host-known pages in the prefix cache."""
-        ps = self.kv.page_size
-        known = len(req.prompt_ids) + len(req.output_ids)
-        full = min(req.num_computed, known) // ps
-        if full <= req.num_cached_pages:
-            return
-        tokens = req.token_ids()
-        parent = req.page_keys[-1] if req.page_keys else None
-        new_keys = self.kv.page_keys(tokens[:full * ps], req.salt, parent=parent,
-                                     start_page=len(req.page_keys))
-        req.page_keys += new_keys
-        self.kv.cache_pages(req.pages[req.num_cached_pages:full], req.page_keys[req.num_cached_pages:full])
-        req.num_cached_pages = full
+        """Offers the request's full, computed, host-known pages to the prefix cache."""
+        n = min(req.num_computed, len(req.prompt_ids) + len(req.output_ids))
+        # Only when a page has filled up since the last call (token_ids() copies the tokens).
+        if n >= self.kv.num_cached_tokens(req.request_id) + self.kv.page_size:
+            self.kv.cache_pages(req.request_id, req.token_ids(), n, req.salt)
 
     def check_invariants(self) -> None:
-        """Asserts page, slot and budget invariants (tests call this after every step)."""
-        self.kv.check_invariants([r.pages for r in self.running])
+        """Asserts page, slot and budget invariants (tests call this after every step).
+
+        Raises:
+          AssertionError: describing the first violation.
+        """
+        self.kv.check_invariants()
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots, f"slots {slots}"
         assert sorted(slots + self._free_slots) == list(range(self.num_slots))
+        running = {r.request_id for r in self.running}
+        assert len(running) == len(self.running), "two running requests share an id"
+        holders = set(self.kv.request_ids())
+        assert holders <= running, f"requests {sorted(holders - running)} hold pages but do not run"
         for r in self.waiting:
-            assert not r.pages and r.slot is None and r.num_inflight == 0
+            assert r.slot is None and r.num_inflight == 0 and r.status is Status.WAITING
+            assert r.request_id not in running, f"request {r.request_id!r} both waits and runs"
         for r in self.running:
-            assert len(r.pages) * self.kv.page_size >= r.num_computed
+            assert len(self.kv.page_ids(r.request_id)) * self.kv.page_size >= r.num_computed
