@@ -5,9 +5,10 @@ One background thread owns the :class:`~serving.engine.Engine` and the
 
   1. takes in new requests and cancellations (a cancel ends the request and
      frees its pages before the next step is planned),
-  2. asks the scheduler for a step plan (decode rows for running requests,
-     prompt chunks within the token budget, admissions, preemptions),
-  3. dispatches the plan's prefill step and decode step,
+  2. asks the scheduler for a step plan (a ``serving.step_plan.StepPlan`` of
+     value rows: decode rows for running requests, prompt chunks within the
+     token budget; admissions and preemptions already applied),
+  3. dispatches the plan's prefill rows and decode rows as one step each,
   4. only then reads back the previous turn's tokens and streams them, so the
      device is already busy with the next step while the host works
      (JetStream's pipelining). A request that finished in step n may still
@@ -32,7 +33,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from serving.engine import DecodeRow, Engine, PrefillChunk
+from serving.engine import Engine
+from serving.engine import DecodeRow as EngineDecodeRow, PrefillChunk  # TEMPORARY adapter until the engine takes plan rows
 from serving.engine_client import (
     EngineOverloadedError,
     EngineStats,
@@ -42,6 +44,7 @@ from serving.engine_client import (
 )
 from serving.kv_cache_manager import KVCacheManager
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
+from serving.step_plan import SamplingSettings, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +56,9 @@ class _Sequence:
     req: EngineRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
-    seed: int
     sched: SchedRequest
     first_token_time: float | None = None
     scheduled_time: float | None = None
-
-    @property
-    def sampling_row(self) -> tuple[float, int, float, int]:
-        s = self.req.sampling
-        return (float(s.temperature), int(s.top_k), float(s.top_p), self.seed)
 
 
 class EngineLoop:
@@ -136,16 +133,14 @@ class EngineLoop:
                 raise EngineOverloadedError(
                     f"{reqs} requests ({toks} prompt tokens) are already waiting; retry later")
             self._inbox_tokens += n
-        seed = request.sampling.seed
-        if seed is None:
-            seed = random.getrandbits(32)
         s = request.sampling
+        seed = random.getrandbits(32) if s.seed is None else int(s.seed) & 0xFFFFFFFF
         sched = SchedRequest(
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             max_tokens=s.max_tokens, stop_token_ids=() if s.ignore_eos else tuple(s.stop_token_ids),
-            priority=PRIORITIES[request.priority], salt=request.cache_salt)
-        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
-                        seed=int(seed) & 0xFFFFFFFF, sched=sched)
+            priority=PRIORITIES[request.priority], salt=request.cache_salt,
+            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed))
+        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
         self._inbox.put(("submit", seq))
         return self._stream(seq)
 
@@ -291,8 +286,8 @@ class EngineLoop:
             pending = []
             plan = sched.schedule()
         now = time.time()
-        for c in plan.prefill:
-            seq = self._by_id[c.request.request_id]
+        for row in plan.prefill:
+            seq = self._by_id[row.request_id]
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
         self._num_preemptions += len(plan.preempted)
@@ -312,24 +307,24 @@ class EngineLoop:
             self._process(out, owners)
         return dispatched
 
-    def _dispatch_prefill(self, plan):
-        """Dispatches the plan's prompt chunks; returns (tokens, [(seq, row)]) for chunks that sample."""
+    def _dispatch_prefill(self, plan: StepPlan):
+        """Dispatches the plan's prefill rows; returns (tokens, [(seq, i)]) for rows that sample."""
         if not plan.prefill:
             return None
-        seqs = [self._by_id[c.request.request_id] for c in plan.prefill]
-        chunks = [PrefillChunk(c.request.slot, c.token_ids, c.start, list(self.kv.page_ids(c.request.request_id)),
-                               seq.sampling_row)
-                  for c, seq in zip(plan.prefill, seqs)]
+        seqs = [self._by_id[row.request_id] for row in plan.prefill]
+        # TEMPORARY adapter until the engine takes plan rows (then: self.engine.prefill(plan.prefill)).
+        chunks = [PrefillChunk(row.slot, list(row.token_ids), row.start, list(row.page_ids),
+                               dataclasses.astuple(row.sampling)) for row in plan.prefill]
         try:
-            out = self.engine.prefill(chunks)
+            out = self.engine.prefill(chunks)  # TEMPORARY adapter: plan.prefill
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("prefill step failed")
             for seq in seqs:
                 self._finish(seq, "error", f"prefill failed: {e}")
             return None
-        return out, [(seq, i) for i, (c, seq) in enumerate(zip(plan.prefill, seqs)) if c.samples]
+        return out, [(seq, i) for i, (row, seq) in enumerate(zip(plan.prefill, seqs)) if row.samples]
 
-    def _dispatch_decode(self, plan):
+    def _dispatch_decode(self, plan: StepPlan):
         """Dispatches one decode step over the plan's decode rows.
 
         A request whose prompt finished in this turn's prefill decodes next
@@ -337,11 +332,12 @@ class EngineLoop:
         """
         if not plan.decode:
             return None
-        seqs = [self._by_id[r.request_id] for r in plan.decode]
-        rows = [DecodeRow(r.slot, r.num_computed - 1, list(self.kv.page_ids(r.request_id)), seq.sampling_row)
-                for r, seq in zip(plan.decode, seqs)]
+        seqs = [self._by_id[row.request_id] for row in plan.decode]
+        # TEMPORARY adapter until the engine takes plan rows (then: self.engine.decode(plan.decode)).
+        rows = [EngineDecodeRow(row.slot, row.position, list(row.page_ids), dataclasses.astuple(row.sampling))
+                for row in plan.decode]
         try:
-            out = self.engine.decode(rows)
+            out = self.engine.decode(rows)  # TEMPORARY adapter: plan.decode
         except Exception as e:
             log.exception("decode step failed")
             for seq in seqs:

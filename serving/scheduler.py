@@ -28,6 +28,21 @@ or evictable, the lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits
 at the front of its priority class to be recomputed.
 
+The plan is a :class:`~serving.step_plan.StepPlan` of value records, built
+while planning, each right after its request's pages are reserved:
+  * a ``PrefillRow`` computes tokens [start, start + len(token_ids)), start =
+    the request's computed count before the step; it samples (``samples``)
+    when it reaches the last known token;
+  * a ``DecodeRow``'s ``position`` is its input token's position = the
+    request's computed count before the step (its last known token);
+  * ``page_ids`` is the request's page-table row at that moment, covering
+    every position the row writes. A request's pages only grow while it
+    runs, and a preemption later in the same pass drops the victim's rows
+    (by request id) and frees only the victim's pages, so the rows left are
+    exact.
+Planning then commits the plan: computed counts advance, sampled tokens are
+in flight, newly full pages are offered to the prefix cache.
+
 Generated tokens are "in flight" between dispatch and read-back (the engine
 pipelines steps). Preemption needs every token id of its victim, so when it
 would be needed while tokens are in flight, :meth:`schedule` asks the caller
@@ -45,6 +60,7 @@ import enum
 import itertools
 
 from serving.kv_cache_manager import KVCacheManager
+from serving.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
 INTERACTIVE, BATCH = 0, 1
 PRIORITIES = {"interactive": INTERACTIVE, "batch": BATCH}
@@ -67,6 +83,7 @@ class SchedRequest:
       stop_token_ids: a generated token in here finishes the request ("stop").
       priority: INTERACTIVE (0) or BATCH (1); lower runs first and is preempted last.
       salt: prefix-cache scope (tenant); None shares with every other None.
+      sampling: sampling settings, opaque to the scheduler (copied into plan rows).
       output_ids: generated tokens read back so far.
       num_inflight: generated tokens sampled on device, not yet read back.
       num_computed: tokens whose K/V are in (or being written to) the cache.
@@ -84,6 +101,7 @@ class SchedRequest:
     stop_token_ids: tuple[int, ...] = ()
     priority: int = INTERACTIVE
     salt: str | None = None
+    sampling: SamplingSettings = GREEDY
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_inflight: int = 0
     num_computed: int = 0
@@ -109,41 +127,6 @@ class SchedRequest:
         return self.prompt_ids + self.output_ids
 
 
-@dataclasses.dataclass
-class ScheduledChunk:
-    """Compute tokens [start, start + len(token_ids)) of a request; sample after them if ``samples``."""
-
-    request: SchedRequest
-    start: int
-    token_ids: list[int]
-    samples: bool
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """What one engine step runs.
-
-    Attributes:
-      decode: requests that feed their last sampled token (one budget token each).
-      prefill: prompt / recompute chunks (their token counts fill the rest of the budget).
-      preempted: requests preempted while planning (already back in the waiting queue).
-      needs_sync: preemption was needed while tokens are in flight; read them
-        back and call schedule() again (nothing was planned).
-    """
-
-    decode: list[SchedRequest] = dataclasses.field(default_factory=list)
-    prefill: list[ScheduledChunk] = dataclasses.field(default_factory=list)
-    preempted: list[SchedRequest] = dataclasses.field(default_factory=list)
-    needs_sync: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
-
-    def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
-
-
 class Scheduler:
     """Plans engine steps over ``num_slots`` slots and a ``KVCacheManager``.
 
@@ -155,6 +138,9 @@ class Scheduler:
       max_prefill_seqs: most sequences with a prompt chunk per step.
       watermark_pages: free pages kept back when admitting new requests, so
         running ones can grow without immediately preempting.
+
+    Raises:
+      ValueError: token_budget <= num_slots.
     """
 
     def __init__(self, kv: KVCacheManager, num_slots: int, token_budget: int,
@@ -222,7 +208,12 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plans one step and commits it (computed counts, in-flight tokens, pages)."""
+        """Plans one step and commits it (computed counts, in-flight tokens, pages).
+
+        Returns:
+          the plan (rows by value; see the module docstring), or an empty plan
+          with ``needs_sync`` set when a preemption must wait for in-flight tokens.
+        """
         plan = StepPlan()
         budget = self.token_budget
         # 1. Decode rows: running requests one (sampled) token behind.
@@ -236,7 +227,8 @@ class Scheduler:
                 if plan.needs_sync:
                     return self._abort(plan)
                 continue
-            plan.decode.append(req)
+            plan.decode.append(DecodeRow(req.request_id, req.slot, req.num_computed,
+                                         self.kv.page_ids(req.request_id), req.sampling))
             budget -= 1
         # 2. Prompt / recompute chunks of running requests, then admissions.
         prefill_budget = min(budget, self.max_prefill_tokens)
@@ -270,22 +262,28 @@ class Scheduler:
         return StepPlan(preempted=plan.preempted, needs_sync=True)
 
     def _add_chunk(self, plan: StepPlan, req: SchedRequest, n: int) -> int:
-        tokens = req.token_ids()[req.num_computed:req.num_computed + n]
-        samples = req.num_computed + n == req.num_tokens
-        plan.prefill.append(ScheduledChunk(req, req.num_computed, tokens, samples))
+        """Appends the row for req's next n tokens (its pages already cover them); returns n."""
+        start = req.num_computed
+        tokens = req.token_ids()[start:start + n]
+        plan.prefill.append(PrefillRow(req.request_id, req.slot, start, tuple(tokens),
+                                       self.kv.page_ids(req.request_id),
+                                       samples=start + n == req.num_tokens, sampling=req.sampling))
         return n
 
     def _commit(self, plan: StepPlan) -> StepPlan:
         """Applies a finished plan: computed counts, in-flight tokens, newly cacheable pages."""
-        for req in plan.decode:
+        by_id = {r.request_id: r for r in self.running}  # every planned row's request runs
+        for row in plan.decode:
+            req = by_id[row.request_id]
             req.num_computed += 1
             req.num_inflight += 1
-        for c in plan.prefill:
-            c.request.num_computed += len(c.token_ids)
-            if c.samples:
-                c.request.num_inflight += 1
-                c.request.token_on_device = True
-            self._cache_full_pages(c.request)
+        for row in plan.prefill:
+            req = by_id[row.request_id]
+            req.num_computed += len(row.token_ids)
+            if row.samples:
+                req.num_inflight += 1
+                req.token_on_device = True
+            self._cache_full_pages(req)
         return plan
 
     def _admit(self, req: SchedRequest, budget: int) -> bool:
@@ -335,9 +333,9 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.append(req)
-        plan.decode = [r for r in plan.decode if r is not req]
-        plan.prefill = [c for c in plan.prefill if c.request is not req]
-        plan.preempted.append(req)
+        plan.decode = [r for r in plan.decode if r.request_id != req.request_id]
+        plan.prefill = [r for r in plan.prefill if r.request_id != req.request_id]
+        plan.preempted.append(req.request_id)
 
     def _cache_full_pages(self, req: SchedRequest) -> None:
         """Offers the request's full, computed, host-known pages to the prefix cache."""

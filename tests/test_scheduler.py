@@ -1,7 +1,8 @@
 """The scheduler without a model: a fake engine whose next token is a hash of what it reads
 from the pages, so a wrong page, a wrong prefix, a lost token or a mixed-up slot changes
-the output. Random lifecycles (shared prefixes, cancels, a pool small enough to preempt)
-are checked after every step. Then the KV-cache manager's API alone."""
+the output. The fake engine reads only the plan's rows (slot, positions, token ids, page
+ids), as the real one does. Random lifecycles (shared prefixes, cancels, a pool small
+enough to preempt) are checked after every step. Then the KV-cache manager's API alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from serving.kv_cache_manager import NO_HIT, KVCacheManager
 from serving.scheduler import BATCH, INTERACTIVE, SchedRequest, Scheduler, Status
+from serving.step_plan import SamplingSettings, StepPlan
 
 VOCAB = 61
 
@@ -37,9 +39,7 @@ def run_alone(prompt: list[int], max_tokens: int, stop: tuple[int, ...]) -> list
 class FakeEngine:
     """Executes plans against a host-side page store; results come back one step late."""
 
-    def __init__(self, kv: KVCacheManager, num_slots: int):
-        self.kv = kv
-        num_pages, page_size = kv.num_pages, kv.page_size
+    def __init__(self, num_pages: int, page_size: int, num_slots: int):
         self.page_size = page_size
         self.pages = [[None] * page_size for _ in range(num_pages)]
         self.slot_tokens = [None] * num_slots
@@ -51,37 +51,36 @@ class FakeEngine:
         ps = self.page_size
         return [self.pages[pages[p // ps]][p % ps] for p in range(length)]
 
-    def run(self, plan) -> list[tuple[SchedRequest, int]]:
+    def run(self, plan: StepPlan) -> list[tuple[str, int]]:
+        """Executes the plan's rows; returns (request_id, sampled token) pairs."""
         out = []
-        for c in plan.prefill:
-            r = c.request
-            pages = self.kv.page_ids(r.request_id)
-            for i, t in enumerate(c.token_ids):
-                self._write(pages, c.start + i, t)
-            if c.samples:
-                tok = next_token(self._read(pages, c.start + len(c.token_ids)))
-                self.slot_tokens[r.slot] = tok
-                out.append((r, tok))
-        for r in plan.decode:
-            pos = r.num_computed - 1  # committed: the input token's position
-            pages = self.kv.page_ids(r.request_id)
-            self._write(pages, pos, self.slot_tokens[r.slot])
-            tok = next_token(self._read(pages, pos + 1))
-            self.slot_tokens[r.slot] = tok
-            out.append((r, tok))
+        for row in plan.prefill:
+            for i, t in enumerate(row.token_ids):
+                self._write(row.page_ids, row.start + i, t)
+            if row.samples:
+                tok = next_token(self._read(row.page_ids, row.end))
+                self.slot_tokens[row.slot] = tok
+                out.append((row.request_id, tok))
+        for row in plan.decode:
+            self._write(row.page_ids, row.position, self.slot_tokens[row.slot])
+            tok = next_token(self._read(row.page_ids, row.position + 1))
+            self.slot_tokens[row.slot] = tok
+            out.append((row.request_id, tok))
         return out
 
 
 def drive(sched: Scheduler, engine: FakeEngine, arrivals: list[tuple[int, SchedRequest]],
           rng: random.Random, cancel_rate: float, max_steps: int = 20000):
     """Runs the scheduler loop with one step of pipelining, checking invariants every step."""
-    pending: list[tuple[SchedRequest, int]] = []  # the previous step's results
+    pending: list[tuple[str, int]] = []  # the previous step's results
     live: list[SchedRequest] = []
+    by_id = {r.request_id: r for _, r in arrivals}
     step = 0
     arrivals = sorted(arrivals, key=lambda a: a[0])
 
     def read_back(results):
-        for r, tok in results:
+        for rid, tok in results:
+            r = by_id[rid]
             if r.status is Status.FINISHED:
                 continue
             reason = sched.on_token(r, tok)
@@ -106,6 +105,7 @@ def drive(sched: Scheduler, engine: FakeEngine, arrivals: list[tuple[int, SchedR
             assert not plan.needs_sync
         assert plan.num_tokens <= sched.token_budget
         assert sum(len(c.token_ids) for c in plan.prefill) <= sched.max_prefill_tokens
+        check_rows(plan, sched.kv.page_size)
         results = engine.run(plan)
         read_back(pending)
         pending = results
@@ -114,10 +114,22 @@ def drive(sched: Scheduler, engine: FakeEngine, arrivals: list[tuple[int, SchedR
     return step
 
 
+def check_rows(plan: StepPlan, page_size: int) -> None:
+    """A plan's rows: one per request, pages covering what they write, no decode row for a
+    request preempted while planning (it may be re-admitted in the same pass: a prefill row)."""
+    ids = [r.request_id for r in plan.decode + plan.prefill]
+    assert len(set(ids)) == len(ids), f"a request has two rows: {ids}"
+    assert not {r.request_id for r in plan.decode} & set(plan.preempted), "a preempted request decodes"
+    for row in plan.prefill:
+        assert row.token_ids and len(row.page_ids) * page_size >= row.end, row
+    for row in plan.decode:
+        assert len(row.page_ids) * page_size > row.position, row
+
+
 def make(num_pages=24, page_size=4, slots=4, budget=12, prefill=8, seqs=2, caching=True):
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=caching)
     return Scheduler(kv, num_slots=slots, token_budget=budget, max_prefill_tokens=prefill,
-                     max_prefill_seqs=seqs), FakeEngine(kv, slots)
+                     max_prefill_seqs=seqs), FakeEngine(num_pages, page_size, slots)
 
 
 def random_requests(rng: random.Random, n: int, sched: Scheduler, max_len: int):
@@ -213,6 +225,22 @@ def test_batch_priority_waits_for_interactive_and_is_preempted_first():
     assert inter.num_preemptions == 0
     assert batch.num_preemptions >= 1
     assert batch.output_ids == run_alone(batch.prompt_ids, 20, ())
+
+
+def test_rows_carry_sampling_positions_and_pages():
+    sched, _ = make(num_pages=24, page_size=4, prefill=8)
+    s = SamplingSettings(temperature=0.7, top_k=5, top_p=0.9, seed=123)
+    r = SchedRequest("a", list(range(1, 11)), 3, sampling=s)  # 10 prompt tokens, chunks of 8
+    sched.add(r)
+    first, second = sched.schedule(), sched.schedule()
+    assert [(x.start, len(x.token_ids), x.samples, x.sampling) for x in first.prefill + second.prefill] == [
+        (0, 8, False, s), (8, 2, True, s)]
+    assert len(first.prefill[0].page_ids) == 2 and len(second.prefill[0].page_ids) == 3
+    third = sched.schedule()  # one token behind, sampled on device: a decode row
+    (row,) = third.decode
+    assert (row.request_id, row.slot, row.position, row.sampling) == ("a", r.slot, 10, s)
+    assert row.page_ids == sched.kv.page_ids("a") and len(row.page_ids) == 3
+    sched.check_invariants()
 
 
 # -- the KV-cache manager's API --------------------------------------------------
