@@ -5,9 +5,10 @@ One background thread owns the :class:`~serving.engine.Engine` and the
 
   1. takes in new requests and cancellations (a cancel ends the request and
      frees its pages before the next step is planned),
-  2. asks the scheduler for a step plan (decode rows for running requests,
-     prompt chunks within the token budget, admissions, preemptions),
-  3. dispatches the plan's prefill step and decode step,
+  2. asks the scheduler for a step plan (a ``serving.step_plan.StepPlan`` of
+     value rows: decode rows for running requests, prompt chunks within the
+     token budget; admissions and preemptions already applied),
+  3. dispatches the plan's prefill rows and decode rows as one step each,
   4. only then reads back the previous turn's tokens and streams them, so the
      device is already busy with the next step while the host works
      (JetStream's pipelining). A request that finished in step n may still
@@ -33,7 +34,6 @@ from typing import AsyncIterator
 import numpy as np
 
 from serving.engine import Engine
-from serving.step_plan import DecodeRow, PrefillRow, SamplingSettings
 from serving.engine_client import (
     EngineOverloadedError,
     EngineStats,
@@ -43,6 +43,7 @@ from serving.engine_client import (
 )
 from serving.kv_cache_manager import KVCacheManager
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
+from serving.step_plan import SamplingSettings, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,9 @@ class _Sequence:
     req: EngineRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
-    seed: int
     sched: SchedRequest
     first_token_time: float | None = None
     scheduled_time: float | None = None
-
-    @property
-    def sampling_row(self) -> SamplingSettings:
-        s = self.req.sampling
-        return SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), self.seed)
 
 
 class EngineLoop:
@@ -137,16 +132,14 @@ class EngineLoop:
                 raise EngineOverloadedError(
                     f"{reqs} requests ({toks} prompt tokens) are already waiting; retry later")
             self._inbox_tokens += n
-        seed = request.sampling.seed
-        if seed is None:
-            seed = random.getrandbits(32)
         s = request.sampling
+        seed = random.getrandbits(32) if s.seed is None else int(s.seed) & 0xFFFFFFFF
         sched = SchedRequest(
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             max_tokens=s.max_tokens, stop_token_ids=() if s.ignore_eos else tuple(s.stop_token_ids),
-            priority=PRIORITIES[request.priority], salt=request.cache_salt)
-        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
-                        seed=int(seed) & 0xFFFFFFFF, sched=sched)
+            priority=PRIORITIES[request.priority], salt=request.cache_salt,
+            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed))
+        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
         self._inbox.put(("submit", seq))
         return self._stream(seq)
 
@@ -292,8 +285,8 @@ class EngineLoop:
             pending = []
             plan = sched.schedule()
         now = time.time()
-        for c in plan.prefill:
-            seq = self._by_id[c.request.request_id]
+        for row in plan.prefill:
+            seq = self._by_id[row.request_id]
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
         self._num_preemptions += len(plan.preempted)
@@ -302,7 +295,7 @@ class EngineLoop:
         kv = self.kv
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_cache_usage=1.0 - kv.num_free / (kv.num_pages - 1) if kv.num_pages > 1 else 0.0,
+            kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions)
         if self.on_step is not None:
@@ -313,24 +306,21 @@ class EngineLoop:
             self._process(out, owners)
         return dispatched
 
-    def _dispatch_prefill(self, plan):
-        """Dispatches the plan's prompt chunks; returns (tokens, [(seq, row)]) for chunks that sample."""
+    def _dispatch_prefill(self, plan: StepPlan):
+        """Dispatches the plan's prefill rows; returns (tokens, [(seq, i)]) for rows that sample."""
         if not plan.prefill:
             return None
-        seqs = [self._by_id[c.request.request_id] for c in plan.prefill]
-        chunks = [PrefillRow(seq.req.request_id, c.request.slot, c.start, tuple(c.token_ids),
-                             tuple(c.request.pages), c.samples, seq.sampling_row)
-                  for c, seq in zip(plan.prefill, seqs)]
+        seqs = [self._by_id[row.request_id] for row in plan.prefill]
         try:
-            out = self.engine.prefill(chunks)
+            out = self.engine.prefill(plan.prefill)
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("prefill step failed")
             for seq in seqs:
                 self._finish(seq, "error", f"prefill failed: {e}")
             return None
-        return out, [(seq, i) for i, (c, seq) in enumerate(zip(plan.prefill, seqs)) if c.samples]
+        return out, [(seq, i) for i, (row, seq) in enumerate(zip(plan.prefill, seqs)) if row.samples]
 
-    def _dispatch_decode(self, plan):
+    def _dispatch_decode(self, plan: StepPlan):
         """Dispatches one decode step over the plan's decode rows.
 
         A request whose prompt finished in this turn's prefill decodes next
@@ -338,11 +328,9 @@ class EngineLoop:
         """
         if not plan.decode:
             return None
-        seqs = [self._by_id[r.request_id] for r in plan.decode]
-        rows = [DecodeRow(r.request_id, r.slot, r.num_computed - 1, tuple(r.pages), seq.sampling_row)
-                for r, seq in zip(plan.decode, seqs)]
+        seqs = [self._by_id[row.request_id] for row in plan.decode]
         try:
-            out = self.engine.decode(rows)
+            out = self.engine.decode(plan.decode)
         except Exception as e:
             log.exception("decode step failed")
             for seq in seqs:

@@ -1,27 +1,38 @@
-"""KV-cache pages with reference counts and an automatic prefix cache.
+"""KV-cache pages: who owns which, reference counts and an automatic prefix cache.
 
 Pages are ids into the pool ``[kv_heads, num_pages, page_size, head_dim]``;
-page 0 is the null page and is never handed out. A sequence's pages, in
-order, form its page-table row::
+page 0 is the null page and is never handed out. The manager owns, per
+request id, the request's page list (its page-table row), the chained keys
+of its full pages and how many of its leading pages it has offered to the
+prefix cache::
 
     tokens:  | t0 ... t15 | t16 ... t31 | t32 .. t37 |
     pages:   |   page 7   |   page 3    |  page 12   |   (page_size 16)
-              full, hashed  full, hashed  partial: private to the sequence
+    keys:    |     h0     |     h1      |            |   2 leading pages offered to the cache
+              full, hashed  full, hashed  partial: private to the request
 
 Prefix caching (after vLLM v1's ``KVCacheManager``): a page becomes cacheable
-once it is full; its key is a chained hash ``h_i = H(h_{i-1}, tokens of page i,
-salt)``, so a key names a page's tokens *and everything before them*. A new
-sequence walks its prompt page by page and reuses every cached page of its
-longest cached prefix. The salt (a tenant id) scopes sharing, so one tenant
-cannot probe another's prompts through cache timing.
+once it is full and computed; its key is a chained hash ``h_i = H(h_{i-1},
+tokens of page i, salt)``, so a key names a page's tokens *and everything
+before them*. A new request looks up its longest cached prefix
+(:meth:`lookup_prefix`, no references taken) and acquires those pages when it
+is allocated (:meth:`allocate_pages`). The salt (a tenant id) scopes sharing,
+so one tenant cannot probe another's prompts through cache timing.
+
+The caller (the scheduler) says what each request needs, in tokens:
+:meth:`allocate_pages` (all or nothing), :meth:`cache_pages` once tokens are
+computed and their ids known on the host, :meth:`free` when the request ends
+or is preempted; it reads a request's page-table row with :meth:`page_ids`.
 
 Invariants (checked by :meth:`check_invariants`, relied on by the scheduler):
   * every page id 1..num_pages-1 is either in the free queue (ref count 0) or
-    referenced by >= 1 sequence, never both;
-  * a page's ref count equals the number of sequences whose page list holds it;
-  * a cached page (in the hash map) holds exactly the tokens its key names;
-    only full pages are cached, and only full pages are shared, so a sequence
-    only ever writes into pages it owns alone.
+    held by >= 1 request, never both; page 0 is never held;
+  * a page's ref count equals the number of requests whose page list holds it;
+  * a cached page (in the hash maps) holds exactly the tokens its key names;
+    the two hash maps agree; a request's leading pages that are cached are
+    cached under the request's own keys for them;
+  * only full pages are cached, and only cached pages are shared, so a
+    request only ever writes into pages it holds alone.
 Freed pages keep their cached content and sit in the free queue in LRU order
 (least recently freed first); eviction takes from its head only when a page
 is needed.
@@ -30,16 +41,13 @@ is needed.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 from typing import Sequence
 
 
-class OutOfPagesError(RuntimeError):
-    """Raised when more pages are asked for than are free or evictable."""
-
-
 def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
-    """Chained key of one full page: H(parent key, the page's token ids, salt)."""
+    """Chained key of one full page: H(parent key, the page's token ids, salt); 16 bytes."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update((salt or "").encode())
@@ -48,28 +56,62 @@ def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> 
     return h.digest()
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """A cached prefix found by :meth:`KVCacheManager.lookup_prefix` (holds no references).
+
+    Attributes:
+      page_ids: the cached pages, in order.
+      num_tokens: tokens they hold (len(page_ids) * page_size).
+      keys: the chained key of each page.
+    """
+
+    page_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    keys: tuple[bytes, ...] = ()
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclasses.dataclass
+class _Held:
+    """One request's pages: the page-table row, its full pages' keys, pages offered to the cache."""
+
+    pages: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached: int = 0
+
+
 class KVCacheManager:
-    """Host-side page accounting and prefix cache (no JAX).
+    """Host-side page ownership and prefix cache (no JAX). Requests are named by id.
 
     Args:
-      num_pages: pool size including the null page 0.
+      num_pages: pool size including the null page 0 (>= 2).
       page_size: tokens per page.
-      enable_prefix_caching: when False, pages are plain allocations.
+      enable_prefix_caching: when False, pages are plain allocations (lookups
+        find nothing, nothing is hashed).
+
+    Raises:
+      ValueError: num_pages < 2 or page_size < 1.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_count = [0] * num_pages
+        self._ref_count = [0] * num_pages
         # Free pages, least recently freed first (OrderedDict as an LRU queue).
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
             (p, None) for p in range(1, num_pages))
         self._hash_of: dict[int, bytes] = {}  # page -> key, for cached pages
         self._page_of: dict[bytes, int] = {}  # key -> page
-        self.hits = 0  # tokens served from the cache (lifetime)
+        self._held: dict[str, _Held] = {}  # request id -> its pages (only requests holding some)
+        self.hits = 0  # prompt tokens served from the cache (lifetime)
         self.queries = 0  # prompt tokens looked up (lifetime)
 
     # -- queries ---------------------------------------------------------------
@@ -79,103 +121,193 @@ class KVCacheManager:
         """Pages that can be handed out now (free, cached or not)."""
         return len(self._free)
 
-    def page_keys(self, tokens: Sequence[int], salt: str | None, parent: bytes | None = None,
-                  start_page: int = 0) -> list[bytes]:
-        """Keys of the full pages of ``tokens`` from page ``start_page`` on."""
-        keys = []
-        ps = self.page_size
-        for i in range(start_page, len(tokens) // ps):
-            parent = page_hash(parent, tokens[i * ps:(i + 1) * ps], salt)
-            keys.append(parent)
-        return keys
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable pages (1..num_pages-1) held by requests, in [0, 1]."""
+        return 1.0 - len(self._free) / (self.num_pages - 1)
 
-    def lookup_prefix(self, tokens: Sequence[int], salt: str | None, max_tokens: int) -> list[int]:
-        """Cached pages of the longest cached prefix of ``tokens``, at most ``max_tokens`` long.
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold num_tokens tokens (ceil(num_tokens / page_size))."""
+        return -(-num_tokens // self.page_size)
 
-        Takes no references (call :meth:`acquire` to own them).
+    def page_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's pages in order (its page-table row); () if it holds none."""
+        held = self._held.get(request_id)
+        return tuple(held.pages) if held else ()
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Tokens in the request's leading pages already offered to the prefix cache
+        (a multiple of page_size; 0 if it holds no pages)."""
+        held = self._held.get(request_id)
+        return held.num_cached * self.page_size if held else 0
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests holding pages."""
+        return list(self._held)
+
+    def lookup_prefix(self, token_ids: Sequence[int], salt: str | None, max_tokens: int) -> PrefixHit:
+        """The longest cached prefix of ``token_ids`` in whole pages, at most ``max_tokens`` long.
+
+        Takes no references: pass the hit to :meth:`allocate_pages` (before
+        anything else allocates) to hold its pages.
         """
         if not self.enable_prefix_caching:
-            return []
-        pages = []
-        for key in self.page_keys(tokens[:max_tokens - max_tokens % self.page_size], salt):
+            return NO_HIT
+        ps = self.page_size
+        pages, keys, key = [], [], None
+        for i in range(min(max_tokens, len(token_ids)) // ps):
+            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt)
             page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-        return pages
+            keys.append(key)
+        return PrefixHit(tuple(pages), len(pages) * ps, tuple(keys)) if pages else NO_HIT
 
     # -- ownership ---------------------------------------------------------------
 
-    def acquire(self, pages: Sequence[int]) -> None:
-        """Takes a reference on (cached) pages; pages with ref count 0 leave the free queue."""
-        for p in pages:
-            if self.ref_count[p] == 0:
-                del self._free[p]
-            self.ref_count[p] += 1
+    def allocate_pages(self, request_id: str, num_tokens: int, prefix: PrefixHit = NO_HIT,
+                       watermark: int = 0) -> bool:
+        """Makes the request hold pages covering its first ``num_tokens`` tokens, or takes nothing.
 
-    def allocate(self, n: int) -> list[int]:
-        """Takes n fresh pages (evicting least recently freed cached pages as needed).
+        A request holding no pages may start from a prefix hit: it then holds
+        the hit's pages first (the ones nobody holds leave the free queue) and
+        gets fresh pages for the rest. Fresh pages evict the least recently
+        freed cached pages.
+
+        Args:
+          request_id: the request.
+          num_tokens: tokens its pages must cover (pages already held count).
+          prefix: a hit from :meth:`lookup_prefix` for this request's tokens.
+          watermark: free pages that must remain after the allocation.
+
+        Returns:
+          True if the request now holds enough pages; False if that would
+          leave fewer than ``watermark`` pages free (nothing was taken).
 
         Raises:
-          OutOfPagesError: fewer than n pages are free (nothing is taken).
+          ValueError: a prefix for a request that already holds pages, or a
+            stale prefix (one of its pages was evicted since the lookup).
         """
-        if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
-        pages = []
-        for _ in range(n):
+        held = self._held.get(request_id)
+        if prefix.page_ids:
+            if held is not None:
+                raise ValueError(f"request {request_id!r} already holds pages; a prefix hit is for a new request")
+            for p, key in zip(prefix.page_ids, prefix.keys):
+                if self._hash_of.get(p) != key:
+                    raise ValueError(f"stale prefix hit: page {p} no longer holds its key")
+        num_held = len(held.pages) if held else len(prefix.page_ids)
+        need = max(0, self.pages_for(num_tokens) - num_held)
+        # Hit pages that nobody holds sit in the free queue: holding them uses it up too.
+        reclaimed = sum(1 for p in prefix.page_ids if self._ref_count[p] == 0)
+        if need + reclaimed + watermark > len(self._free):
+            return False
+        if held is None:
+            if need == 0 and not prefix.page_ids:
+                return True
+            held = self._held[request_id] = _Held(keys=list(prefix.keys), num_cached=len(prefix.page_ids))
+            for p in prefix.page_ids:
+                if self._ref_count[p] == 0:
+                    del self._free[p]
+                self._ref_count[p] += 1
+                held.pages.append(p)
+        for _ in range(need):
             p, _ = self._free.popitem(last=False)
             key = self._hash_of.pop(p, None)
             if key is not None:
                 del self._page_of[key]
-            self.ref_count[p] = 1
-            pages.append(p)
-        return pages
+            self._ref_count[p] = 1
+            held.pages.append(p)
+        return True
 
-    def release(self, pages: Sequence[int]) -> None:
-        """Drops one reference on each page; pages reaching 0 join the free queue's tail.
+    def free(self, request_id: str) -> None:
+        """Drops the request's pages; pages nobody holds any more join the free queue's tail.
 
-        Pages are released last-first, so a sequence's tail (least likely to be
-        shared again) is evicted before its prefix.
+        Pages are released last-first, so a request's tail (least likely to be
+        shared again) is evicted before its prefix. Cached pages keep their
+        content until evicted. A request holding no pages is a no-op.
         """
-        for p in reversed(pages):
-            if self.ref_count[p] <= 0:
-                raise RuntimeError(f"page {p} released more often than acquired")
-            self.ref_count[p] -= 1
-            if self.ref_count[p] == 0:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        for p in reversed(held.pages):
+            if self._ref_count[p] <= 0:
+                raise RuntimeError(f"page {p} released more often than held")
+            self._ref_count[p] -= 1
+            if self._ref_count[p] == 0:
                 self._free[p] = None
 
-    def cache_pages(self, pages: Sequence[int], keys: Sequence[bytes]) -> None:
-        """Registers full pages under their keys (pages[i] holds the page named keys[i]).
+    def cache_pages(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+                    salt: str | None) -> None:
+        """Offers the request's full pages among its first ``num_tokens`` tokens to the prefix cache.
 
-        A key already cached under another page keeps the existing page (the
-        duplicate stays private to its owner and is never shared).
+        Extends the request's chained keys from the last one it stored, so
+        each page is hashed once. A key already cached under another page
+        keeps that page (the duplicate stays private to this request).
+
+        Args:
+          request_id: the request.
+          token_ids: its token ids known on the host (at least its first
+            full pages; tokens beyond ``len(token_ids)`` are not cached).
+          num_tokens: tokens whose K/V are computed (written by a dispatched step).
+          salt: its prefix-cache scope (the one it was looked up with).
+
+        Raises:
+          ValueError: the request holds fewer pages than ``num_tokens`` needs.
         """
+        full = min(num_tokens, len(token_ids)) // self.page_size
+        held = self._held.get(request_id)
+        done = held.num_cached if held else 0
+        if full <= done:
+            return
+        if held is None or full > len(held.pages):
+            raise ValueError(f"request {request_id!r} holds {len(held.pages) if held else 0} pages, "
+                             f"fewer than {full} full pages")
+        held.num_cached = full
         if not self.enable_prefix_caching:
             return
-        for p, key in zip(pages, keys):
+        ps = self.page_size
+        key = held.keys[-1] if held.keys else None
+        for i in range(len(held.keys), full):
+            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt)
+            held.keys.append(key)
+            p = held.pages[i]
             if key in self._page_of or p in self._hash_of:
                 continue
             self._page_of[key] = p
             self._hash_of[p] = key
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Adds one admission's prompt tokens and cache-served tokens to ``queries`` and ``hits``."""
         self.queries += prompt_tokens
         self.hits += hit_tokens
 
     # -- checking ----------------------------------------------------------------
 
-    def check_invariants(self, owners: Sequence[Sequence[int]]) -> None:
-        """Asserts the module's invariants given every live sequence's page list.
+    def check_invariants(self) -> None:
+        """Asserts the module's invariants against the manager's own per-request tables.
 
         Raises:
           AssertionError: describing the first violation.
         """
-        counts = collections.Counter(p for pages in owners for p in pages)
-        assert 0 not in counts, "the null page 0 is owned"
+        counts = collections.Counter(p for held in self._held.values() for p in held.pages)
+        assert 0 not in counts, "the null page 0 is held"
         for p in range(1, self.num_pages):
-            assert self.ref_count[p] == counts.get(p, 0), (
-                f"page {p}: ref count {self.ref_count[p]}, owned by {counts.get(p, 0)}")
-            assert (p in self._free) == (self.ref_count[p] == 0), (
-                f"page {p}: free={p in self._free} but ref count {self.ref_count[p]}")
+            assert self._ref_count[p] == counts.get(p, 0), (
+                f"page {p}: ref count {self._ref_count[p]}, held by {counts.get(p, 0)}")
+            assert (p in self._free) == (self._ref_count[p] == 0), (
+                f"page {p}: free={p in self._free} but ref count {self._ref_count[p]}")
+        assert all(0 < p < self.num_pages for p in self._free), "the free queue holds a page id out of range"
+        assert len(self._page_of) == len(self._hash_of), "hash maps differ in size"
         for key, p in self._page_of.items():
             assert self._hash_of.get(p) == key, f"page {p}: hash maps disagree"
+        for rid, held in self._held.items():
+            assert held.pages, f"request {rid!r}: an entry without pages"
+            assert len(set(held.pages)) == len(held.pages), f"request {rid!r} holds a page twice"
+            assert held.num_cached <= len(held.pages), f"request {rid!r}: more cached than held pages"
+            assert len(held.keys) == (held.num_cached if self.enable_prefix_caching else 0), (
+                f"request {rid!r}: {len(held.keys)} keys for {held.num_cached} cached pages")
+            for p, key in zip(held.pages, held.keys):
+                assert self._hash_of.get(p, key) == key, f"request {rid!r}: page {p} cached under another key"
+            for p in held.pages[held.num_cached:]:
+                assert counts[p] == 1, f"request {rid!r}: uncached page {p} is shared"

@@ -1,6 +1,6 @@
 """The scheduler: which requests run each step, within a token budget, over shared pages.
 
-Plain Python over token counts and page ids (no JAX), after vLLM v1's
+Plain Python over token counts and request ids (no JAX), after vLLM v1's
 scheduler: a request has no "prefill phase". It has *known* tokens (prompt
 plus generated) and *computed* tokens (whose K/V are in the cache), and each
 step moves computed towards known::
@@ -14,6 +14,11 @@ one mechanism. When a step computes a request's last known token, the engine
 samples its next token (keyed by (seed, position), so recomputation draws
 the same token as the first time).
 
+Pages belong to the :class:`~serving.kv_cache_manager.KVCacheManager`, which
+holds each request's page list, keys and reference counts by request id; the
+scheduler only says how many tokens a request needs pages for, when its
+computed pages may be cached, and when it lets go of them.
+
 Each step (:meth:`Scheduler.schedule`): every running request that is one
 token behind gets a decode row (one budget token each); then the rest of the
 budget goes to prompt chunks: running requests first, then waiting ones in
@@ -23,10 +28,29 @@ or evictable, the lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits
 at the front of its priority class to be recomputed.
 
+The plan is a :class:`~serving.step_plan.StepPlan` of value records, built
+while planning, each right after its request's pages are reserved:
+  * a ``PrefillRow`` computes tokens [start, start + len(token_ids)), start =
+    the request's computed count before the step; it samples (``samples``)
+    when it reaches the last known token;
+  * a ``DecodeRow``'s ``position`` is its input token's position = the
+    request's computed count before the step (its last known token);
+  * ``page_ids`` is the request's page-table row at that moment, covering
+    every position the row writes. A request's pages only grow while it
+    runs, and a preemption later in the same pass drops the victim's rows
+    (by request id) and frees only the victim's pages, so the rows left are
+    exact.
+Planning then commits the plan: computed counts advance, sampled tokens are
+in flight, newly full pages are offered to the prefix cache.
+
 Generated tokens are "in flight" between dispatch and read-back (the engine
 pipelines steps). Preemption needs every token id of its victim, so when it
 would be needed while tokens are in flight, :meth:`schedule` asks the caller
 to read them back first (``StepPlan.needs_sync``).
+
+Invariants (checked by :meth:`Scheduler.check_invariants` with the manager's):
+running requests hold distinct slots and pages covering their computed
+tokens; waiting and finished requests hold no slot and no pages.
 """
 
 from __future__ import annotations
@@ -36,6 +60,7 @@ import enum
 import itertools
 
 from serving.kv_cache_manager import KVCacheManager
+from serving.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
 INTERACTIVE, BATCH = 0, 1
 PRIORITIES = {"interactive": INTERACTIVE, "batch": BATCH}
@@ -49,20 +74,19 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class SchedRequest:
-    """One request's scheduling state.
+    """One request's scheduling state (its pages are the KV-cache manager's, by ``request_id``).
 
     Attributes:
-      request_id: unique id.
+      request_id: unique among live requests (names its pages in the manager).
       prompt_ids: prompt token ids.
       max_tokens: most tokens to generate.
       stop_token_ids: a generated token in here finishes the request ("stop").
       priority: INTERACTIVE (0) or BATCH (1); lower runs first and is preempted last.
       salt: prefix-cache scope (tenant); None shares with every other None.
+      sampling: sampling settings, opaque to the scheduler (copied into plan rows).
       output_ids: generated tokens read back so far.
       num_inflight: generated tokens sampled on device, not yet read back.
       num_computed: tokens whose K/V are in (or being written to) the cache.
-      pages: the request's pages in order (shared prefix pages first).
-      num_cached_pages: leading pages registered in the prefix cache.
       cached_tokens: prompt tokens served from the prefix cache at first admission.
       slot: the engine slot while running.
       token_on_device: the last known token was sampled on device and sits in
@@ -77,12 +101,10 @@ class SchedRequest:
     stop_token_ids: tuple[int, ...] = ()
     priority: int = INTERACTIVE
     salt: str | None = None
+    sampling: SamplingSettings = GREEDY
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_inflight: int = 0
     num_computed: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
-    page_keys: list[bytes] = dataclasses.field(default_factory=list)
-    num_cached_pages: int = 0
     cached_tokens: int | None = None
     slot: int | None = None
     token_on_device: bool = False
@@ -105,41 +127,6 @@ class SchedRequest:
         return self.prompt_ids + self.output_ids
 
 
-@dataclasses.dataclass
-class ScheduledChunk:
-    """Compute tokens [start, start + len(token_ids)) of a request; sample after them if ``samples``."""
-
-    request: SchedRequest
-    start: int
-    token_ids: list[int]
-    samples: bool
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """What one engine step runs.
-
-    Attributes:
-      decode: requests that feed their last sampled token (one budget token each).
-      prefill: prompt / recompute chunks (their token counts fill the rest of the budget).
-      preempted: requests preempted while planning (already back in the waiting queue).
-      needs_sync: preemption was needed while tokens are in flight; read them
-        back and call schedule() again (nothing was planned).
-    """
-
-    decode: list[SchedRequest] = dataclasses.field(default_factory=list)
-    prefill: list[ScheduledChunk] = dataclasses.field(default_factory=list)
-    preempted: list[SchedRequest] = dataclasses.field(default_factory=list)
-    needs_sync: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
-
-    def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
-
-
 class Scheduler:
     """Plans engine steps over ``num_slots`` slots and a ``KVCacheManager``.
 
@@ -151,6 +138,9 @@ class Scheduler:
       max_prefill_seqs: most sequences with a prompt chunk per step.
       watermark_pages: free pages kept back when admitting new requests, so
         running ones can grow without immediately preempting.
+
+    Raises:
+      ValueError: token_budget <= num_slots.
     """
 
     def __init__(self, kv: KVCacheManager, num_slots: int, token_budget: int,
@@ -172,7 +162,8 @@ class Scheduler:
     # -- lifecycle ---------------------------------------------------------------
 
     def pages_needed_alone(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv.page_size)
+        """Pages a request of num_tokens tokens needs with nothing shared."""
+        return self.kv.pages_for(num_tokens)
 
     def add(self, req: SchedRequest) -> None:
         """Queues a new request (validated by the caller to fit the pool alone)."""
@@ -190,8 +181,7 @@ class Scheduler:
             req.slot = None
         else:
             self.waiting.remove(req)
-        self.kv.release(req.pages)
-        req.pages = []
+        self.kv.free(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
@@ -218,7 +208,12 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plans one step and commits it (computed counts, in-flight tokens, pages)."""
+        """Plans one step and commits it (computed counts, in-flight tokens, pages).
+
+        Returns:
+          the plan (rows by value; see the module docstring), or an empty plan
+          with ``needs_sync`` set when a preemption must wait for in-flight tokens.
+        """
         plan = StepPlan()
         budget = self.token_budget
         # 1. Decode rows: running requests one (sampled) token behind.
@@ -232,7 +227,8 @@ class Scheduler:
                 if plan.needs_sync:
                     return self._abort(plan)
                 continue
-            plan.decode.append(req)
+            plan.decode.append(DecodeRow(req.request_id, req.slot, req.num_computed,
+                                         self.kv.page_ids(req.request_id), req.sampling))
             budget -= 1
         # 2. Prompt / recompute chunks of running requests, then admissions.
         prefill_budget = min(budget, self.max_prefill_tokens)
@@ -266,22 +262,28 @@ class Scheduler:
         return StepPlan(preempted=plan.preempted, needs_sync=True)
 
     def _add_chunk(self, plan: StepPlan, req: SchedRequest, n: int) -> int:
-        tokens = req.token_ids()[req.num_computed:req.num_computed + n]
-        samples = req.num_computed + n == req.num_tokens
-        plan.prefill.append(ScheduledChunk(req, req.num_computed, tokens, samples))
+        """Appends the row for req's next n tokens (its pages already cover them); returns n."""
+        start = req.num_computed
+        tokens = req.token_ids()[start:start + n]
+        plan.prefill.append(PrefillRow(req.request_id, req.slot, start, tuple(tokens),
+                                       self.kv.page_ids(req.request_id),
+                                       samples=start + n == req.num_tokens, sampling=req.sampling))
         return n
 
     def _commit(self, plan: StepPlan) -> StepPlan:
         """Applies a finished plan: computed counts, in-flight tokens, newly cacheable pages."""
-        for req in plan.decode:
+        by_id = {r.request_id: r for r in self.running}  # every planned row's request runs
+        for row in plan.decode:
+            req = by_id[row.request_id]
             req.num_computed += 1
             req.num_inflight += 1
-        for c in plan.prefill:
-            c.request.num_computed += len(c.token_ids)
-            if c.samples:
-                c.request.num_inflight += 1
-                c.request.token_on_device = True
-            self._cache_full_pages(c.request)
+        for row in plan.prefill:
+            req = by_id[row.request_id]
+            req.num_computed += len(row.token_ids)
+            if row.samples:
+                req.num_inflight += 1
+                req.token_on_device = True
+            self._cache_full_pages(req)
         return plan
 
     def _admit(self, req: SchedRequest, budget: int) -> bool:
@@ -289,22 +291,15 @@ class Scheduler:
         assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
         # A full hit still recomputes the last token, to get its logits.
         hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
-        hit_tokens = len(hit) * self.kv.page_size
-        n = min(len(tokens) - hit_tokens, budget)
-        need = self.pages_needed_alone(hit_tokens + n) - len(hit)
-        evictable_hit = sum(1 for p in hit if self.kv.ref_count[p] == 0)
-        if need + evictable_hit + self.watermark_pages > self.kv.num_free and self.running:
-            return False
-        if need + evictable_hit > self.kv.num_free:
+        n = min(len(tokens) - hit.num_tokens, budget)
+        # The watermark only holds back admissions next to running requests.
+        watermark = self.watermark_pages if self.running else 0
+        if not self.kv.allocate_pages(req.request_id, hit.num_tokens + n, prefix=hit, watermark=watermark):
             return False
         self.waiting.remove(req)
-        self.kv.acquire(hit)
-        req.pages = list(hit) + self.kv.allocate(need)
-        req.page_keys = self.kv.page_keys(tokens[:hit_tokens], req.salt)
-        req.num_cached_pages = len(hit)
-        req.num_computed = hit_tokens
+        req.num_computed = hit.num_tokens
         if req.cached_tokens is None:
-            req.cached_tokens = min(hit_tokens, len(req.prompt_ids))
+            req.cached_tokens = min(hit.num_tokens, len(req.prompt_ids))
             self.kv.record_lookup(len(req.prompt_ids), req.cached_tokens)
         req.slot = self._free_slots.pop()
         req.token_on_device = False
@@ -313,12 +308,11 @@ class Scheduler:
         return True
 
     def _reserve_pages(self, req: SchedRequest, num_tokens: int, plan: StepPlan) -> bool:
-        """Makes req own pages for its first num_tokens tokens, preempting others if needed.
+        """Makes req hold pages for its first num_tokens tokens, preempting others if needed.
 
         Returns False if req itself was preempted or preemption needs a sync first.
         """
-        need = self.pages_needed_alone(num_tokens) - len(req.pages)
-        while need > self.kv.num_free:
+        while not self.kv.allocate_pages(req.request_id, num_tokens):
             if self.num_inflight:
                 plan.needs_sync = True
                 return False
@@ -326,8 +320,6 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is req:
                 return False
-        if need > 0:
-            req.pages += self.kv.allocate(need)
         return True
 
     def _preempt(self, req: SchedRequest, plan: StepPlan) -> None:
@@ -335,39 +327,39 @@ class Scheduler:
         self.running.remove(req)
         self._free_slots.append(req.slot)
         req.slot = None
-        self.kv.release(req.pages)
-        req.pages, req.page_keys, req.num_cached_pages = [], [], 0
+        self.kv.free(req.request_id)
         req.num_computed = 0
         req.token_on_device = False
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.append(req)
-        plan.decode = [r for r in plan.decode if r is not req]
-        plan.prefill = [c for c in plan.prefill if c.request is not req]
-        plan.preempted.append(req)
+        plan.decode = [r for r in plan.decode if r.request_id != req.request_id]
+        plan.prefill = [r for r in plan.prefill if r.request_id != req.request_id]
+        plan.preempted.append(req.request_id)
 
     def _cache_full_pages(self, req: SchedRequest) -> None:
-        """Registers the request's full, computed, host-known pages in the prefix cache."""
-        ps = self.kv.page_size
-        known = len(req.prompt_ids) + len(req.output_ids)
-        full = min(req.num_computed, known) // ps
-        if full <= req.num_cached_pages:
-            return
-        tokens = req.token_ids()
-        parent = req.page_keys[-1] if req.page_keys else None
-        new_keys = self.kv.page_keys(tokens[:full * ps], req.salt, parent=parent,
-                                     start_page=len(req.page_keys))
-        req.page_keys += new_keys
-        self.kv.cache_pages(req.pages[req.num_cached_pages:full], req.page_keys[req.num_cached_pages:full])
-        req.num_cached_pages = full
+        """Offers the request's full, computed, host-known pages to the prefix cache."""
+        n = min(req.num_computed, len(req.prompt_ids) + len(req.output_ids))
+        # Only when a page has filled up since the last call (token_ids() copies the tokens).
+        if n >= self.kv.num_cached_tokens(req.request_id) + self.kv.page_size:
+            self.kv.cache_pages(req.request_id, req.token_ids(), n, req.salt)
 
     def check_invariants(self) -> None:
-        """Asserts page, slot and budget invariants (tests call this after every step)."""
-        self.kv.check_invariants([r.pages for r in self.running])
+        """Asserts page, slot and budget invariants (tests call this after every step).
+
+        Raises:
+          AssertionError: describing the first violation.
+        """
+        self.kv.check_invariants()
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots, f"slots {slots}"
         assert sorted(slots + self._free_slots) == list(range(self.num_slots))
+        running = {r.request_id for r in self.running}
+        assert len(running) == len(self.running), "two running requests share an id"
+        holders = set(self.kv.request_ids())
+        assert holders <= running, f"requests {sorted(holders - running)} hold pages but do not run"
         for r in self.waiting:
-            assert not r.pages and r.slot is None and r.num_inflight == 0
+            assert r.slot is None and r.num_inflight == 0 and r.status is Status.WAITING
+            assert r.request_id not in running, f"request {r.request_id!r} both waits and runs"
         for r in self.running:
-            assert len(r.pages) * self.kv.page_size >= r.num_computed
+            assert len(self.kv.page_ids(r.request_id)) * self.kv.page_size >= r.num_computed

@@ -1,17 +1,20 @@
 """The scheduler without a model: a fake engine whose next token is a hash of what it reads
 from the pages, so a wrong page, a wrong prefix, a lost token or a mixed-up slot changes
-the output. Random lifecycles (shared prefixes, cancels, a pool small enough to preempt)
-are checked after every step."""
+the output. The fake engine reads only the plan's rows (slot, positions, token ids, page
+ids), as the real one does. Random lifecycles (shared prefixes, cancels, a pool small
+enough to preempt) are checked after every step. Then the KV-cache manager's API alone."""
 
 from __future__ import annotations
 
 import hashlib
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from serving.kv_cache_manager import KVCacheManager
+from serving.kv_cache_manager import NO_HIT, KVCacheManager
 from serving.scheduler import BATCH, INTERACTIVE, SchedRequest, Scheduler, Status
+from serving.step_plan import SamplingSettings, StepPlan
 
 VOCAB = 61
 
@@ -48,35 +51,36 @@ class FakeEngine:
         ps = self.page_size
         return [self.pages[pages[p // ps]][p % ps] for p in range(length)]
 
-    def run(self, plan) -> list[tuple[SchedRequest, int]]:
+    def run(self, plan: StepPlan) -> list[tuple[str, int]]:
+        """Executes the plan's rows; returns (request_id, sampled token) pairs."""
         out = []
-        for c in plan.prefill:
-            r = c.request
-            for i, t in enumerate(c.token_ids):
-                self._write(r.pages, c.start + i, t)
-            if c.samples:
-                tok = next_token(self._read(r.pages, c.start + len(c.token_ids)))
-                self.slot_tokens[r.slot] = tok
-                out.append((r, tok))
-        for r in plan.decode:
-            pos = r.num_computed - 1  # committed: the input token's position
-            self._write(r.pages, pos, self.slot_tokens[r.slot])
-            tok = next_token(self._read(r.pages, pos + 1))
-            self.slot_tokens[r.slot] = tok
-            out.append((r, tok))
+        for row in plan.prefill:
+            for i, t in enumerate(row.token_ids):
+                self._write(row.page_ids, row.start + i, t)
+            if row.samples:
+                tok = next_token(self._read(row.page_ids, row.end))
+                self.slot_tokens[row.slot] = tok
+                out.append((row.request_id, tok))
+        for row in plan.decode:
+            self._write(row.page_ids, row.position, self.slot_tokens[row.slot])
+            tok = next_token(self._read(row.page_ids, row.position + 1))
+            self.slot_tokens[row.slot] = tok
+            out.append((row.request_id, tok))
         return out
 
 
 def drive(sched: Scheduler, engine: FakeEngine, arrivals: list[tuple[int, SchedRequest]],
           rng: random.Random, cancel_rate: float, max_steps: int = 20000):
     """Runs the scheduler loop with one step of pipelining, checking invariants every step."""
-    pending: list[tuple[SchedRequest, int]] = []  # the previous step's results
+    pending: list[tuple[str, int]] = []  # the previous step's results
     live: list[SchedRequest] = []
+    by_id = {r.request_id: r for _, r in arrivals}
     step = 0
     arrivals = sorted(arrivals, key=lambda a: a[0])
 
     def read_back(results):
-        for r, tok in results:
+        for rid, tok in results:
+            r = by_id[rid]
             if r.status is Status.FINISHED:
                 continue
             reason = sched.on_token(r, tok)
@@ -101,12 +105,25 @@ def drive(sched: Scheduler, engine: FakeEngine, arrivals: list[tuple[int, SchedR
             assert not plan.needs_sync
         assert plan.num_tokens <= sched.token_budget
         assert sum(len(c.token_ids) for c in plan.prefill) <= sched.max_prefill_tokens
+        check_rows(plan, sched.kv.page_size)
         results = engine.run(plan)
         read_back(pending)
         pending = results
         sched.check_invariants()
         step += 1
     return step
+
+
+def check_rows(plan: StepPlan, page_size: int) -> None:
+    """A plan's rows: one per request, pages covering what they write, no decode row for a
+    request preempted while planning (it may be re-admitted in the same pass: a prefill row)."""
+    ids = [r.request_id for r in plan.decode + plan.prefill]
+    assert len(set(ids)) == len(ids), f"a request has two rows: {ids}"
+    assert not {r.request_id for r in plan.decode} & set(plan.preempted), "a preempted request decodes"
+    for row in plan.prefill:
+        assert row.token_ids and len(row.page_ids) * page_size >= row.end, row
+    for row in plan.decode:
+        assert len(row.page_ids) * page_size > row.position, row
 
 
 def make(num_pages=24, page_size=4, slots=4, budget=12, prefill=8, seqs=2, caching=True):
@@ -208,3 +225,139 @@ def test_batch_priority_waits_for_interactive_and_is_preempted_first():
     assert inter.num_preemptions == 0
     assert batch.num_preemptions >= 1
     assert batch.output_ids == run_alone(batch.prompt_ids, 20, ())
+
+
+def test_rows_carry_sampling_positions_and_pages():
+    sched, _ = make(num_pages=24, page_size=4, prefill=8)
+    s = SamplingSettings(temperature=0.7, top_k=5, top_p=0.9, seed=123)
+    r = SchedRequest("a", list(range(1, 11)), 3, sampling=s)  # 10 prompt tokens, chunks of 8
+    sched.add(r)
+    first, second = sched.schedule(), sched.schedule()
+    assert [(x.start, len(x.token_ids), x.samples, x.sampling) for x in first.prefill + second.prefill] == [
+        (0, 8, False, s), (8, 2, True, s)]
+    assert len(first.prefill[0].page_ids) == 2 and len(second.prefill[0].page_ids) == 3
+    third = sched.schedule()  # one token behind, sampled on device: a decode row
+    (row,) = third.decode
+    assert (row.request_id, row.slot, row.position, row.sampling) == ("a", r.slot, 10, s)
+    assert row.page_ids == sched.kv.page_ids("a") and len(row.page_ids) == 3
+    sched.check_invariants()
+
+
+# -- the KV-cache manager's API --------------------------------------------------
+
+
+def full(kv: KVCacheManager, rid: str, tokens: list[int], salt=None) -> None:
+    """Allocates pages for all of tokens and caches them, as a request that computed them."""
+    assert kv.allocate_pages(rid, len(tokens))
+    kv.cache_pages(rid, tokens, len(tokens), salt)
+
+
+def test_allocate_says_no_and_takes_nothing():
+    kv = KVCacheManager(num_pages=6, page_size=4)  # 5 usable pages
+    assert kv.allocate_pages("a", 9)  # 3 pages
+    assert kv.page_ids("a") == (1, 2, 3) and kv.num_free == 2
+    assert not kv.allocate_pages("b", 12)  # 3 more: only 2 free
+    assert kv.page_ids("b") == () and kv.num_free == 2 and kv.request_ids() == ["a"]
+    assert not kv.allocate_pages("b", 8, watermark=1)  # 2 would leave 0 < 1 free
+    assert kv.num_free == 2
+    assert kv.allocate_pages("a", 13)  # grows by one page
+    assert kv.allocate_pages("a", 16)  # already covered: takes nothing
+    assert kv.page_ids("a") == (1, 2, 3, 4) and kv.num_free == 1
+    kv.check_invariants()
+
+
+def test_free_releases_tail_first_and_is_idempotent():
+    kv = KVCacheManager(num_pages=8, page_size=4)
+    assert kv.allocate_pages("a", 12) and kv.allocate_pages("b", 4)
+    kv.free("a")
+    kv.free("a")  # holds nothing: no-op
+    kv.free("never-seen")
+    assert kv.page_ids("a") == () and kv.num_free == 6 and kv.request_ids() == ["b"]
+    kv.check_invariants()
+    # Freed pages are reused least recently freed first: a's tail (3), then 2, then 1.
+    assert kv.allocate_pages("c", 4 * 6)
+    assert kv.page_ids("c") == (5, 6, 7, 3, 2, 1)
+    kv.check_invariants()
+
+
+def test_prefix_lookup_and_acquiring_evictable_pages():
+    kv = KVCacheManager(num_pages=8, page_size=4)
+    prompt = list(range(10, 20))  # 2 full pages + 2 tokens
+    full(kv, "a", prompt)
+    kv.free("a")  # its 2 cached pages are free but keep their content
+    assert kv.num_free == 7
+    hit = kv.lookup_prefix(prompt + [7], None, max_tokens=len(prompt))
+    assert hit.num_tokens == 8 and len(hit.page_ids) == 2 and kv.num_free == 7  # no references
+    assert kv.lookup_prefix(prompt, "other-tenant", max_tokens=10) == NO_HIT
+    assert kv.lookup_prefix(prompt, None, max_tokens=7).num_tokens == 4  # whole pages only
+    # Holding the hit's 2 unheld pages uses up free pages too: 2 + 6 fresh > 7 free (6 alone fit).
+    assert not kv.allocate_pages("b", 8 + 4 * 6, prefix=hit)
+    assert kv.num_free == 7 and kv.page_ids("b") == ()
+    assert kv.allocate_pages("b", 11, prefix=hit)
+    assert kv.page_ids("b")[:2] == hit.page_ids and len(kv.page_ids("b")) == 3 and kv.num_free == 4
+    assert kv.num_cached_tokens("b") == 8
+    # A second request shares the held pages: only its fresh page leaves the free queue.
+    assert kv.allocate_pages("c", 9, prefix=kv.lookup_prefix(prompt, None, 10))
+    assert kv.page_ids("c")[:2] == hit.page_ids and kv.num_free == 3
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="already holds"):
+        kv.allocate_pages("c", 12, prefix=hit)
+    kv.free("b")
+    kv.free("c")
+    kv.check_invariants()
+
+
+def test_a_stale_prefix_hit_is_refused():
+    kv = KVCacheManager(num_pages=3, page_size=4)  # 2 usable pages
+    full(kv, "a", [1, 2, 3, 4, 5])
+    kv.free("a")
+    hit = kv.lookup_prefix([1, 2, 3, 4, 5], None, 5)
+    assert hit.num_tokens == 4
+    assert kv.allocate_pages("b", 8)  # evicts the cached page
+    kv.free("b")
+    with pytest.raises(ValueError, match="stale"):
+        kv.allocate_pages("c", 5, prefix=hit)
+    kv.check_invariants()
+
+
+def test_cache_pages_extends_the_chained_keys_incrementally():
+    kv = KVCacheManager(num_pages=10, page_size=4)
+    tokens = list(range(30, 43))  # 3 full pages + 1 token
+    assert kv.allocate_pages("a", len(tokens))
+    kv.cache_pages("a", tokens[:6], 6, None)  # 1 full page known
+    assert kv.num_cached_tokens("a") == 4
+    kv.cache_pages("a", tokens, 5, None)  # 1 full page computed: nothing new
+    assert kv.num_cached_tokens("a") == 4
+    kv.cache_pages("a", tokens, 13, None)
+    assert kv.num_cached_tokens("a") == 12
+    # The incremental keys name the same pages as hashing the whole prefix at once.
+    hit = kv.lookup_prefix(tokens, None, max_tokens=13)
+    assert hit.page_ids == kv.page_ids("a")[:3]
+    # A second request with the same tokens (computed privately) keeps its duplicates private.
+    assert kv.allocate_pages("b", len(tokens))
+    kv.cache_pages("b", tokens, 13, None)
+    assert kv.lookup_prefix(tokens, None, 13).page_ids == hit.page_ids
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="fewer than"):
+        kv.cache_pages("a", tokens + [0] * 8, 21, None)
+    kv.free("a")
+    kv.free("b")
+    kv.check_invariants()
+
+
+def test_without_prefix_caching_nothing_is_hashed_or_found():
+    kv = KVCacheManager(num_pages=6, page_size=4, enable_prefix_caching=False)
+    full(kv, "a", list(range(9)))
+    assert kv.num_cached_tokens("a") == 8  # offered, not registered
+    kv.free("a")
+    assert kv.lookup_prefix(list(range(9)), None, 9) == NO_HIT
+    kv.check_invariants()
+
+
+def test_check_invariants_catches_a_miscounted_page():
+    kv = KVCacheManager(num_pages=6, page_size=4)
+    assert kv.allocate_pages("a", 8)
+    kv.check_invariants()
+    kv._ref_count[kv.page_ids("a")[0]] += 1  # a reference nobody holds
+    with pytest.raises(AssertionError, match="ref count 2, held by 1"):
+        kv.check_invariants()
