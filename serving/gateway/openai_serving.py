@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Mapping
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_client import (
@@ -39,6 +37,7 @@ from serving.engine_client import (
     TokenEvent,
 )
 from serving.gateway.api_keys import ANONYMOUS, Principal
+from serving.gateway.disconnect import until_disconnect
 from serving.gateway.errors import (
     SERVER_ERROR,
     ClientDisconnected,
@@ -51,7 +50,10 @@ from serving.gateway.errors import (
 from serving.gateway.metering import RequestMeter
 from serving.gateway.policy import OutputFilter, PolicyViolation
 from serving.gateway.rate_limit import RateLimited
+from serving.gateway.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
+from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
+from serving.gateway.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
 from serving.gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -69,35 +71,10 @@ from serving.tokenizer_protocol import TextTokenizer
 
 logger = logging.getLogger("xlaserve.gateway")
 
-T = TypeVar("T")
-
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
 
-REQUEST_ID_SCOPE_KEY = "xlaserve.request_id"
-REQUEST_ID_GIVEN_SCOPE_KEY = "xlaserve.request_id_given"
-RATE_LIMIT_HEADERS_SCOPE_KEY = "xlaserve.ratelimit_headers"
-
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-    """A model the gateway serves.
-
-    Attributes:
-      name: the id clients pass as ``model``.
-      engine: generates tokens for it.
-      tokenizer: its text <-> ids mapping and chat template.
-      max_model_len: context window in tokens (prompt + completion).
-      created: Unix seconds reported by ``/v1/models``.
-    """
-
-    name: str
-    engine: EngineClient
-    tokenizer: TextTokenizer
-    max_model_len: int
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
 class EngineFailure(OpenAIError):
@@ -285,73 +262,6 @@ class _Generation:
         return "".join(parts)
 
 
-# ------------------------------------------------------------ disconnects
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await `aw`, cancelling it if the client disconnects first.
-
-    Raises:
-      ClientDisconnected: the client went away (after `aw` was cancelled and
-        had cleaned up).
-    """
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        completed = task.done()
-    finally:
-        if not watcher.cancel() and not watcher.cancelled():
-            watcher.exception()  # mark retrieved
-        if not task.done():
-            task.cancel()
-    if completed:
-        return task.result()
-    # Disconnected: wait for the cancelled work to clean up (engine.cancel).
-    await asyncio.wait({task})
-    if not task.cancelled():
-        task.exception()  # retrieved; the client is gone anyway
-    raise ClientDisconnected()
-
-
-class CancellingStreamingResponse(StreamingResponse):
-    """A ``StreamingResponse`` that always stops and closes its body on disconnect.
-
-    Starlette only listens for ``http.disconnect`` under ASGI spec < 2.4 and
-    otherwise leaves the body generator unclosed when a send fails. This class
-    listens in every case and ``aclose()``-s the body iterator afterwards, so
-    the generator's ``finally`` (which cancels the engine request) always runs
-    promptly.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        logger.info("client went away while streaming")
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-
-
 # --------------------------------------------------------------- helpers
 
 
@@ -369,26 +279,6 @@ async def _read_json(request: Request) -> Any:
     except UnicodeDecodeError as e:
         detail = str(e)
     raise OpenAIError(f"The request body is not valid JSON ({detail}).", code="invalid_json")
-
-
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-_SSE_DONE = "data: [DONE]\n\n"
-
-
-def _dump_chunk(chunk: Any, include_usage: bool) -> str:
-    d = chunk.model_dump(mode="json")
-    if not include_usage:
-        d.pop("usage", None)
-    return _sse(d)
-
-
-def request_id_of(request: Request) -> tuple[str, bool]:
-    """(X-Request-ID value, whether the client sent it) for `request`."""
-    rid = request.scope.get(REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex
-    return rid, bool(request.scope.get(REQUEST_ID_GIVEN_SCOPE_KEY))
 
 
 # --------------------------------------------------------------- serving
@@ -464,13 +354,6 @@ class OpenAIServing:
         )
         return _Generation(served, er, stop)
 
-    def _streaming_response(self, body: AsyncIterator[str]) -> Response:
-        return CancellingStreamingResponse(
-            body,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-
     def _log_done(self, gen: _Generation, text: str | None = None) -> None:
         logger.info(
             "request %s finished: %s, prompt_tokens=%d completion_tokens=%d cached_tokens=%d",
@@ -512,7 +395,7 @@ class OpenAIServing:
                                 max_tokens, "prompt", texts)
         created = int(time.time())
         if req.stream:
-            return self._streaming_response(self._completion_stream(gen, req, created))
+            return event_stream_response(self._completion_stream(gen, req, created))
         text = await self._collect(request, gen)
         body = CompletionResponse(
             id=gen.id,
@@ -552,7 +435,7 @@ class OpenAIServing:
             logger.info("request %s prompt: %r", gen.id, texts or prompt_ids)
         try:
             self.services.policies.check_input(texts)
-            await _until_disconnect(request, gen.start())
+            await until_disconnect(request, gen.start())
         except PolicyViolation as e:
             gen.meter.note("input_policy", policy=e.policy)
             await gen.settle("error", f"content_policy_violation ({e.policy})")
@@ -566,7 +449,7 @@ class OpenAIServing:
         """The whole text of a non-streamed request; the engine request ends either way,
         and the request is metered before the response is returned."""
         try:
-            text = await _until_disconnect(request, gen.collect())
+            text = await until_disconnect(request, gen.collect())
         except BaseException as e:
             await gen.settle_exception(e)
             raise
@@ -584,7 +467,7 @@ class OpenAIServing:
                 id=gen.id, created=created, model=req.model, usage=usage,
                 choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [],
             )
-            return _dump_chunk(c, req.include_usage)
+            return sse_chunk(c, req.include_usage)
 
         return self._sse_body(
             gen, req.include_usage, opening=None, delta=chunk,
@@ -615,15 +498,15 @@ class OpenAIServing:
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
             await gen.settle_exception(e)
-            yield _sse(e.to_body())
+            yield sse_event(e.to_body())
         except Exception as e:
             logger.exception("request %s failed mid-stream", gen.id)
             await gen.settle_exception(e)
-            yield _sse(_internal_error().to_body())
+            yield sse_event(_internal_error().to_body())
         finally:
             await gen.abort()
             await gen.settle("cancelled")  # the client went away (no-op if already metered)
-        yield _SSE_DONE
+        yield SSE_DONE
 
     # --------------------------------------------------------------- chat
 
@@ -653,7 +536,7 @@ class OpenAIServing:
                                 max_tokens, "messages", texts)
         created = int(time.time())
         if req.stream:
-            return self._streaming_response(self._chat_stream(gen, req, created))
+            return event_stream_response(self._chat_stream(gen, req, created))
         text = await self._collect(request, gen)
         body = ChatCompletionResponse(
             id=gen.id,
@@ -673,7 +556,7 @@ class OpenAIServing:
                 id=gen.id, created=created, model=req.model, usage=usage,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
             )
-            return _dump_chunk(c, req.include_usage)
+            return sse_chunk(c, req.include_usage)
 
         return self._sse_body(
             gen, req.include_usage,
