@@ -1,4 +1,5 @@
-"""The output pipeline (serving/output_processor.py) against the scripted fake engine (no JAX)."""
+"""The output pipeline (serving/output_processor.py) and ``xlaserve generate``'s
+loop (serving/generate_cli.py) against the scripted fake engine (no JAX)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from serving.engine_client import (
     SamplingParams,
     TokenEvent,
 )
+from serving.generate_cli import build_request, generate_text
 from serving.output_processor import GenerationError, TextGeneration
 from tests.gateway_fakes import (
     BOS_ID,
     BYTE_OFFSET,
     END_OF_TURN_ID,
     EOS_ID,
+    START_OF_TURN_ID,
     FakeEngine,
     FakeTokenizer,
 )
@@ -302,11 +305,66 @@ async def test_a_stream_that_ends_early_raises_generation_error():
         await gen.start()
 
 
+# -------------------------------------------------------- xlaserve generate
+
+
+async def test_generate_streams_text_and_stops_at_a_stop_string():
+    engine = FakeEngine(text="Paris. And then Berlin.")
+    req = build_request(TOK, "The capital of France is", max_tokens=64)
+    assert list(req.prompt_ids) == TOK.encode("The capital of France is", add_bos=True)
+    assert req.sampling.stop_token_ids == TOK.stop_token_ids
+    written: list[str] = []
+    result = await generate_text(engine, TOK, req, stop=["And"], write=written.append)
+    assert result.text == "".join(written) == "Paris. "
+    assert result.finish_reason == "stop"
+    assert result.prompt_tokens == len(req.prompt_ids)
+    assert result.completion_tokens == len("Paris. And")
+    assert result.ttft_s is not None and result.elapsed_s >= result.ttft_s
+    assert engine.cancelled == [req.request_id]
+    assert "prompt tokens" in result.summary() and "tokens/s" in result.summary()
+
+
+async def test_generate_drops_stop_tokens_and_reports_engine_errors():
+    engine = FakeEngine(text="Bonjour")
+    req = build_request(TOK, "Salut", chat=True, max_tokens=32)
+    assert req.prompt_ids[:2] == [BOS_ID, START_OF_TURN_ID]
+    result = await generate_text(engine, TOK, req)
+    assert (result.text, result.finish_reason, result.completion_tokens) == ("Bonjour", "stop", 8)
+    with pytest.raises(GenerationError):
+        await generate_text(FakeEngine(fail_after=2), TOK, build_request(TOK, "x"))
+
+
+class StoppableFakeEngine(FakeEngine):
+    """What build_engine returns for ``xlaserve generate``: an engine with stop()."""
+
+    stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_xlaserve_generate_command_with_a_fake_engine(monkeypatch, capsys):
+    from serving import cli
+
+    engine = StoppableFakeEngine(text="Paris. And then Berlin.")
+    monkeypatch.setattr(cli, "build_engine", lambda cfg, warmup=True: (engine, TOK, "fake"))
+    assert cli.main(["--log-level", "WARNING", "generate", "The capital is", "--stop", "And"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Paris. \n"
+    assert "prompt tokens" in err and f"{len('Paris. And')} generated" in err
+    assert engine.cancelled == [engine.submitted[0].request_id] and engine.stopped
+
+    engine = StoppableFakeEngine(fail_after=2)
+    monkeypatch.setattr(cli, "build_engine", lambda cfg, warmup=True: (engine, TOK, "fake"))
+    assert cli.main(["--log-level", "WARNING", "generate", "x"]) == 1
+    assert "xlaserve: error: device fell over" in capsys.readouterr().err and engine.stopped
+
+
 # ------------------------------------------------------------------ imports
 
 
 def test_the_pipeline_and_the_gateway_do_not_import_jax():
-    code = ("import sys, serving.output_processor, serving.gateway.app\n"
+    code = ("import sys, serving.output_processor, serving.generate_cli, serving.gateway.app\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "{'jax', 'jaxlib', 'flax', 'model', 'kernels_pallas', 'sharding'})\n"
             "assert not bad, bad\n")
