@@ -16,7 +16,6 @@ import ipaddress
 import logging
 import sys
 import time
-import uuid
 
 from serving import admin_cli
 from serving.gateway.log_context import LOG_FORMAT, RequestIdLogFilter
@@ -167,8 +166,8 @@ def _is_leader() -> bool:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from serving.detokenizer import IncrementalDetokenizer
-    from serving.engine_client import EngineRequest, SamplingParams
+    from serving.generate_cli import build_request, generate_text
+    from serving.output_processor import GenerationError
     from serving.server_config import load_server_config
 
     overrides = _overrides(args)
@@ -177,45 +176,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     overrides.setdefault("max_model_len", 4096)
     cfg = load_server_config(args.config, **overrides)
     loop, tokenizer, _ = build_engine(cfg, warmup=False)
-    if args.chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt, add_bos=True)
-    request = EngineRequest(
-        request_id=uuid.uuid4().hex, prompt_ids=prompt_ids,
-        sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                stop_token_ids=tokenizer.stop_token_ids),
-        arrival_time=time.time())
 
-    async def run() -> None:
-        detok = IncrementalDetokenizer(tokenizer, stop=args.stop or ())
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        async for ev in loop.submit(request):
-            ids = [t for t in ev.token_ids if t not in tokenizer.stop_token_ids]
-            n += len(ev.token_ids)
-            if first is None and ev.token_ids:
-                first = time.perf_counter() - t0
-            sys.stdout.write(detok.add(ids))
-            sys.stdout.flush()
-            if detok.stopped:
-                await loop.cancel(request.request_id)
-                break
-            if ev.finish_reason:
-                break
-        if not detok.stopped:
-            sys.stdout.write(detok.flush())
-        total = time.perf_counter() - t0
-        sys.stdout.write("\n")
-        print(f"[{len(prompt_ids)} prompt tokens, {n} generated; TTFT {first or 0:.3f} s, "
-              f"{n / total:.1f} tokens/s overall (includes compiling)]", file=sys.stderr)
+    def write(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    async def run(request):
+        try:
+            return await generate_text(loop, tokenizer, request, args.stop or (), write)
+        finally:
+            # Stop the engine thread while this event loop is still open: after a stop
+            # string cancels the request, a step in flight may still send it events.
+            await asyncio.to_thread(loop.stop)
 
     try:
-        asyncio.run(run())
+        request = build_request(tokenizer, args.prompt, chat=args.chat, max_tokens=args.max_tokens,
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed)
+        result = asyncio.run(run(request))
+    except GenerationError as e:
+        sys.stdout.write("\n")
+        print(f"xlaserve: error: {e}", file=sys.stderr)
+        return 1
     finally:
         loop.stop()
+    sys.stdout.write("\n")
+    print(result.summary(), file=sys.stderr)
     return 0
 
 

@@ -36,14 +36,14 @@ from serving.gateway.errors import OpenAIError, install_error_handlers
 from serving.gateway.ledger import GROUP_BY
 from serving.gateway.log_context import request_id_var
 from serving.gateway.metrics import EngineStatsCollector
-from serving.gateway.openai_serving import (
+from serving.gateway.openai_serving import OpenAIServing
+from serving.gateway.protocol import ModelCard, ModelList
+from serving.gateway.request_scope import (
     RATE_LIMIT_HEADERS_SCOPE_KEY,
     REQUEST_ID_GIVEN_SCOPE_KEY,
     REQUEST_ID_SCOPE_KEY,
-    OpenAIServing,
-    ServedModel,
 )
-from serving.gateway.protocol import ModelCard, ModelList
+from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
 
 __all__ = ["ServedModel", "GatewayServices", "create_app", "RequestIdMiddleware"]

@@ -1,11 +1,12 @@
 """OpenAI completions and chat completions on top of an :class:`EngineClient`.
 
 Per request: validate -> tokenize (``encode(prompt, add_bos=True)`` or the chat
-template) -> check the context window -> ``engine.submit`` -> run the token
-stream through :class:`~serving.detokenizer.IncrementalDetokenizer` (stop token
-ids are never fed to it) -> JSON or SSE. A stop string ends the request with
-``engine.cancel`` and finish_reason "stop". A client that disconnects, while
-streaming or not, cancels its engine request.
+template) -> check the context window -> rate limits and metering -> input
+policy -> submit -> text from the output pipeline
+(:class:`~serving.gateway.generation.MeteredGeneration` over
+:class:`~serving.output_processor.TextGeneration`: stop tokens, stop strings,
+the output policy, cancel on stop) -> JSON or SSE. A client that disconnects,
+while streaming or not, cancels its engine request.
 
 The first engine event is awaited before the response starts, so admission
 errors (overloaded: 503, rejected: 400) get a proper HTTP status even when
@@ -15,43 +16,29 @@ streaming. Errors after streaming has started are sent as an SSE ``data:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Mapping
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
-from serving.detokenizer import IncrementalDetokenizer
-from serving.engine_client import (
-    EngineClient,
-    EngineOverloadedError,
-    EngineRequest,
-    RequestRejectedError,
-    SamplingParams,
-    TokenEvent,
-)
+from serving.engine_client import EngineRequest, SamplingParams
 from serving.gateway.api_keys import ANONYMOUS, Principal
+from serving.gateway.disconnect import until_disconnect
 from serving.gateway.errors import (
     SERVER_ERROR,
-    ClientDisconnected,
     OpenAIError,
     context_length_exceeded,
     model_not_allowed,
     model_not_found,
     rate_limited,
 )
-from serving.gateway.metering import RequestMeter
-from serving.gateway.policy import OutputFilter, PolicyViolation
-from serving.gateway.rate_limit import RateLimited
-from serving.gateway.services import GatewayServices
+from serving.gateway.generation import MeteredGeneration
+from serving.gateway.policy import PolicyViolation
 from serving.gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -65,291 +52,17 @@ from serving.gateway.protocol import (
     DeltaMessage,
     Usage,
 )
+from serving.gateway.rate_limit import RateLimited
+from serving.gateway.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
+from serving.gateway.served_model import ServedModel
+from serving.gateway.services import GatewayServices
+from serving.gateway.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
 from serving.tokenizer_protocol import TextTokenizer
 
 logger = logging.getLogger("xlaserve.gateway")
 
-T = TypeVar("T")
-
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
-
-REQUEST_ID_SCOPE_KEY = "xlaserve.request_id"
-REQUEST_ID_GIVEN_SCOPE_KEY = "xlaserve.request_id_given"
-RATE_LIMIT_HEADERS_SCOPE_KEY = "xlaserve.ratelimit_headers"
-
-_FINISH_REASONS = {"stop": "stop", "length": "length"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-    """A model the gateway serves.
-
-    Attributes:
-      name: the id clients pass as ``model``.
-      engine: generates tokens for it.
-      tokenizer: its text <-> ids mapping and chat template.
-      max_model_len: context window in tokens (prompt + completion).
-      created: Unix seconds reported by ``/v1/models``.
-    """
-
-    name: str
-    engine: EngineClient
-    tokenizer: TextTokenizer
-    max_model_len: int
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-
-
-class EngineFailure(OpenAIError):
-    """The engine ended a request with an error (HTTP 500)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, status_code=500, type=SERVER_ERROR, code="engine_error")
-
-
-# ------------------------------------------------------------ generation
-
-
-class _Generation:
-    """One engine request: submit, stream text deltas, cancel when abandoned."""
-
-    def __init__(self, served: ServedModel, request: EngineRequest, stop: list[str],
-                 meter: RequestMeter | None = None, output_filter: OutputFilter | None = None) -> None:
-        self.served = served
-        self.request = request
-        self.id = request.request_id
-        self.detok = IncrementalDetokenizer(served.tokenizer, stop)
-        self.stop_ids = frozenset(request.sampling.stop_token_ids)
-        self.finish_reason: str | None = None
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.meter = meter
-        self.output_filter = output_filter
-        self._events: AsyncIterator[TokenEvent] | None = None
-        self._first: TokenEvent | None = None
-        self._submitted = False
-        self._done = False
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids)
-
-    def usage(self) -> Usage:
-        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    async def settle(self, status: str, error: str | None = None) -> None:
-        """Meters the request (ledger, limits, metrics) once; later calls do nothing.
-
-        Args:
-          status: "ok", "error" or "cancelled".
-        """
-        if self.meter is None:
-            return
-        with anyio.CancelScope(shield=True):
-            await self.meter.finish(status, self.finish_reason if status == "ok" else None,
-                                    self.completion_tokens, error)
-
-    async def settle_exception(self, exc: BaseException) -> None:
-        """Meters a request that ended with `exc`: "cancelled" when the client went
-        away, else "error" with a description."""
-        if isinstance(exc, (ClientDisconnected, asyncio.CancelledError)):
-            await self.settle("cancelled")
-        elif isinstance(exc, OpenAIError):
-            await self.settle("error", exc.message)
-        elif isinstance(exc, (EngineOverloadedError, RequestRejectedError)):
-            await self.settle("error", f"{type(exc).__name__}: {exc}")
-        else:
-            await self.settle("error", repr(exc))
-
-    def _filter(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """Runs text through the output policy: (text to send, whether it was blocked)."""
-        if self.output_filter is None:
-            return text, False
-        out, blocked = self.output_filter.feed(text) if text else ("", False)
-        if final and not blocked:
-            rest, blocked = self.output_filter.flush()
-            out += rest
-        return out, blocked
-
-    async def start(self) -> None:
-        """Submit and wait for the first event.
-
-        Raises:
-          EngineOverloadedError, RequestRejectedError: from the engine.
-          EngineFailure: the stream ended without any event.
-        """
-        try:
-            self._events = aiter(self.served.engine.submit(self.request))
-            self._submitted = True
-            self._first = await anext(self._events)
-            if self.meter is not None:
-                self.meter.note("engine_admitted")
-        except StopAsyncIteration:
-            self._done = True
-            raise EngineFailure("The engine ended the request without a result.") from None
-        except BaseException:
-            await self.abort()
-            raise
-
-    async def abort(self) -> None:
-        """Cancel the engine request unless it already finished. Idempotent."""
-        if not self._submitted or self._done:
-            return
-        self._done = True
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.served.engine.cancel(self.id)
-            except Exception:
-                logger.exception("engine.cancel(%s) failed", self.id)
-            await self._close_events()
-
-    async def _close_events(self) -> None:
-        aclose = getattr(self._events, "aclose", None)
-        if aclose is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await aclose()
-                except Exception:
-                    logger.exception("closing the event stream of %s failed", self.id)
-
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas until the request finishes; sets ``finish_reason``
-        ("stop", "length", or "content_filter" when an output policy stopped it).
-
-        Raises:
-          EngineFailure: the engine reported "error"/"cancelled" or the stream
-            ended early.
-        """
-        assert self._first is not None, "start() first"
-        event: TokenEvent = self._first
-        try:
-            while True:
-                if self.meter is not None:
-                    self.meter.on_event(event)
-                self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
-                blocked = False
-                for tid in event.token_ids:
-                    self.completion_tokens += 1
-                    if tid in self.stop_ids:
-                        continue
-                    out, blocked = self._filter(self.detok.add((tid,)))
-                    if out:
-                        yield out
-                    if blocked or self.detok.stopped:
-                        break
-                if blocked or self.detok.stopped:
-                    if not blocked:
-                        out, blocked = self._filter("", final=True)
-                        if out:
-                            yield out
-                    self.finish_reason = "content_filter" if blocked else "stop"
-                    if event.finish_reason is None:
-                        await self.abort()  # the engine can stop now
-                    self._done = True
-                    return
-                if event.finish_reason is not None:
-                    if event.finish_reason not in _FINISH_REASONS:
-                        self._done = True
-                        raise EngineFailure(
-                            event.error or f"The engine ended the request ({event.finish_reason})."
-                        )
-                    out, blocked = self._filter(self.detok.flush(), final=True)
-                    if out:
-                        yield out
-                    if blocked:
-                        self.finish_reason = "content_filter"
-                    elif self.detok.stopped:
-                        self.finish_reason = "stop"
-                    else:
-                        self.finish_reason = _FINISH_REASONS[event.finish_reason]
-                        self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
-                    self._done = True
-                    return
-                try:
-                    event = await anext(self._events)  # type: ignore[arg-type]
-                except StopAsyncIteration:
-                    self._done = True
-                    raise EngineFailure("The engine stream ended without a finish reason.") from None
-        finally:
-            if not self._done:
-                await self.abort()
-            else:
-                await self._close_events()
-
-    async def collect(self) -> str:
-        """The whole completion text (non-streaming)."""
-        parts = []
-        async with contextlib.aclosing(self.deltas()) as it:
-            async for d in it:
-                parts.append(d)
-        return "".join(parts)
-
-
-# ------------------------------------------------------------ disconnects
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await `aw`, cancelling it if the client disconnects first.
-
-    Raises:
-      ClientDisconnected: the client went away (after `aw` was cancelled and
-        had cleaned up).
-    """
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        completed = task.done()
-    finally:
-        if not watcher.cancel() and not watcher.cancelled():
-            watcher.exception()  # mark retrieved
-        if not task.done():
-            task.cancel()
-    if completed:
-        return task.result()
-    # Disconnected: wait for the cancelled work to clean up (engine.cancel).
-    await asyncio.wait({task})
-    if not task.cancelled():
-        task.exception()  # retrieved; the client is gone anyway
-    raise ClientDisconnected()
-
-
-class CancellingStreamingResponse(StreamingResponse):
-    """A ``StreamingResponse`` that always stops and closes its body on disconnect.
-
-    Starlette only listens for ``http.disconnect`` under ASGI spec < 2.4 and
-    otherwise leaves the body generator unclosed when a send fails. This class
-    listens in every case and ``aclose()``-s the body iterator afterwards, so
-    the generator's ``finally`` (which cancels the engine request) always runs
-    promptly.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        logger.info("client went away while streaming")
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
 
 
 # --------------------------------------------------------------- helpers
@@ -369,26 +82,6 @@ async def _read_json(request: Request) -> Any:
     except UnicodeDecodeError as e:
         detail = str(e)
     raise OpenAIError(f"The request body is not valid JSON ({detail}).", code="invalid_json")
-
-
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-_SSE_DONE = "data: [DONE]\n\n"
-
-
-def _dump_chunk(chunk: Any, include_usage: bool) -> str:
-    d = chunk.model_dump(mode="json")
-    if not include_usage:
-        d.pop("usage", None)
-    return _sse(d)
-
-
-def request_id_of(request: Request) -> tuple[str, bool]:
-    """(X-Request-ID value, whether the client sent it) for `request`."""
-    rid = request.scope.get(REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex
-    return rid, bool(request.scope.get(REQUEST_ID_GIVEN_SCOPE_KEY))
 
 
 # --------------------------------------------------------------- serving
@@ -441,37 +134,28 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos,
         )
 
-    def _generation(
-        self,
+    @staticmethod
+    def _engine_request(
         request: Request,
         served: ServedModel,
         prefix: str,
         prompt_ids: list[int],
         sampling: SamplingParams,
-        stop: list[str],
         priority: str = "interactive",
         cache_salt: str | None = None,
-    ) -> _Generation:
+    ) -> EngineRequest:
         rid, given = request_id_of(request)
         engine_id = f"{prefix}-{uuid.uuid4().hex if given else rid}"
         logger.info(
             "request %s (X-Request-ID %s): model=%s prompt_tokens=%d max_tokens=%d",
             engine_id, rid, served.name, len(prompt_ids), sampling.max_tokens,
         )
-        er = EngineRequest(
+        return EngineRequest(
             request_id=engine_id, prompt_ids=prompt_ids, sampling=sampling, arrival_time=time.time(),
             priority=priority, cache_salt=cache_salt,
         )
-        return _Generation(served, er, stop)
 
-    def _streaming_response(self, body: AsyncIterator[str]) -> Response:
-        return CancellingStreamingResponse(
-            body,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-
-    def _log_done(self, gen: _Generation, text: str | None = None) -> None:
+    def _log_done(self, gen: MeteredGeneration, text: str | None = None) -> None:
         logger.info(
             "request %s finished: %s, prompt_tokens=%d completion_tokens=%d cached_tokens=%d",
             gen.id, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens,
@@ -512,7 +196,7 @@ class OpenAIServing:
                                 max_tokens, "prompt", texts)
         created = int(time.time())
         if req.stream:
-            return self._streaming_response(self._completion_stream(gen, req, created))
+            return event_stream_response(self._completion_stream(gen, req, created))
         text = await self._collect(request, gen)
         body = CompletionResponse(
             id=gen.id,
@@ -525,7 +209,7 @@ class OpenAIServing:
 
     async def _start(self, request: Request, principal: Principal, arrival: float,
                      served: ServedModel, id_prefix: str, prompt_ids: list[int], req, max_tokens: int,
-                     param: str, texts: list[str]) -> _Generation:
+                     param: str, texts: list[str]) -> MeteredGeneration:
         """Context check, rate limits and metering, input policy, then submit; returns
         once the engine has admitted the request.
 
@@ -535,26 +219,27 @@ class OpenAIServing:
             the engine's admission errors (503 overloaded, 400 rejected).
         """
         self._check_context(served, len(prompt_ids), max_tokens, param)
-        gen = self._generation(request, served, id_prefix, prompt_ids,
-                               self._sampling(req, max_tokens, served.tokenizer), req.stop_strings,
-                               priority=req.priority, cache_salt=req.cache_salt)
+        er = self._engine_request(request, served, id_prefix, prompt_ids,
+                                  self._sampling(req, max_tokens, served.tokenizer),
+                                  priority=req.priority, cache_salt=req.cache_salt)
         rid, _ = request_id_of(request)
         try:
-            gen.meter = self.services.metering.admit(
-                principal, gen.id, rid, served.name, req.priority, bool(req.stream), arrival,
+            meter = self.services.metering.admit(
+                principal, er.request_id, rid, served.name, req.priority, bool(req.stream), arrival,
                 len(prompt_ids), max_tokens)
         except RateLimited as e:
-            logger.info("request %s rate limited: %s %s limit", gen.id, e.scope, e.limit)
+            logger.info("request %s rate limited: %s %s limit", er.request_id, e.scope, e.limit)
             raise rate_limited(e) from None
-        request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = gen.meter.admission.headers
-        gen.output_filter = self.services.policies.output_filter()
+        request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
+        gen = MeteredGeneration(served, er, req.stop_strings, meter,
+                                self.services.policies.output_filter())
         if self.services.log_text:
             logger.info("request %s prompt: %r", gen.id, texts or prompt_ids)
         try:
             self.services.policies.check_input(texts)
-            await _until_disconnect(request, gen.start())
+            await until_disconnect(request, gen.start())
         except PolicyViolation as e:
-            gen.meter.note("input_policy", policy=e.policy)
+            meter.note("input_policy", policy=e.policy)
             await gen.settle("error", f"content_policy_violation ({e.policy})")
             raise OpenAIError(str(e), code="content_policy_violation", param=param) from None
         except BaseException as e:
@@ -562,11 +247,11 @@ class OpenAIServing:
             raise
         return gen
 
-    async def _collect(self, request: Request, gen: _Generation) -> str:
+    async def _collect(self, request: Request, gen: MeteredGeneration) -> str:
         """The whole text of a non-streamed request; the engine request ends either way,
         and the request is metered before the response is returned."""
         try:
-            text = await _until_disconnect(request, gen.collect())
+            text = await until_disconnect(request, gen.collect())
         except BaseException as e:
             await gen.settle_exception(e)
             raise
@@ -577,21 +262,21 @@ class OpenAIServing:
         return text
 
     def _completion_stream(
-        self, gen: _Generation, req: CompletionRequest, created: int
+        self, gen: MeteredGeneration, req: CompletionRequest, created: int
     ) -> AsyncIterator[str]:
         def chunk(text: str, finish: str | None = None, usage: Usage | None = None, choices=True):
             c = CompletionResponse(
                 id=gen.id, created=created, model=req.model, usage=usage,
                 choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [],
             )
-            return _dump_chunk(c, req.include_usage)
+            return sse_chunk(c, req.include_usage)
 
         return self._sse_body(
             gen, req.include_usage, opening=None, delta=chunk,
             closing=lambda: chunk("", gen.finish_reason),
             usage=lambda: chunk("", usage=gen.usage(), choices=False))
 
-    async def _sse_body(self, gen: _Generation, include_usage: bool, opening, delta, closing, usage
+    async def _sse_body(self, gen: MeteredGeneration, include_usage: bool, opening, delta, closing, usage
                         ) -> AsyncIterator[str]:
         """The SSE body shared by completions and chat: an optional opening chunk,
         one chunk per text delta, the finish chunk, the usage chunk if asked for,
@@ -615,15 +300,15 @@ class OpenAIServing:
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
             await gen.settle_exception(e)
-            yield _sse(e.to_body())
+            yield sse_event(e.to_body())
         except Exception as e:
             logger.exception("request %s failed mid-stream", gen.id)
             await gen.settle_exception(e)
-            yield _sse(_internal_error().to_body())
+            yield sse_event(_internal_error().to_body())
         finally:
             await gen.abort()
             await gen.settle("cancelled")  # the client went away (no-op if already metered)
-        yield _SSE_DONE
+        yield SSE_DONE
 
     # --------------------------------------------------------------- chat
 
@@ -653,7 +338,7 @@ class OpenAIServing:
                                 max_tokens, "messages", texts)
         created = int(time.time())
         if req.stream:
-            return self._streaming_response(self._chat_stream(gen, req, created))
+            return event_stream_response(self._chat_stream(gen, req, created))
         text = await self._collect(request, gen)
         body = ChatCompletionResponse(
             id=gen.id,
@@ -665,7 +350,7 @@ class OpenAIServing:
         return JSONResponse(body.model_dump(mode="json"))
 
     def _chat_stream(
-        self, gen: _Generation, req: ChatCompletionRequest, created: int
+        self, gen: MeteredGeneration, req: ChatCompletionRequest, created: int
     ) -> AsyncIterator[str]:
         def chunk(delta: DeltaMessage, finish: str | None = None, usage: Usage | None = None,
                   choices=True):
@@ -673,7 +358,7 @@ class OpenAIServing:
                 id=gen.id, created=created, model=req.model, usage=usage,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
             )
-            return _dump_chunk(c, req.include_usage)
+            return sse_chunk(c, req.include_usage)
 
         return self._sse_body(
             gen, req.include_usage,

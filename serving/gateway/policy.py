@@ -11,7 +11,8 @@ case-insensitively. Its output filter holds back the last few characters of
 the text (as stop strings do), so a blocked phrase split across tokens is
 caught before any of it reaches the client. Custom policies implement
 :class:`InputPolicy` / :class:`OutputPolicy` and are named in the server
-config as ``module:factory``.
+config as ``module:factory``. An output filter is the output pipeline's
+:class:`~serving.output_processor.OutputFilter` (``feed``/``flush``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import importlib
 import re
 from typing import Protocol, Sequence
+
+from serving.output_processor import OutputFilter
 
 
 class PolicyViolation(Exception):
@@ -31,16 +34,6 @@ class PolicyViolation(Exception):
     def __init__(self, policy: str, message: str) -> None:
         super().__init__(message)
         self.policy = policy
-
-
-class OutputFilter(Protocol):
-    """Per-request output state: text in, text safe to send out."""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Takes new text; returns (text that may be sent now, whether to stop here)."""
-
-    def flush(self) -> tuple[str, bool]:
-        """At the end of the stream: (the rest of the held-back text, whether to stop)."""
 
 
 class InputPolicy(Protocol):

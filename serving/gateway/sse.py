@@ -1,0 +1,43 @@
+"""Server-sent events: how streamed responses are framed.
+
+Each event is ``data: <compact JSON>\\n\\n``; a stream ends with
+``data: [DONE]\\n\\n`` (OpenAI's convention). :func:`event_stream_response`
+wraps an async iterator of such events in a response that cancels its work
+when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from starlette.responses import Response
+
+from serving.gateway.disconnect import CancellingStreamingResponse
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The last event of every stream."""
+
+
+def sse_event(payload: Any) -> str:
+    """One SSE event carrying `payload` (anything ``json.dumps`` accepts) as JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_chunk(chunk: Any, include_usage: bool) -> str:
+    """One SSE event for a pydantic response chunk; its ``usage`` field is left
+    out unless the client asked for usage (``stream_options.include_usage``)."""
+    d = chunk.model_dump(mode="json")
+    if not include_usage:
+        d.pop("usage", None)
+    return sse_event(d)
+
+
+def event_stream_response(body: AsyncIterator[str]) -> Response:
+    """A ``text/event-stream`` response streaming `body` (SSE events, str),
+    unbuffered, closing `body` when the client disconnects."""
+    return CancellingStreamingResponse(
+        body,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
