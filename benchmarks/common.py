@@ -12,7 +12,7 @@ def build_engine(model: str, dtype: str = "float32", **engine_overrides):
     from serving.engine import Engine
     from serving.engine_config import EngineConfig
     from serving.model_registry import load_model
-    from serving.server_config import enable_compilation_cache
+    from serving.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     m, tok = load_model(model, dtype=dtype, progress=False)

@@ -84,7 +84,7 @@ def random_model(shape: str, dtype: str, layers: int | None = None, seed: int = 
 def load_named_model(name: str, dtype: str):
     """(model, tokenizer) from configs/models.yaml or a GGUF path (needs the gguf extra)."""
     from serving.model_registry import load_model
-    from serving.server_config import enable_compilation_cache
+    from serving.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     return load_model(name, dtype=dtype, progress=False)

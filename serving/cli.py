@@ -61,7 +61,7 @@ def build_engine(cfg, warmup: bool = True):
     from serving.engine import Engine
     from serving.engine_config import EngineConfig
     from serving.engine_loop import EngineLoop
-    from serving.server_config import enable_compilation_cache
+    from serving.compilation_cache import enable_compilation_cache
     from serving.sharding_cli import load_for_serving, lockstep_for
 
     enable_compilation_cache()
@@ -205,6 +205,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+PLUGIN_COMMANDS_GROUP = "xlaserve.commands"
+"""Entry-point group of extra subcommands: each entry is a ``register(subparsers)``
+function (pyproject.toml registers ``bench`` from ``benchmarks.cli``)."""
+
+
+def _register_plugin_commands(sub) -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=PLUGIN_COMMANDS_GROUP):
+        try:
+            register = ep.load()
+        except ImportError as e:  # e.g. a source tree without the benchmarks package
+            log.debug("xlaserve command %r not available: %s", ep.name, e)
+            continue
+        register(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xlaserve", description="LLM inference on JAX/XLA")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
@@ -245,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register_sharding_commands(sub)  # convert, shard-plan
 
-    from benchmarks.cli import register as register_bench  # xlaserve bench ... (source tree)
-    register_bench(sub)
+    _register_plugin_commands(sub)  # e.g. `xlaserve bench` (benchmarks/cli.py)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

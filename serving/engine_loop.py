@@ -225,7 +225,10 @@ class EngineLoop:
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
             scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error)
-        seq.loop.call_soon_threadsafe(seq.events.put_nowait, ev)
+        try:
+            seq.loop.call_soon_threadsafe(seq.events.put_nowait, ev)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            log.debug("request %s: event loop closed, event dropped", seq.req.request_id)
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None,
                 ids: tuple[int, ...] = ()) -> None:

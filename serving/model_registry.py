@@ -14,13 +14,14 @@ from model.config import ModelConfig
 from model.factory import build_model
 from model.gguf_loader import load_gguf
 from model.tokenizer import Tokenizer
-from serving.server_config import cache_dir, load_yaml_config
+from serving.config_files import read_config
+from serving.server_config import cache_dir
 
 log = logging.getLogger(__name__)
 
 
 def known_models() -> dict:
-    return load_yaml_config("models.yaml")
+    return read_config("models.yaml")
 
 
 def load_model(name: str, dtype: str = "float32", progress: bool = True) -> tuple[nnx.Module, Tokenizer]:
@@ -31,13 +32,14 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True) -> tupl
         "tiny-llama", "tiny-moe") or a path to a .gguf file. The weights of any
         architecture ``model.gguf_loader`` reads load, but the tokenizer is rebuilt
         for Gemma-style SentencePiece vocabularies only, so a Llama / Mixtral /
-        Qwen3 GGUF is refused here (ValueError from ``Tokenizer.from_gguf``); use
-        ``xlaserve convert`` and ``--checkpoint`` for those.
+        Qwen3 GGUF is refused here rather than served with a vocabulary that is
+        not its own. The ``tiny-*`` test models come with the test vocabulary.
       dtype: "float32" or "bfloat16" (weights and matmul inputs).
       progress: show a progress bar while dequantizing a GGUF.
 
     Raises:
-      ValueError: unknown name, or a GGUF this loader cannot read.
+      ValueError: unknown name, a GGUF this loader cannot read, or one without a
+        usable tokenizer.
     """
     t0 = time.perf_counter()
     jdtype = jnp.dtype(dtype)
@@ -57,7 +59,12 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True) -> tupl
         name = path.stem
     else:
         raise ValueError(f"unknown model {name!r}: use one of {sorted(models)} or a path to a .gguf file")
-    tokenizer = Tokenizer.from_gguf(path, cache_dir=cache_dir("tokenizer"))
+    try:
+        tokenizer = Tokenizer.from_gguf(path, cache_dir=cache_dir("tokenizer"))
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"{Path(path).name} carries no tokenizer xlaserve can use, so its text cannot "
+                         f"be served ({e}); the loader rebuilds Gemma-style SentencePiece "
+                         f"vocabularies only") from None
     cfg, params = load_gguf(path, name=name, cache_dir=cache_dir("weights"), progress=progress)
     model = build_model(cfg, params=params, dtype=jdtype)
     log.info("loaded %s (%s) in %.1f s", name, dtype, time.perf_counter() - t0)

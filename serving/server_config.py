@@ -2,17 +2,19 @@
 
 Also the data directory (``XLASERVE_DATA_DIR``, default: the user's data dir)
 under which caches (dequantized weights, tokenizer, compiled programs) live.
+No JAX here: the gateway reads its settings and data directory from this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from serving.config_files import read_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +74,13 @@ class ServerConfig:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def load_yaml_config(name: str) -> dict:
-    """Reads ``configs/NAME`` (shipped as package data)."""
-    return yaml.safe_load(resources.files("configs").joinpath(name).read_text()) or {}
-
-
 def load_server_config(path: str | os.PathLike | None = None, **overrides) -> ServerConfig:
     """Defaults from configs/server.yaml (or ``path``), then ``overrides``.
 
     Raises:
       ValueError: unknown keys or invalid values.
     """
-    data = yaml.safe_load(Path(path).read_text()) if path else load_yaml_config("server.yaml")
+    data = yaml.safe_load(Path(path).read_text()) if path else read_config("server.yaml")
     return ServerConfig().with_overrides(data or {}).with_overrides(overrides)
 
 
@@ -102,16 +99,3 @@ def cache_dir(kind: str) -> Path:
     d = data_dir() / "cache" / kind
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def enable_compilation_cache() -> None:
-    """Persists XLA programs under the data dir, so a restart does not recompile.
-
-    ``JAX_COMPILATION_CACHE_DIR`` in the environment wins (``.ci/run`` sets it).
-    """
-    import jax
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir("jax")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

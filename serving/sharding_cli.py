@@ -71,7 +71,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, RuntimeError) as e:
             # Our tokenizer rebuilds Gemma-style SentencePiece vocabularies only: a Llama 3
             # BPE ("gpt2") vocabulary or a Llama 2 / Mixtral one (no chat pieces) is refused.
-            log.warning("tokenizer not converted (the checkpoint will have none): %s", e)
+            log.warning("tokenizer not converted: the checkpoint holds weights only, and "
+                        "serve/generate will refuse it: %s", e)
             tok = None
     elif args.source in models and models[args.source].get("source") == "gguf-package":
         import importlib
@@ -117,7 +118,9 @@ def load_for_serving(cfg):
       (model, tokenizer, mesh or None).
 
     Raises:
-      ValueError: a mesh the devices or the model cannot take.
+      ValueError: a mesh the devices or the model cannot take, or a checkpoint or
+        GGUF that carries no usable tokenizer (text in and out would not be the
+        model's; the registry's ``tiny-*`` test models keep their test vocabulary).
     """
     from serving.model_registry import load_model
     from sharding.mesh import MeshConfig, build_mesh
@@ -145,9 +148,11 @@ def load_for_serving(cfg):
     model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype))
     spm = tokenizer_model(cfg.checkpoint)
     if not spm:
-        log.warning("checkpoint %s has no tokenizer.model: using the tiny test vocabulary, so "
-                    "text in and out is not the model's (token ids are)", cfg.checkpoint)
-    tok = Tokenizer(spm) if spm else Tokenizer.tiny(mcfg.vocab_size)
+        raise ValueError(
+            f"checkpoint {cfg.checkpoint} has no tokenizer (tokenizer.model), so its text cannot "
+            f"be served; write the checkpoint from a source with one (xlaserve convert of a "
+            f"Gemma 3 GGUF, or of a registry test model)")
+    tok = Tokenizer(spm)
     log.info("restored %s from %s onto mesh %s in %.1f s", mcfg.name, cfg.checkpoint,
              mesh_cfg or "1x1x1", time.perf_counter() - t0)
     return model, tok, mesh

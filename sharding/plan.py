@@ -42,12 +42,19 @@ class DeviceSpec:
     bandwidth_bytes_per_s: float
 
 
+def _config_file(name: str) -> dict:
+    """The parsed ``configs/NAME`` (package data; the files shard-plan reads)."""
+    from importlib import resources
+
+    import yaml
+
+    return yaml.safe_load(resources.files("configs").joinpath(name).read_text()) or {}
+
+
 def known_devices() -> dict[str, DeviceSpec]:
     """The table in ``configs/devices.yaml``."""
-    from serving.server_config import load_yaml_config
-
     return {k: DeviceSpec(k, v["description"], int(v["memory_gib"] * GIB), float(v["bandwidth_gbps"]) * 1e9)
-            for k, v in load_yaml_config("devices.yaml").items()}
+            for k, v in _config_file("devices.yaml").items()}
 
 
 def device_spec(name: str) -> DeviceSpec:
@@ -183,16 +190,14 @@ def load_model_config(model: str) -> ModelConfig:
 
     import yaml
 
-    from serving.server_config import load_yaml_config
-
     path = Path(model)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return ModelConfig.from_dict(yaml.safe_load(path.read_text()))
     try:
-        return ModelConfig.from_dict(load_yaml_config(f"{model}.yaml"))
+        return ModelConfig.from_dict(_config_file(f"{model}.yaml"))
     except FileNotFoundError:
         pass
-    models = load_yaml_config("models.yaml")
+    models = _config_file("models.yaml")  # the registry's file (serving reads it too)
     if model in models and "config" in models[model]:
         return ModelConfig.from_dict(models[model]["config"])
     if model in models and models[model].get("source") == "gguf-package":

@@ -52,9 +52,11 @@ class ShardingRules:
     @classmethod
     def default(cls) -> "ShardingRules":
         """The table in ``configs/sharding.yaml``."""
-        from serving.server_config import load_yaml_config
+        from importlib import resources
 
-        return cls.from_dict(load_yaml_config("sharding.yaml"))
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(resources.files("configs").joinpath("sharding.yaml").read_text()))
 
     def mesh_axis(self, logical: str | None) -> str | None:
         """The mesh axis a logical axis maps to (None: replicated or unknown)."""

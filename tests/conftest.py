@@ -55,7 +55,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def jax_cache():
     """Turns on the persistent XLA compilation cache under the data dir."""
-    from serving.server_config import enable_compilation_cache
+    from serving.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
 

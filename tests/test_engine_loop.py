@@ -13,10 +13,10 @@ from model.gemma3 import Gemma3
 from serving.engine import Engine, EngineConfig
 from serving.engine_client import EngineOverloadedError, RequestRejectedError
 from serving.engine_loop import EngineLoop
-from serving.server_config import load_yaml_config
+from serving.config_files import read_config
 from tests.engine_helpers import collect, generate, request
 
-TINY = ModelConfig.from_dict(load_yaml_config("models.yaml")["tiny-random"]["config"])
+TINY = ModelConfig.from_dict(read_config("models.yaml")["tiny-random"]["config"])
 
 
 def make_loop(**overrides) -> EngineLoop:

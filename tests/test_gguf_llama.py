@@ -204,3 +204,24 @@ def test_convert_then_restore_checkpoint(tmp_path, caplog):
                               abstract_targets(abstract_params(cfg), None, ShardingRules.default()))
     np.testing.assert_array_equal(logits(cfg, restored), logits(cfg, params))
     assert tokenizer_model(tmp_path / "ckpt") is None
+
+
+def test_serve_and_generate_refuse_what_has_no_usable_tokenizer(tmp_path, capsys):
+    """A GGUF whose vocabulary xlaserve cannot rebuild, and a weights-only checkpoint converted
+    from it, are refused with a clear error instead of served through the test vocabulary."""
+    from serving.cli import main
+    from serving.model_registry import load_model
+    from serving.server_config import load_server_config
+    from serving.sharding_cli import load_for_serving
+
+    _load(tmp_path, "llama", MIXTRAL)
+    gguf_path = str(tmp_path / "llama.gguf")
+    with pytest.raises(ValueError, match="carries no tokenizer xlaserve can use"):
+        load_model(gguf_path, progress=False)
+    assert main(["convert", gguf_path, str(tmp_path / "ckpt")]) == 0  # weights only, with a warning
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_for_serving(load_server_config(checkpoint=str(tmp_path / "ckpt")))
+    assert main(["generate", "hello", "--checkpoint", str(tmp_path / "ckpt")]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    assert main(["generate", "hello", "--model", gguf_path]) == 2
+    assert "carries no tokenizer" in capsys.readouterr().err

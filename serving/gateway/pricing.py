@@ -79,7 +79,7 @@ def load_price_table(path: str | Path | None = None) -> PriceTable:
     if path:
         data = yaml.safe_load(Path(path).read_text())
     else:
-        from serving.server_config import load_yaml_config
+        from serving.config_files import read_config
 
-        data = load_yaml_config("prices.yaml")
+        data = read_config("prices.yaml")
     return PriceTable.from_dict(data or {})

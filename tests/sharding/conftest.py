@@ -17,7 +17,7 @@ os.environ.setdefault(
     "XLASERVE_DATA_DIR", str(Path(__file__).resolve().parents[2] / ".xlaserve-test-data"))
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from serving.server_config import enable_compilation_cache  # noqa: E402
+from serving.compilation_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache()
 
