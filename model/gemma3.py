@@ -101,7 +101,7 @@ class Gemma3(nnx.Module):
         }
         check_params(params, expected)
         for name, (_, axes) in expected.items():
-            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype, True)), axes))
+            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype)), axes))
         self.embed_lookup = embed_lookup_param(params["embed"], dtype, tied=True)
 
     def __call__(

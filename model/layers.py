@@ -86,26 +86,28 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, logical_axes=axes)
 
 
-# The dtype rule both decoders store their parameters by. Only matmul inputs are
-# rounded to the serving dtype, as in the reference's bf16 simulation (the golden
-# bf16 continuations depend on it): norm scales and the MoE router stay float32,
-# and the embedding lookup (a gather, not a matmul) reads a float32 table. A tied
-# output head reads the table in the serving dtype, so a tied low-precision model
-# also keeps a float32 lookup copy (``embed_lookup``); an untied one keeps its
-# lookup-only table in float32.
+# The dtype rule both decoders store their parameters by. Matmul inputs are
+# rounded to the serving dtype; norm scales and the MoE router stay float32. The
+# embedding lookup is a gather, not a matmul: a tied table that the output head
+# reads in a low-precision dtype keeps a float32 copy for the lookup
+# (``embed_lookup``), as the reference's bf16 simulation rounds only matmul inputs
+# (Gemma 3's golden bf16 continuations depend on it: with a bf16 lookup the
+# "english" prompt departs at step 11). An untied table is stored in the serving
+# dtype and looked up as it is: a float32 copy of a 128k-vocabulary table would
+# cost a 70B model 2 GB.
 _FLOAT32_PARAMS = ("router",)
 
 
-def param_dtype(name: str, dtype, tied: bool):
+def param_dtype(name: str, dtype):
     """The stored dtype of parameter ``name`` of a decoder serving in ``dtype``."""
-    if name.endswith("norm") or name in _FLOAT32_PARAMS or (name == "embed" and not tied):
+    if name.endswith("norm") or name in _FLOAT32_PARAMS:
         return jnp.float32
     return dtype
 
 
 def embed_lookup_param(embed, dtype, tied: bool) -> nnx.Param | None:
-    """The float32 lookup copy of a tied low-precision embedding table (None when
-    ``embed`` itself is read in float32)."""
+    """The float32 lookup copy of a tied low-precision embedding table (None: the
+    lookup reads ``embed`` itself)."""
     if not tied or jnp.dtype(dtype) == jnp.float32:
         return None
     return param(jnp.asarray(embed, jnp.float32), ("vocab", "embed"))

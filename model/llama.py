@@ -97,8 +97,8 @@ class Llama(nnx.Module):
 
         Args:
           dtype: weight and matmul-input dtype (float32 or bfloat16); norms, the
-            router, the embedding lookup, softmax and accumulation are float32
-            regardless (``model.layers.param_dtype``).
+            router, softmax and accumulation are float32 regardless, and so is the
+            lookup of a tied embedding table (``model.layers.param_dtype``).
 
         Raises:
           ValueError: wrong architecture, missing or misshapen parameters.
@@ -111,10 +111,9 @@ class Llama(nnx.Module):
             params = init_random_params(cfg, rngs or nnx.Rngs(0))
         layout = param_layout(cfg)
         check_params(params, layout)
-        tied = cfg.tie_embeddings
         for name, (_, axes) in layout.items():
-            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype, tied)), axes))
-        self.embed_lookup = embed_lookup_param(params["embed"], dtype, tied)
+            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype)), axes))
+        self.embed_lookup = embed_lookup_param(params["embed"], dtype, cfg.tie_embeddings)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, logits_indices: jax.Array,
