@@ -114,11 +114,10 @@ class MeteredGeneration:
 
     async def collect(self) -> str:
         """The whole completion text (non-streaming); raises what :meth:`deltas` raises."""
-        parts = []
-        async with contextlib.aclosing(self.deltas()) as it:
-            async for d in it:
-                parts.append(d)
-        return "".join(parts)
+        try:
+            return await self.output.collect()
+        except GenerationError as e:
+            raise EngineFailure(e.message) from None
 
     async def abort(self) -> None:
         """Cancel the engine request unless it already finished. Idempotent."""
