@@ -23,6 +23,7 @@ receives events through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -65,9 +66,10 @@ class EngineLoop:
 
     Args:
       engine: the device engine (its config sizes slots, pages and chunks).
-      max_waiting: most requests waiting for admission; beyond it submit()
-        raises EngineOverloadedError (the gateway answers 503).
-      max_waiting_tokens: most prompt tokens waiting for admission (same).
+      max_waiting: most requests waiting for a slot (those the open slots will
+        take at the next steps do not count); beyond it submit() raises
+        EngineOverloadedError (the gateway answers 503).
+      max_waiting_tokens: most prompt tokens of those waiting requests (same).
       token_budget: most tokens computed per step (decode rows + prompt
         chunks); default: the prefill chunk plus one token per slot.
       enable_prefix_caching: reuse KV pages of identical prompt prefixes.
@@ -86,12 +88,15 @@ class EngineLoop:
             max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}
-        # Requests and prompt tokens waiting for admission, as of the last turn
-        # (written by the loop thread, read by submit(); the inbox adds the rest).
-        self._waiting_snapshot = (0, 0)
+        # Admission accounting, under _lock (see submit()): the token counts of the
+        # requests not yet admitted, in the order they will be admitted (the
+        # scheduler's queue as of the last turn, then the inbox), and the slots
+        # they can take at the next step.
+        self._queued_tokens: list[int] = []
+        self._inbox_tokens: collections.deque[int] = collections.deque()
+        self._open_slots = cfg.max_slots
         self._stats = EngineStats()  # replaced (not mutated) by the loop thread each turn
         self._num_preemptions = 0
-        self._inbox_tokens = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._draining = threading.Event()
@@ -116,22 +121,19 @@ class EngineLoop:
     def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
         """See EngineClient.submit. Raises at call time (not on first iteration).
 
+        A request counts as waiting only when it finds no open slot: the
+        requests not yet admitted (queued in the scheduler, or handed over and
+        not yet taken in) fill the open slots first, so a burst of up to
+        ``max_waiting`` + open-slot-count requests at an idle loop is accepted.
+
         Raises:
           RequestRejectedError: the request can never be served (too long for
             the context window or the KV cache, empty, bad ids, unknown priority).
-          EngineOverloadedError: the waiting queue is full, or the server is draining.
+          EngineOverloadedError: ``max_waiting`` requests (or ``max_waiting_tokens``
+            prompt tokens) already wait beyond the open slots, or the server is draining.
         """
         self._validate(request)
         n = len(request.prompt_ids)
-        with self._lock:
-            if self._draining.is_set():
-                raise EngineOverloadedError("the server is shutting down")
-            reqs = self._waiting_snapshot[0] + self._inbox.qsize()
-            toks = self._waiting_snapshot[1] + self._inbox_tokens
-            if reqs >= self.max_waiting or toks + n > self.max_waiting_tokens:
-                raise EngineOverloadedError(
-                    f"{reqs} requests ({toks} prompt tokens) are already waiting; retry later")
-            self._inbox_tokens += n
         s = request.sampling
         seed = random.getrandbits(32) if s.seed is None else int(s.seed) & 0xFFFFFFFF
         sched = SchedRequest(
@@ -140,7 +142,18 @@ class EngineLoop:
             priority=PRIORITIES[request.priority], salt=request.cache_salt,
             sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed))
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
-        self._inbox.put(("submit", seq))
+        with self._lock:
+            if self._draining.is_set():
+                raise EngineOverloadedError("the server is shutting down")
+            queued = self._queued_tokens + list(self._inbox_tokens)
+            if len(queued) >= self._open_slots:  # no open slot left for this one: it waits
+                waiting = queued[self._open_slots:]
+                reqs, toks = len(waiting), sum(waiting)
+                if reqs >= self.max_waiting or toks + n > self.max_waiting_tokens:
+                    raise EngineOverloadedError(
+                        f"{reqs} requests ({toks} prompt tokens) are already waiting; retry later")
+            self._inbox_tokens.append(n)
+            self._inbox.put(("submit", seq))  # under the lock: the inbox and _inbox_tokens keep one order
         return self._stream(seq)
 
     async def cancel(self, request_id: str) -> None:
@@ -247,8 +260,8 @@ class EngineLoop:
                 return
             block = False
             if kind == "submit":
-                with self._lock:
-                    self._inbox_tokens -= len(item.sched.prompt_ids)
+                with self._lock:  # from the inbox to the scheduler's queue, counted all along
+                    self._queued_tokens.append(self._inbox_tokens.popleft())
                 if item.req.request_id in self._by_id:
                     item.sched.status = Status.FINISHED
                     self._emit(item, (), "error", f"request id {item.req.request_id!r} is already running")
@@ -293,8 +306,9 @@ class EngineLoop:
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
         self._num_preemptions += len(plan.preempted)
-        with self._lock:
-            self._waiting_snapshot = (len(sched.waiting), sum(r.num_tokens for r in sched.waiting))
+        with self._lock:  # sched.waiting is in admission order after schedule()
+            self._queued_tokens = [r.num_tokens for r in sched.waiting]
+            self._open_slots = sched.num_open_slots
         kv = self.kv
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),

@@ -158,6 +158,13 @@ class Scheduler:
         self.running: list[SchedRequest] = []
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._arrivals = itertools.count()
+        self._head_waits_for_pages = False  # the last schedule() could not admit the queue's head
+
+    @property
+    def num_open_slots(self) -> int:
+        """Slots a new request could take at the next step (int): the free slots,
+        or 0 while the head of the waiting queue waits for KV pages."""
+        return 0 if self._head_waits_for_pages else len(self._free_slots)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -246,10 +253,12 @@ class Scheduler:
                 continue
             prefill_budget -= self._add_chunk(plan, req, n)
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
+        self._head_waits_for_pages = False
         while (self.waiting and self._free_slots and prefill_budget > 0
                and len(plan.prefill) < self.max_prefill_seqs):
             req = self.waiting[0]
             if not self._admit(req, prefill_budget):
+                self._head_waits_for_pages = True
                 break  # head of line waits (lower priorities wait behind it)
             n = min(req.num_tokens - req.num_computed, prefill_budget)
             prefill_budget -= self._add_chunk(plan, req, n)

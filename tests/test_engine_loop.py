@@ -150,16 +150,24 @@ def test_rejects_what_can_never_fit(loop):
         asyncio.run(submit(request([2, TINY.vocab_size], max_tokens=1)))
 
 
-def test_bounded_waiting_queue_overloads():
-    lp = make_loop(max_waiting=2)  # not started: nothing leaves the queue
+def test_a_burst_at_an_idle_loop_fills_the_free_slots_before_it_counts_as_waiting():
+    """4 free slots + max_waiting 2: a burst of 6 is accepted (and served), the 7th gets 503."""
+    lp = make_loop(max_waiting=2)  # 4 slots; not started yet: the burst sits in the inbox
 
     async def main():
-        lp.submit(request(prompt(3)))
-        lp.submit(request(prompt(3)))
-        with pytest.raises(EngineOverloadedError):
+        streams = [lp.submit(request(prompt(3, i), max_tokens=2, ignore_eos=True)) for i in range(6)]
+        with pytest.raises(EngineOverloadedError, match="2 requests"):
             lp.submit(request(prompt(3)))
+        lp.start(warmup=False)
+        outs = []
+        for stream in streams:
+            outs.append([t async for ev in stream for t in ev.token_ids])
+        return outs
 
-    asyncio.run(main())
+    try:
+        assert [len(ids) for ids in asyncio.run(main())] == [2] * 6
+    finally:
+        lp.stop()
 
 
 def test_waiting_queue_is_bounded_by_prompt_tokens_too():
@@ -167,6 +175,8 @@ def test_waiting_queue_is_bounded_by_prompt_tokens_too():
     lp.max_waiting_tokens = 12  # not started: nothing leaves the queue
 
     async def main():
+        for i in range(lp.cfg.max_slots):  # these take the free slots: not waiting
+            lp.submit(request(prompt(20, i)))
         lp.submit(request(prompt(8)))
         with pytest.raises(EngineOverloadedError, match="8 prompt tokens"):
             lp.submit(request(prompt(8)))

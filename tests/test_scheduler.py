@@ -227,6 +227,21 @@ def test_batch_priority_waits_for_interactive_and_is_preempted_first():
     assert batch.output_ids == run_alone(batch.prompt_ids, 20, ())
 
 
+def test_open_slots_are_the_free_slots_unless_the_queue_head_waits_for_pages():
+    sched, _ = make(num_pages=9, page_size=4, slots=4, budget=40, prefill=32)  # 8 usable pages
+    assert sched.num_open_slots == 4
+    big = SchedRequest("big", list(range(1, 25)), 8)  # 6 pages for its prompt, 7 once it decodes
+    sched.add(big)
+    sched.schedule()
+    assert sched.num_open_slots == 3
+    sched.add(SchedRequest("next", list(range(1, 13)), 4))  # needs 3 pages; 1 is free
+    sched.schedule()
+    assert len(sched.running) == 1 and sched.num_open_slots == 0
+    sched.finish(big, "cancelled")
+    sched.schedule()
+    assert len(sched.running) == 1 and sched.num_open_slots == 3
+
+
 def test_rows_carry_sampling_positions_and_pages():
     sched, _ = make(num_pages=24, page_size=4, prefill=8)
     s = SamplingSettings(temperature=0.7, top_k=5, top_p=0.9, seed=123)
