@@ -144,7 +144,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop, tokenizer, name = build_engine(cfg)
         name = cfg.served_model_name or name
         app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
-                                             max_model_len=loop.max_model_len)}, services)
+                                             max_model_len=loop.max_model_len,
+                                             kv_capacity_tokens=loop.kv_capacity_tokens)}, services)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         try:
             # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.

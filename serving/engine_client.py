@@ -134,6 +134,12 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int:
         """Context window in tokens (prompt + generated)."""
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens (prompt + generated) one request can hold in the KV
+        cache when it runs alone; :meth:`submit` rejects a request whose prompt
+        plus ``max_tokens`` exceeds it (or the context window)."""
+
     def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
         """Start generating; returns the request's event stream.
 

@@ -110,6 +110,11 @@ class EngineLoop:
     def max_model_len(self) -> int:
         return self.cfg.max_model_len
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """See EngineClient.kv_capacity_tokens: every page but the reserved page 0."""
+        return (self.cfg.num_pages - 1) * self.cfg.page_size
+
     def is_ready(self) -> bool:
         return (self._ready.is_set() and not self._draining.is_set()
                 and self._thread is not None and self._thread.is_alive())

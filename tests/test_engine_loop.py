@@ -287,3 +287,15 @@ def test_rejects_what_can_never_fit_the_cache():
 
     with pytest.raises(RequestRejectedError, match="needs 10 KV-cache pages but the cache has 7"):
         asyncio.run(submit())
+
+
+def test_kv_capacity_is_what_a_request_can_hold_alone():
+    lp = make_loop(num_pages=8, max_model_len=256)  # 7 usable pages of 8 tokens
+    assert lp.kv_capacity_tokens == 56
+
+    async def submit(max_tokens):
+        lp.submit(request(prompt(20), max_tokens=max_tokens))
+
+    asyncio.run(submit(36))  # 20 + 36 = 56: accepted (it queues: the loop is not started)
+    with pytest.raises(RequestRejectedError, match="KV-cache pages"):
+        asyncio.run(submit(37))

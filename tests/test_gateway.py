@@ -31,8 +31,9 @@ def anyio_backend():
     return "asyncio"
 
 
-def make_app(engine: FakeEngine, max_model_len: int = 512):
-    return create_app({MODEL: ServedModel(MODEL, engine, TOK, max_model_len, created=1700000000)})
+def make_app(engine: FakeEngine, max_model_len: int = 512, kv_capacity_tokens: int | None = None):
+    return create_app({MODEL: ServedModel(MODEL, engine, TOK, max_model_len, created=1700000000,
+                                          kv_capacity_tokens=kv_capacity_tokens)})
 
 
 def client_for(app) -> httpx.AsyncClient:
@@ -445,6 +446,27 @@ async def test_context_overflow_chat(engine):
         r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})
         assert_openai_error(r, 400, code="context_length_exceeded")
         assert engine.submitted == []
+
+
+async def test_chat_default_max_tokens_fits_a_kv_cache_smaller_than_the_context(engine):
+    async with client_for(make_app(engine, max_model_len=100, kv_capacity_tokens=48)) as client:
+        n_prompt = len(TOK.apply_chat_template(CHAT["messages"]))
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        assert engine.submitted[-1].sampling.max_tokens == 48 - n_prompt
+        # A prompt that fits the context window but leaves no room in the KV cache.
+        msgs = [{"role": "user", "content": "z" * 40}]
+        n_prompt = len(TOK.apply_chat_template(msgs))
+        assert 48 <= n_prompt < 100
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})
+        msg = assert_openai_error(r, 400, code="context_length_exceeded", param="messages")["message"]
+        assert "context length is 100 tokens" in msg and "at most 48 tokens per request" in msg
+        assert f"the messages take {n_prompt} tokens" in msg and "--num-pages" in msg
+        # An explicit max_tokens is the engine's to judge.
+        r = await client.post("/v1/chat/completions",
+                              json={"model": MODEL, "messages": msgs, "max_tokens": 5})
+        assert r.status_code == 200, r.text
+    assert len(engine.submitted) == 2
 
 
 async def test_overloaded_engine_503_with_retry_after(client, engine):

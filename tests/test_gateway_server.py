@@ -288,6 +288,21 @@ def test_request_trace(gw):
     assert gw.get("/v1/requests/nope").json()["error"]["code"] == "request_not_found"
 
 
+# ------------------------------------------------------------- KV pool
+
+
+def test_chat_without_max_tokens_gets_what_the_kv_pool_leaves(gw):
+    rid = uuid.uuid4().hex
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "temperature": 0}
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {gw.keys['free']}", "X-Request-ID": rid})
+    gw.expect(rid, "ok")
+    assert r.status_code == 200, r.text  # before: max_tokens = 512 - prompt, refused by the 368-token pool
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 368
+    assert gw.get(f"/v1/requests/{rid}").json()["reserved_tokens"] == 368  # prompt + default max_tokens
+
+
 # ------------------------------------------------------------- ledger, usage, metrics
 
 

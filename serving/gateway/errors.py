@@ -8,8 +8,9 @@ Every error body is ``{"error": {"message", "type", "param", "code"}}``:
   not use -> 403;
 * unknown model -> 404 ``model_not_found``;
 * over a rate limit -> 429 with ``Retry-After`` and ``x-ratelimit-*`` headers;
-* prompt + max_tokens beyond the context window -> 400
-  ``context_length_exceeded``;
+* prompt + max_tokens beyond the context window, or a chat prompt that
+  leaves no room for a completion in the context window or the KV cache ->
+  400 ``context_length_exceeded``;
 * :class:`EngineOverloadedError` -> 503 with ``Retry-After``;
 * :class:`RequestRejectedError` -> 400;
 * anything unexpected -> 500, logged; the server keeps serving.
@@ -155,6 +156,33 @@ def context_length_exceeded(
         f"requested {total} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
         f"completion). Please reduce the length of the {where} or completion.",
         param=where,
+        code="context_length_exceeded",
+    )
+
+
+def no_room_for_completion(max_model_len: int, kv_capacity_tokens: int | None,
+                           prompt_tokens: int) -> OpenAIError:
+    """400 ``context_length_exceeded`` for a chat request without ``max_tokens`` whose
+    messages leave no room for even one completion token.
+
+    Args:
+      max_model_len: the context window in tokens.
+      kv_capacity_tokens: the most tokens one request can hold in the KV cache
+        (None: no bound beyond the context window).
+      prompt_tokens: the rendered messages' length in tokens.
+    """
+    if kv_capacity_tokens is None:
+        limits = f"This model's maximum context length is {max_model_len} tokens"
+    else:
+        limits = (f"This model's maximum context length is {max_model_len} tokens and its KV cache "
+                  f"holds at most {kv_capacity_tokens} tokens per request")
+    hint = ""
+    if kv_capacity_tokens is not None and kv_capacity_tokens < max_model_len:
+        hint = " (The server's operator can enlarge the KV cache with --num-pages.)"
+    return OpenAIError(
+        f"{limits}. However, the messages take {prompt_tokens} tokens, which leaves no room "
+        f"for a completion. Please reduce the length of the messages.{hint}",
+        param="messages",
         code="context_length_exceeded",
     )
 

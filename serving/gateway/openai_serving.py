@@ -35,6 +35,7 @@ from serving.gateway.errors import (
     context_length_exceeded,
     model_not_allowed,
     model_not_found,
+    no_room_for_completion,
     rate_limited,
 )
 from serving.gateway.generation import MeteredGeneration
@@ -315,12 +316,14 @@ class OpenAIServing:
     async def create_chat_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
         """``POST /v1/chat/completions``.
 
-        ``max_tokens`` defaults to the rest of the context window
-        (``max_model_len - prompt_tokens``).
+        ``max_tokens`` defaults to the most the request can have: what the
+        messages leave of the context window and of the KV cache
+        (``min(max_model_len, kv_capacity_tokens) - prompt_tokens``).
 
         Raises:
           Same as :meth:`create_completion`; 400 also for messages the chat
-          template rejects.
+          template rejects, and (``context_length_exceeded``) for messages
+          that leave no room for a completion when ``max_tokens`` is not given.
         """
         arrival = time.time()
         req = ChatCompletionRequest.model_validate(await _read_json(request))
@@ -332,7 +335,10 @@ class OpenAIServing:
             raise OpenAIError(f"Invalid 'messages': {e}", param="messages") from None
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
-            max_tokens = max(1, served.max_model_len - len(prompt_ids))
+            max_tokens = served.max_request_tokens - len(prompt_ids)
+            if max_tokens < 1:
+                raise no_room_for_completion(served.max_model_len, served.kv_capacity_tokens,
+                                             len(prompt_ids))
         texts = [m.content for m in req.messages if isinstance(m.content, str)]
         gen = await self._start(request, principal, arrival, served, "chatcmpl", prompt_ids, req,
                                 max_tokens, "messages", texts)

@@ -218,7 +218,8 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``.
 
     ``max_completion_tokens`` (newer name) takes precedence over ``max_tokens``;
-    when neither is given the serving layer uses the rest of the context window.
+    when neither is given the serving layer uses what the messages leave of the
+    context window and of the KV cache.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -1,4 +1,4 @@
-"""A model the gateway serves: its name, engine, tokenizer and context window."""
+"""A model the gateway serves: its name, engine, tokenizer, context window and KV-cache capacity."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ class ServedModel:
       tokenizer: its text <-> ids mapping and chat template.
       max_model_len: context window in tokens (prompt + completion).
       created: Unix seconds reported by ``/v1/models``.
+      kv_capacity_tokens: the most tokens (prompt + completion) one request
+        can hold in the engine's KV cache (``EngineClient.kv_capacity_tokens``);
+        None: no bound beyond the context window.
     """
 
     name: str
@@ -26,3 +29,12 @@ class ServedModel:
     tokenizer: TextTokenizer
     max_model_len: int
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    kv_capacity_tokens: int | None = None
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + completion) one request can ever have: the
+        smaller of the context window and the KV-cache capacity."""
+        if self.kv_capacity_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.kv_capacity_tokens)
