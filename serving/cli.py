@@ -99,7 +99,8 @@ def open_gateway_services(cfg):
     services = GatewayServices.open_server(
         database_url=cfg.database_url, prices_path=cfg.prices, blocklist=cfg.policy_blocklist,
         blocklist_applies_to=cfg.policy_blocklist_applies_to, policy_plugins=cfg.policy_plugins,
-        otel_traces=cfg.otel_traces, log_text=cfg.log_text)
+        otel_traces=cfg.otel_traces, log_text=cfg.log_text,
+        prefix_cache_groups=dict(cfg.prefix_cache_groups))
     store = services.authenticator.key_store
     if not store.has_keys():
         if not _is_loopback(cfg.host) and not cfg.allow_unauthenticated:
@@ -134,9 +135,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.server_config import load_server_config
     from serving.sharding_cli import join_processes, run_follower
 
-    cfg = load_server_config(args.config, **_overrides(
-        args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated", "otel_traces",
-               "database_url", "prices", "served_model_name")))
+    overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
+                                  "otel_traces", "database_url", "prices", "served_model_name"))
+    if args.prefix_cache_group:
+        overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
+    cfg = load_server_config(args.config, **overrides)
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
         return run_follower(cfg)
     services = open_gateway_services(cfg)  # before the engine: a refused start is quick
@@ -158,6 +161,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         services.close()
     return 0
+
+
+def _prefix_cache_groups(values: list[str]) -> dict[str, list[str]]:
+    """``--prefix-cache-group GROUP=TENANT,TENANT`` flags as {group: [tenant, ...]}.
+
+    Raises:
+      ValueError: a value without ``=`` or without tenants.
+    """
+    groups: dict[str, list[str]] = {}
+    for value in values:
+        group, sep, tenants = value.partition("=")
+        names = [t.strip() for t in tenants.split(",") if t.strip()]
+        if not sep or not group.strip() or not names:
+            raise ValueError(f"--prefix-cache-group takes GROUP=TENANT[,TENANT...], got {value!r}")
+        groups.setdefault(group.strip(), []).extend(names)
+    return groups
 
 
 def _is_leader() -> bool:
@@ -243,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="serve a non-loopback address even though no API keys exist")
     serve.add_argument("--otel-traces", action="store_true", default=None,
                        help="emit OpenTelemetry spans per request to the global tracer provider")
+    serve.add_argument("--prefix-cache-group", action="append", metavar="GROUP=TENANT,TENANT",
+                       help="let these tenants share prefix-cache pages (repeatable; replaces the "
+                       "config's prefix_cache_groups); by default each tenant shares only with itself")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")

@@ -54,8 +54,9 @@ class EngineRequest:
       arrival_time: wall-clock seconds (time.time()) when the gateway received it.
       priority: "interactive" (default) or "batch": batch work is admitted only
         when no interactive request waits, and is preempted first.
-      cache_salt: scopes prefix-cache sharing (the tenant); requests share cached
-        pages only with requests of the same salt.
+      cache_salt: scopes prefix-cache sharing: requests share cached pages only
+        with requests of the same salt. Opaque to the engine (the gateway
+        derives it from the tenant and the request's own ``cache_salt``).
     """
 
     request_id: str

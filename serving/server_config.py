@@ -46,6 +46,7 @@ class ServerConfig:
     policy_blocklist: tuple[str, ...] = ()
     policy_blocklist_applies_to: tuple[str, ...] = ("input", "output")
     policy_plugins: tuple[str, ...] = ()
+    prefix_cache_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     otel_traces: bool = False
     log_text: bool = False
     mesh: str | None = None
@@ -64,6 +65,7 @@ class ServerConfig:
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "prefix_cache_groups", _groups(self.prefix_cache_groups))
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ServerConfig":
         """Returns a copy with the non-None overrides applied. Raises ValueError on unknown keys."""
@@ -72,6 +74,29 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"unknown server settings {sorted(unknown)}; known: {sorted(known)}")
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _groups(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``prefix_cache_groups`` ({group: [tenant, ...]}, or its pairs) as sorted hashable pairs.
+
+    Raises:
+      ValueError: not a mapping of names to lists of names.
+    """
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        items = [(group, tenants) for group, tenants in (items or ())]
+    except (TypeError, ValueError):
+        raise ValueError(f"prefix_cache_groups must map group names to lists of tenants, "
+                         f"got {value!r}") from None
+    pairs = []
+    for group, tenants in items:
+        if (not isinstance(group, str) or isinstance(tenants, str)
+                or not isinstance(tenants, (list, tuple)) or not tenants
+                or not all(isinstance(t, str) for t in tenants)):
+            raise ValueError(f"prefix_cache_groups: group {group!r} must name a non-empty list "
+                             f"of tenants, got {tenants!r}")
+        pairs.append((group, tuple(tenants)))
+    return tuple(sorted(pairs))
 
 
 def load_server_config(path: str | os.PathLike | None = None, **overrides) -> ServerConfig:

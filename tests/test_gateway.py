@@ -155,12 +155,15 @@ async def test_sampling_params_mapping(client, engine):
 
 
 async def test_priority_and_cache_salt_reach_the_engine(client, engine):
-    r = await client.post("/v1/completions", json={
-        "model": MODEL, "prompt": "x", "priority": "batch", "cache_salt": "tenant-a"})
-    assert r.status_code == 200, r.text
-    assert (engine.submitted[0].priority, engine.submitted[0].cache_salt) == ("batch", "tenant-a")
+    for salt in ("tenant-a", None, "tenant-a"):
+        r = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": "x", "priority": "batch", "cache_salt": salt})
+        assert r.status_code == 200, r.text
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-    assert (engine.submitted[1].priority, engine.submitted[1].cache_salt) == ("interactive", None)
+    assert [e.priority for e in engine.submitted] == ["batch"] * 3 + ["interactive"]
+    # The engine's salt is composed from the (anonymous) tenant and the client's salt.
+    a, none, a_again, absent = (e.cache_salt for e in engine.submitted)
+    assert a == a_again and none == absent and a != none and "tenant-a" not in a
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "priority": "urgent"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 

@@ -35,7 +35,8 @@ POSTGRES_URL = os.environ.get("XLASERVE_TEST_DATABASE_URL")
 MODEL = "tiny-random"
 # A KV pool of 23 usable pages (368 tokens) under a 512-token context window:
 # a request for more passes the gateway and is rejected by the engine (a failure).
-SERVER_ARGS = [*TINY_SERVER_ARGS, "--num-pages", "24"]
+# Tenants "lambda" and "mu" share prefix-cache pages; the others only their own.
+SERVER_ARGS = [*TINY_SERVER_ARGS, "--num-pages", "24", "--prefix-cache-group", "team=lambda,mu"]
 
 
 def _database_url(kind: str, tmp_path) -> str:
@@ -110,6 +111,9 @@ def gw(request, tmp_path_factory):
     keys["admin"], _ = store.create_key("ops", is_admin=True)
     store.set_tenant("zeta", models=["some-other-model"])
     keys["restricted"], _ = store.create_key("zeta")
+    keys["cache-a"], _ = store.create_key("kappa")
+    keys["cache-b"], _ = store.create_key("lambda")
+    keys["cache-c"], _ = store.create_key("mu")
     store.engine.dispose()
     with serve_process(SERVER_ARGS + ["--database-url", db_url], tmp / "server.log") as (proc, url, log):
         g = Gateway(url, db_url, proc, keys)
@@ -288,7 +292,21 @@ def test_request_trace(gw):
     assert gw.get("/v1/requests/nope").json()["error"]["code"] == "request_not_found"
 
 
-# ------------------------------------------------------------- KV pool
+# ------------------------------------------------------------- prefix cache, KV pool
+
+
+def test_prefix_cache_pages_are_shared_within_a_tenant_or_a_group_only(gw):
+    prompt = [2] + [(7 * i + 3) % 400 + 100 for i in range(159)]  # 160 tokens: 10 pages of 16
+
+    def cached_tokens(key: str) -> int:
+        r = gw.post(key, {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_tokens("cache-a") == 0
+    assert cached_tokens("cache-b") == 0  # another tenant does not see tenant a's pages
+    assert cached_tokens("cache-a") == 144  # tenant a does (9 full pages; the last token is recomputed)
+    assert cached_tokens("cache-c") == 144  # mu shares lambda's pages (group "team")
 
 
 def test_chat_without_max_tokens_gets_what_the_kv_pool_leaves(gw):

@@ -252,6 +252,19 @@ def test_serve_refuses_a_public_address_without_keys(tmp_path):
     open_gateway_services(load_server_config(host="::1", database_url=db)).close()
 
 
+def test_prefix_cache_salt_is_scoped_by_tenant_unless_grouped():
+    from serving.gateway.cache_scope import PrefixCacheScopes
+
+    scopes = PrefixCacheScopes({"team": ["b", "c"]})
+    salt = scopes.salt
+    assert salt("a", None) == salt("a", None) != salt("d", None)
+    assert salt("b", None) == salt("c", None) != salt("a", None)  # one group, one scope
+    assert salt("b", "x") == salt("c", "x") != salt("b", None)  # the client's salt splits further
+    assert salt("team", None) != salt("b", None)  # a tenant named like a group is not in it
+    with pytest.raises(ValueError, match="'b' is in two groups"):
+        PrefixCacheScopes({"team": ["b"], "other": ["b"]})
+
+
 # ------------------------------------------------------------- spans and logs
 
 

@@ -222,7 +222,9 @@ class OpenAIServing:
         self._check_context(served, len(prompt_ids), max_tokens, param)
         er = self._engine_request(request, served, id_prefix, prompt_ids,
                                   self._sampling(req, max_tokens, served.tokenizer),
-                                  priority=req.priority, cache_salt=req.cache_salt)
+                                  priority=req.priority,
+                                  cache_salt=self.services.cache_scopes.salt(principal.tenant,
+                                                                             req.cache_salt))
         rid, _ = request_id_of(request)
         try:
             meter = self.services.metering.admit(

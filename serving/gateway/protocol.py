@@ -57,7 +57,8 @@ class _SamplingRequest(_Request):
     # xlaserve extension: "batch" work is admitted only when no interactive
     # request waits, and is preempted first.
     priority: Literal["interactive", "batch"] = "interactive"
-    # vLLM extension: requests share prefix-cache pages only with the same salt.
+    # vLLM extension: requests share prefix-cache pages only with the same salt,
+    # within the caller's tenant (or tenant group; see cache_scope.py).
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("n")

@@ -9,10 +9,11 @@ one runs open and records nothing, for in-process use and unit tests.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from serving.gateway.api_keys import KeyStore
 from serving.gateway.auth import Authenticator
+from serving.gateway.cache_scope import PrefixCacheScopes
 from serving.gateway.ledger import Ledger
 from serving.gateway.metering import Metering
 from serving.gateway.metrics import GatewayMetrics
@@ -30,6 +31,8 @@ class GatewayServices:
       policies: content policy hooks.
       ledger: the request ledger (None: nothing recorded).
       log_text: whether logs may carry prompt and completion text.
+      cache_scopes: which tenants share prefix-cache pages (default: each
+        tenant only its own).
     """
 
     authenticator: Authenticator = dataclasses.field(default_factory=lambda: Authenticator(None))
@@ -38,27 +41,34 @@ class GatewayServices:
     policies: Policies = dataclasses.field(default_factory=Policies)
     ledger: Ledger | None = None
     log_text: bool = False
+    cache_scopes: PrefixCacheScopes = dataclasses.field(default_factory=PrefixCacheScopes)
 
     @classmethod
     def open_server(cls, database_url: str | None = None, prices_path: str | None = None,
                     blocklist: Sequence[str] = (), blocklist_applies_to: Sequence[str] = ("input", "output"),
                     policy_plugins: Sequence[str] = (), otel_traces: bool = False,
-                    log_text: bool = False) -> "GatewayServices":
+                    log_text: bool = False,
+                    prefix_cache_groups: Mapping[str, Sequence[str]] | None = None) -> "GatewayServices":
         """Opens the database (creating tables) and builds every service.
 
+        Args:
+          prefix_cache_groups: group name -> tenants that share prefix-cache
+            pages (see ``cache_scope.py``); the rest share only within a tenant.
+
         Raises:
-          ValueError: a bad price table or policy setting.
+          ValueError: a bad price table, policy setting or prefix-cache group.
           sqlalchemy.exc.SQLAlchemyError: the database cannot be opened.
         """
         from serving.gateway.database import open_database
 
+        cache_scopes = PrefixCacheScopes(prefix_cache_groups)  # before the database: fail fast
         db = open_database(database_url)
         ledger = Ledger(db)
         metering = Metering(ledger, load_price_table(prices_path), GatewayMetrics(), RateLimiter(),
                             RequestTracer(otel_traces))
         return cls(authenticator=Authenticator(KeyStore(db)), metering=metering,
                    policies=Policies.from_config(blocklist, blocklist_applies_to, policy_plugins),
-                   ledger=ledger, log_text=log_text)
+                   ledger=ledger, log_text=log_text, cache_scopes=cache_scopes)
 
     def close(self) -> None:
         if self.ledger is not None:
