@@ -51,7 +51,7 @@ class InstantEngine:
 
 
 class ByteTokenizer:
-    bos_id, eos_id, vocab_size, stop_token_ids = 1, 2, 259, (2,)
+    bos_id, eos_id, vocab_size, stop_token_ids, chat_stop_token_ids = 1, 2, 259, (2,), (2,)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         return ([1] if add_bos else []) + [3 + b for b in text.encode()]

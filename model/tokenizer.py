@@ -310,6 +310,12 @@ class Tokenizer:
         return (self.eos_id, self.end_of_turn_id)
 
     @property
+    def chat_stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a chat turn: ``stop_token_ids`` and ``start_of_turn_id``
+        (a model opening the next turn has ended its own; Gemma: (1, 106, 105))."""
+        return (*self.stop_token_ids, self.start_of_turn_id)
+
+    @property
     def serialized_model(self) -> bytes:
         """The SentencePiece ``.model`` bytes this tokenizer was loaded from."""
         return self._serialized

@@ -33,7 +33,8 @@ def build_request(tokenizer: TextTokenizer, prompt: str, *, chat: bool = False, 
         :class:`~serving.engine_client.SamplingParams`.
 
     Returns:
-      An EngineRequest with a fresh id, stopping at the tokenizer's stop tokens.
+      An EngineRequest with a fresh id, stopping at the tokenizer's stop tokens
+      (with `chat`, its chat stop tokens: the next turn's opening ends it too).
 
     Raises:
       ValueError: the chat template rejects the message.
@@ -46,7 +47,8 @@ def build_request(tokenizer: TextTokenizer, prompt: str, *, chat: bool = False, 
         request_id=uuid.uuid4().hex, prompt_ids=prompt_ids,
         sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed,
-                                stop_token_ids=tuple(tokenizer.stop_token_ids)),
+                                stop_token_ids=tuple(tokenizer.chat_stop_token_ids if chat
+                                                     else tokenizer.stop_token_ids)),
         arrival_time=time.time())
 
 

@@ -18,6 +18,12 @@ class TextTokenizer(Protocol):
     def stop_token_ids(self) -> tuple[int, ...]:
         """Ids that end generation (e.g. Gemma's <eos> and <end_of_turn>)."""
 
+    @property
+    def chat_stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation in a chat: ``stop_token_ids`` plus the chat
+        template's turn-opening control token(s) (Gemma's <start_of_turn>), so
+        a model that opens the next turn itself ends its own."""
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Encode user text; control-token spellings stay plain text."""
 

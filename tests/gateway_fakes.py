@@ -40,6 +40,10 @@ class FakeTokenizer:
     def stop_token_ids(self) -> tuple[int, ...]:
         return (EOS_ID, END_OF_TURN_ID)
 
+    @property
+    def chat_stop_token_ids(self) -> tuple[int, ...]:
+        return (EOS_ID, END_OF_TURN_ID, START_OF_TURN_ID)
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = [BYTE_OFFSET + b for b in text.encode("utf-8")]
         return [BOS_ID, *ids] if add_bos else ids

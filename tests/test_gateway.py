@@ -15,6 +15,7 @@ from tests.gateway_fakes import (
     BOS_ID,
     BYTE_OFFSET,
     END_OF_TURN_ID,
+    START_OF_TURN_ID,
     FakeEngine,
     FakeTokenizer,
 )
@@ -272,6 +273,25 @@ async def test_chat_streaming_with_usage(client, engine):
         "total_tokens": n_prompt + 12,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_ends_where_the_model_opens_the_next_turn(client, engine, stream):
+    engine.responder = lambda req: [*byte_ids("Done."), START_OF_TURN_ID, *byte_ids("user\nleak")]
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [e for e in parse_sse(r.text) if e != "[DONE]"]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        text, finish = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+    assert (text, finish) == ("Done.", "stop")
+    assert START_OF_TURN_ID in engine.submitted[0].sampling.stop_token_ids
+    # A completion is plain text: the turn-opening token does not end it.
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 10})
+    assert START_OF_TURN_ID not in engine.submitted[1].sampling.stop_token_ids
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 async def test_stop_token_ids_never_in_text(client, engine):

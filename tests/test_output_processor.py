@@ -328,6 +328,8 @@ async def test_generate_drops_stop_tokens_and_reports_engine_errors():
     engine = FakeEngine(text="Bonjour")
     req = build_request(TOK, "Salut", chat=True, max_tokens=32)
     assert req.prompt_ids[:2] == [BOS_ID, START_OF_TURN_ID]
+    assert req.sampling.stop_token_ids == TOK.chat_stop_token_ids  # the next turn's opening ends a chat
+    assert build_request(TOK, "x").sampling.stop_token_ids == TOK.stop_token_ids
     result = await generate_text(engine, TOK, req)
     assert (result.text, result.finish_reason, result.completion_tokens) == ("Bonjour", "stop", 8)
     with pytest.raises(GenerationError):

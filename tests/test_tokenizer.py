@@ -48,6 +48,7 @@ def test_special_ids(gemma_tokenizer):
         meta["bos_id"], meta["eos_id"], meta["pad_id"], meta["unk_id"])
     assert (tok.start_of_turn_id, tok.end_of_turn_id) == (105, 106)
     assert tok.stop_token_ids == (1, 106)
+    assert tok.chat_stop_token_ids == (1, 106, 105)  # a chat turn also ends where the next one opens
     assert tok.id_to_piece(105) == "<start_of_turn>"
     assert tok.id_to_piece(138) == "\u2581\u2581"  # whitespace run re-spelled with U+2581
     assert isinstance(tok, Tokenizer)
@@ -184,6 +185,7 @@ def test_tiny_layout(tiny_tokenizer):
     assert tok.start_of_turn_id < tok.vocab_size and tok.end_of_turn_id < tok.vocab_size
     assert tok.is_control(tok.start_of_turn_id) and tok.is_control(tok.end_of_turn_id)
     assert tok.stop_token_ids == (1, tok.end_of_turn_id)
+    assert tok.chat_stop_token_ids == (1, tok.end_of_turn_id, tok.start_of_turn_id)
     pieces = {tok.id_to_piece(i) for i in range(tok.vocab_size)}
     assert {f"<0x{b:02X}>" for b in range(256)} <= pieces
     assert {"\u2581", "\n", "<start_of_turn>", "<end_of_turn>"} <= pieces

@@ -125,13 +125,14 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest, max_tokens: int, tok: TextTokenizer
     ) -> SamplingParams:
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        chat = isinstance(req, ChatCompletionRequest)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_k=top_k,
             top_p=1.0 if req.top_p is None else float(req.top_p),
             seed=req.seed,
-            stop_token_ids=tuple(tok.stop_token_ids),
+            stop_token_ids=tuple(tok.chat_stop_token_ids if chat else tok.stop_token_ids),
             ignore_eos=req.ignore_eos,
         )
 
