@@ -265,6 +265,19 @@ def test_prefix_cache_salt_is_scoped_by_tenant_unless_grouped():
         PrefixCacheScopes({"team": ["b"], "other": ["b"]})
 
 
+def test_prefix_cache_groups_setting_and_flag_are_validated():
+    from serving.cli import _prefix_cache_groups
+    from serving.server_config import load_server_config
+
+    assert _prefix_cache_groups(["team=b, c", "team=d"]) == {"team": ["b", "c", "d"]}
+    with pytest.raises(ValueError, match="GROUP=TENANT"):
+        _prefix_cache_groups(["team"])
+    cfg = load_server_config(prefix_cache_groups={"team": ["b", "c"]})
+    assert cfg.prefix_cache_groups == (("team", ("b", "c")),)
+    with pytest.raises(ValueError, match="must name a non-empty list of tenants"):
+        load_server_config(prefix_cache_groups={"team": "b"})
+
+
 # ------------------------------------------------------------- spans and logs
 
 
