@@ -285,7 +285,8 @@ async def test_chat_ends_where_the_model_opens_the_next_turn(client, engine, str
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         finish = chunks[-1]["choices"][0]["finish_reason"]
     else:
-        text, finish = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+        choice = r.json()["choices"][0]
+        text, finish = choice["message"]["content"], choice["finish_reason"]
     assert (text, finish) == ("Done.", "stop")
     assert START_OF_TURN_ID in engine.submitted[0].sampling.stop_token_ids
     # A completion is plain text: the turn-opening token does not end it.
