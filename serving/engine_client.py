@@ -84,7 +84,9 @@ class TokenEvent:
       scheduled_time: wall-clock seconds when the request was first scheduled
         (its first prefill step), or None while it waits.
       num_preemptions: times the request was preempted (and recomputed).
-      error: a human-readable message when finish_reason == "error".
+      error: a human-readable message when finish_reason == "error", or when
+        the engine itself cancelled the request ("cancelled", e.g. its
+        consumer stopped reading).
     """
 
     request_id: str

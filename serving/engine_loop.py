@@ -18,6 +18,14 @@ An exception in a step fails the requests in that step, not the server.
 The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device or
 scheduler state: it hands requests to the thread through a queue and
 receives events through ``loop.call_soon_threadsafe``.
+
+Slow consumers: the thread never waits for a request's consumer (e.g. an HTTP
+client that stopped reading its stream). Each request's events wait for the
+consumer in a buffer of at most ``max_queued_events`` events; a token event
+that would pass that bound is dropped and the request cancelled instead (its
+pages freed within one step), and it ends with a "cancelled" event that says
+why. So a stalled consumer costs at most that many events of memory and
+stops costing compute at once.
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ from serving.step_plan import SamplingSettings, StepPlan
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_QUEUED_EVENTS = 1024
+"""Events (about one per token) a request's consumer may fall behind before the
+request is cancelled: the server's ``stream_buffer_events``."""
+
 
 @dataclasses.dataclass(eq=False)
 class _Sequence:
@@ -59,6 +71,7 @@ class _Sequence:
     sched: SchedRequest
     first_token_time: float | None = None
     scheduled_time: float | None = None
+    overflowed: bool = False  # the consumer fell max_queued_events behind (event-loop side only)
 
 
 class EngineLoop:
@@ -73,13 +86,22 @@ class EngineLoop:
       token_budget: most tokens computed per step (decode rows + prompt
         chunks); default: the prefill chunk plus one token per slot.
       enable_prefix_caching: reuse KV pages of identical prompt prefixes.
+      max_queued_events: most events of one request waiting for its consumer;
+        one more cancels the request (see the module docstring). None: no bound.
+
+    Raises:
+      ValueError: `max_queued_events` below 2 (a token event and the final one).
     """
 
     def __init__(self, engine: Engine, max_waiting: int = 256, max_waiting_tokens: int | None = None,
-                 token_budget: int | None = None, enable_prefix_caching: bool = True):
+                 token_budget: int | None = None, enable_prefix_caching: bool = True,
+                 max_queued_events: int | None = DEFAULT_MAX_QUEUED_EVENTS):
+        if max_queued_events is not None and max_queued_events < 2:
+            raise ValueError(f"max_queued_events must be >= 2, got {max_queued_events}")
         self.engine = engine
         self.cfg = cfg = engine.cfg
         self.max_waiting = max_waiting
+        self.max_queued_events = max_queued_events
         self.max_waiting_tokens = max_waiting_tokens or max_waiting * cfg.max_model_len
         self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -244,9 +266,27 @@ class EngineLoop:
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
             scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error)
         try:
-            seq.loop.call_soon_threadsafe(seq.events.put_nowait, ev)
+            seq.loop.call_soon_threadsafe(self._deliver, seq, ev)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             log.debug("request %s: event loop closed, event dropped", seq.req.request_id)
+
+    def _deliver(self, seq: _Sequence, ev: TokenEvent) -> None:
+        """Queues `ev` for the consumer (on the consumer's event loop): a token event
+        beyond ``max_queued_events`` is dropped and the request cancelled; the final
+        event of such a request says "cancelled" with the reason."""
+        bound = self.max_queued_events
+        if seq.overflowed:
+            if ev.finish_reason is None:
+                return  # generated before the cancel took effect: nobody will read it
+            ev = dataclasses.replace(ev, token_ids=(), finish_reason="cancelled", error=(
+                f"the consumer stopped reading: {bound} events were waiting for it "
+                f"(stream_buffer_events); the request was cancelled"))
+        elif bound is not None and ev.finish_reason is None and seq.events.qsize() >= bound - 1:
+            seq.overflowed = True  # the last place is kept for the final event
+            log.warning("request %s: %d events unread, cancelling", seq.req.request_id, bound - 1)
+            self._inbox.put(("cancel", seq.req.request_id))
+            return
+        seq.events.put_nowait(ev)
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None,
                 ids: tuple[int, ...] = ()) -> None:
