@@ -71,7 +71,8 @@ def build_engine(cfg, warmup: bool = True):
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
                     lockstep=lockstep_for(mesh), policy=policy)
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
-                      token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching)
+                      token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching,
+                      max_queued_events=cfg.stream_buffer_events)
     loop.start(warmup=warmup)
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
@@ -131,12 +132,14 @@ def _uvicorn_log_config() -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from serving.gateway.app import ServedModel, create_app
+    from serving.gateway.app import GatewayLimits, ServedModel, create_app
     from serving.server_config import load_server_config
     from serving.sharding_cli import join_processes, run_follower
 
     overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
-                                  "otel_traces", "database_url", "prices", "served_model_name"))
+                                  "otel_traces", "database_url", "prices", "served_model_name",
+                                  "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
+                                  "stream_write_timeout"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
@@ -146,9 +149,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         loop, tokenizer, name = build_engine(cfg)
         name = cfg.served_model_name or name
+        limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
+                               stream_write_timeout=cfg.stream_write_timeout)
         app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
                                              max_model_len=loop.max_model_len,
-                                             kv_capacity_tokens=loop.kv_capacity_tokens)}, services)
+                                             kv_capacity_tokens=loop.kv_capacity_tokens)}, services, limits)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         try:
             # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
@@ -265,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--prefix-cache-group", action="append", metavar="GROUP=TENANT,TENANT",
                        help="let these tenants share prefix-cache pages (repeatable; replaces the "
                        "config's prefix_cache_groups); by default each tenant shares only with itself")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="larger request bodies get 413 before they are read (default 4 MiB)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longer prompts (chat: all message contents) get 400 before tokenizing "
+                       "(default 1000000)")
+    serve.add_argument("--stream-buffer-events", type=int, default=None,
+                       help="events (~tokens) a stream may fall behind its client before the request "
+                       "is cancelled (default 1024)")
+    serve.add_argument("--stream-write-timeout", type=float, default=None,
+                       help="seconds a streaming client may leave a write unaccepted before its request "
+                       "is cancelled (default 30)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")

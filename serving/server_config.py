@@ -39,6 +39,10 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 1_000_000
+    stream_buffer_events: int = 1024
+    stream_write_timeout: float = 30.0
     served_model_name: str | None = None
     database_url: str | None = None
     prices: str | None = None

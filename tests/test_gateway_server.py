@@ -257,6 +257,16 @@ def test_failed_request_is_metered(gw):
     assert "KV-cache pages" in r.json()["error"]["message"]
 
 
+def test_a_body_over_max_request_bytes_gets_413_and_no_row(gw):
+    # 5 MiB against the default limit of 4 MiB: refused from its Content-Length, nothing admitted.
+    rid = uuid.uuid4().hex
+    r = gw.post("free", {"prompt": "x" * (5 * 1024 * 1024)}, rid=rid, expect=None)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large" and "4194304 bytes" in r.json()["error"]["message"]
+    assert rid not in gw.rows_by_rid()
+    assert gw.post("free", _completion(2)).status_code == 200
+
+
 def test_cancelled_stream_is_metered(gw):
     rid = uuid.uuid4().hex
     body = {"model": MODEL, **_completion(200, ignore_eos=True, stream=True)}

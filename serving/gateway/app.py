@@ -13,7 +13,9 @@ Routes:
 ``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
 it sent one: visible ASCII, at most 256 characters; otherwise a fresh id),
 which is also in every log line of the request, and, for callers with rate
-limits, OpenAI's ``x-ratelimit-*`` headers. Run with e.g.
+limits, OpenAI's ``x-ratelimit-*`` headers. A request body over
+``limits.max_request_bytes`` gets 413 before it is read (``body_limit.py``).
+Run with e.g.
 ``uvicorn.run(create_app({...}))``. Nothing here imports JAX.
 """
 
@@ -32,8 +34,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.api_keys import Principal
+from serving.gateway.body_limit import RequestBodyLimitMiddleware
 from serving.gateway.errors import OpenAIError, install_error_handlers
 from serving.gateway.ledger import GROUP_BY
+from serving.gateway.limits import GatewayLimits
 from serving.gateway.log_context import request_id_var
 from serving.gateway.metrics import EngineStatsCollector
 from serving.gateway.openai_serving import OpenAIServing
@@ -46,7 +50,7 @@ from serving.gateway.request_scope import (
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
 
-__all__ = ["ServedModel", "GatewayServices", "create_app", "RequestIdMiddleware"]
+__all__ = ["ServedModel", "GatewayServices", "GatewayLimits", "create_app", "RequestIdMiddleware"]
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -126,12 +130,15 @@ def _parse_time(value: str | None, name: str) -> float | None:
     return dt.timestamp()
 
 
-def create_app(models: Mapping[str, ServedModel], services: GatewayServices | None = None) -> FastAPI:
+def create_app(models: Mapping[str, ServedModel], services: GatewayServices | None = None,
+               limits: GatewayLimits | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
       models: the served models, keyed by the name clients pass as ``model``.
       services: auth, metering and policies (default: open, nothing recorded).
+      limits: request size, prompt length, stream write timeout, tokenizer
+        threads (default: :class:`GatewayLimits`'s defaults).
 
     Returns:
       A FastAPI (ASGI) app.
@@ -142,9 +149,12 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     if not models:
         raise ValueError("create_app needs at least one served model")
     services = services or GatewayServices()
-    serving = OpenAIServing(models, services)
+    limits = limits or GatewayLimits()
+    serving = OpenAIServing(models, services, limits)
     app = FastAPI(title="xlaserve", summary="OpenAI-compatible LLM serving on JAX/XLA")
     install_error_handlers(app)
+    # Inside the request-id middleware, so a 413 carries X-Request-ID too.
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: also tags 500s
     app.state.serving = serving
     app.state.services = services

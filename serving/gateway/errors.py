@@ -7,6 +7,7 @@ Every error body is ``{"error": {"message", "type", "param", "code"}}``:
 * missing or unknown API key -> 401; revoked key or a model the tenant may
   not use -> 403;
 * unknown model -> 404 ``model_not_found``;
+* a request body over the size limit -> 413 ``request_too_large``;
 * over a rate limit -> 429 with ``Retry-After`` and ``x-ratelimit-*`` headers;
 * prompt + max_tokens beyond the context window, or a chat prompt that
   leaves no room for a completion in the context window or the KV cache ->
@@ -39,6 +40,8 @@ RETRY_AFTER_S = 1
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+REQUEST_TOO_LARGE = "request_too_large"
+"""The ``code`` of a 413 (request body over the server's ``max_request_bytes``)."""
 
 
 def error_response(
@@ -233,7 +236,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
-    code = "not_found" if exc.status_code == 404 else None
+    code = {404: "not_found", 413: REQUEST_TOO_LARGE}.get(exc.status_code)
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     if exc.status_code == 404:
         detail = f"Not found: {request.method} {request.url.path}"

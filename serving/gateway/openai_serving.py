@@ -1,7 +1,8 @@
 """OpenAI completions and chat completions on top of an :class:`EngineClient`.
 
-Per request: validate -> tokenize (``encode(prompt, add_bos=True)`` or the chat
-template) -> check the context window -> rate limits and metering -> input
+Per request: validate -> check the prompt's length (``max_prompt_chars``) ->
+tokenize (``encode(prompt, add_bos=True)`` or the chat template, in a worker
+thread: ``prompts.py``) -> check the context window -> rate limits and metering -> input
 policy -> submit -> text from the output pipeline
 (:class:`~serving.gateway.generation.MeteredGeneration` over
 :class:`~serving.output_processor.TextGeneration`: stop tokens, stop strings,
@@ -11,7 +12,9 @@ while streaming or not, cancels its engine request.
 The first engine event is awaited before the response starts, so admission
 errors (overloaded: 503, rejected: 400) get a proper HTTP status even when
 streaming. Errors after streaming has started are sent as an SSE ``data:
-{"error": ...}`` event followed by ``data: [DONE]``.
+{"error": ...}`` event followed by ``data: [DONE]``. A streaming client that
+stops reading is cut off after ``stream_write_timeout`` seconds: its engine
+request is cancelled and it is metered as cancelled ("client not reading").
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from serving.gateway.errors import (
     rate_limited,
 )
 from serving.gateway.generation import MeteredGeneration
+from serving.gateway.limits import GatewayLimits
 from serving.gateway.policy import PolicyViolation
+from serving.gateway.prompts import PromptWorkers
 from serving.gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -94,11 +99,16 @@ class OpenAIServing:
     Args:
       models: served models by the name clients pass as ``model``.
       services: auth, metering and policies (default: open, nothing recorded).
+      limits: prompt length, stream write timeout, tokenizer threads (default:
+        :class:`GatewayLimits`'s defaults).
     """
 
-    def __init__(self, models: Mapping[str, ServedModel], services: GatewayServices | None = None) -> None:
+    def __init__(self, models: Mapping[str, ServedModel], services: GatewayServices | None = None,
+                 limits: GatewayLimits | None = None) -> None:
         self.models = dict(models)
         self.services = services or GatewayServices()
+        self.limits = limits or GatewayLimits()
+        self.prompts = PromptWorkers(self.limits.max_prompt_chars, self.limits.tokenizer_threads)
 
     def model(self, name: str, principal: Principal = ANONYMOUS) -> ServedModel:
         """The served model called `name`, if `principal` may use it.
@@ -180,25 +190,14 @@ class OpenAIServing:
         arrival = time.time()
         req = CompletionRequest.model_validate(await _read_json(request))
         served = self.model(req.model, principal)
-        tok = served.tokenizer
-        if isinstance(req.prompt, str):
-            prompt_ids = tok.encode(req.prompt, add_bos=True)
-            texts = [req.prompt]
-        else:
-            prompt_ids = list(req.prompt)
-            bad = next((t for t in prompt_ids if not 0 <= t < tok.vocab_size), None)
-            if bad is not None:
-                raise OpenAIError(
-                    f"Token id {bad} in 'prompt' is outside the vocabulary [0, {tok.vocab_size}).",
-                    param="prompt",
-                )
-            texts = [tok.decode(prompt_ids)] if self.services.policies.input_policies else []
+        prompt_ids, texts = await self.prompts.completion(
+            served.tokenizer, req.prompt, decode=bool(self.services.policies.input_policies))
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         gen = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
                                 max_tokens, "prompt", texts)
         created = int(time.time())
         if req.stream:
-            return event_stream_response(self._completion_stream(gen, req, created))
+            return self._stream_response(gen, self._completion_stream(gen, req, created))
         text = await self._collect(request, gen)
         body = CompletionResponse(
             id=gen.id,
@@ -264,6 +263,20 @@ class OpenAIServing:
         await gen.settle("ok")
         self._log_done(gen, text)
         return text
+
+    def _stream_response(self, gen: MeteredGeneration, body: AsyncIterator[str]) -> Response:
+        """The SSE response for `body`; a client that does not accept a write within
+        ``stream_write_timeout`` seconds has its engine request cancelled and is
+        metered as cancelled, with the reason."""
+
+        async def client_not_reading(timeout: float) -> None:
+            logger.warning("request %s: client not reading, stream write timed out after %g s; "
+                           "cancelling", gen.id, timeout)
+            await gen.abort()
+            await gen.settle("cancelled", f"client not reading: stream write timed out after {timeout:g} s")
+
+        return event_stream_response(body, write_timeout=self.limits.stream_write_timeout,
+                                     on_write_timeout=client_not_reading)
 
     def _completion_stream(
         self, gen: MeteredGeneration, req: CompletionRequest, created: int
@@ -331,9 +344,8 @@ class OpenAIServing:
         arrival = time.time()
         req = ChatCompletionRequest.model_validate(await _read_json(request))
         served = self.model(req.model, principal)
-        tok = served.tokenizer
         try:
-            prompt_ids = list(tok.apply_chat_template([m.to_template() for m in req.messages]))
+            prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template() for m in req.messages])
         except ValueError as e:
             raise OpenAIError(f"Invalid 'messages': {e}", param="messages") from None
         max_tokens = req.requested_max_tokens
@@ -347,7 +359,7 @@ class OpenAIServing:
                                 max_tokens, "messages", texts)
         created = int(time.time())
         if req.stream:
-            return event_stream_response(self._chat_stream(gen, req, created))
+            return self._stream_response(gen, self._chat_stream(gen, req, created))
         text = await self._collect(request, gen)
         body = ChatCompletionResponse(
             id=gen.id,

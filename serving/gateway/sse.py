@@ -3,13 +3,13 @@
 Each event is ``data: <compact JSON>\\n\\n``; a stream ends with
 ``data: [DONE]\\n\\n`` (OpenAI's convention). :func:`event_stream_response`
 wraps an async iterator of such events in a response that cancels its work
-when the client disconnects.
+when the client disconnects or stops reading.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 
@@ -33,11 +33,16 @@ def sse_chunk(chunk: Any, include_usage: bool) -> str:
     return sse_event(d)
 
 
-def event_stream_response(body: AsyncIterator[str]) -> Response:
+def event_stream_response(body: AsyncIterator[str], write_timeout: float | None = None,
+                          on_write_timeout: Callable[[float], Awaitable[None]] | None = None) -> Response:
     """A ``text/event-stream`` response streaming `body` (SSE events, str),
-    unbuffered, closing `body` when the client disconnects."""
+    unbuffered, closing `body` when the client disconnects, or when a write
+    does not complete within `write_timeout` seconds (after awaiting
+    ``on_write_timeout(write_timeout)``); see :class:`CancellingStreamingResponse`."""
     return CancellingStreamingResponse(
         body,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        write_timeout=write_timeout,
+        on_write_timeout=on_write_timeout,
     )

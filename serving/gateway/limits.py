@@ -1,0 +1,65 @@
+"""The gateway's request limits: body size, prompt length, stalled streams, tokenizer threads.
+
+Each bounds the work or memory one request can cost the server before the
+engine sees it:
+
+* ``max_request_bytes``: a larger request body is refused with 413 before it
+  is read (``body_limit.py``);
+* ``max_prompt_chars``: a longer prompt (a completion's ``prompt``, the total
+  of a chat's message contents) is refused with 400 before it is tokenized;
+* ``stream_write_timeout``: a streamed response whose client does not accept
+  a write within this many seconds is ended, its engine request cancelled and
+  metered (``disconnect.py``);
+* ``tokenizer_threads``: prompts are tokenized, rendered and decoded in at
+  most this many worker threads at once (``prompts.py``), never on the event
+  loop.
+
+The per-stream buffer between the engine and the HTTP writer is bounded by
+the engine loop (``EngineLoop(max_queued_events=...)``, the server's
+``stream_buffer_events``). ``ServerConfig`` and ``configs/server.yaml`` carry
+the same defaults as this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+"""4 MiB: far above any prompt that fits a context window, far below what stalls a server."""
+
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
+"""About half a second of SentencePiece work in a worker thread (Gemma's vocabulary)."""
+
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
+
+DEFAULT_TOKENIZER_THREADS = 4
+"""Enough that one large prompt does not hold up small ones; SentencePiece releases
+the GIL, so the threads run in parallel up to the number of cores."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayLimits:
+    """Per-request limits of the gateway (see the module docstring).
+
+    Attributes:
+      max_request_bytes: largest request body in bytes; None: unlimited.
+      max_prompt_chars: largest prompt in characters (Unicode code points);
+        None: unlimited.
+      stream_write_timeout: seconds one write of a streamed response may take;
+        None: no timeout.
+      tokenizer_threads: worker threads for tokenization (>= 1).
+
+    Raises:
+      ValueError: a limit that is not positive.
+    """
+
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
+    max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS
+    stream_write_timeout: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_prompt_chars", "stream_write_timeout", "tokenizer_threads"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
