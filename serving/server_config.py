@@ -64,6 +64,11 @@ class ServerConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
+        for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if not self.stream_write_timeout > 0:
+            raise ValueError(f"stream_write_timeout must be positive, got {self.stream_write_timeout!r}")
         for name in ("policy_blocklist", "policy_blocklist_applies_to", "policy_plugins"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):

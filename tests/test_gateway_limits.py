@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import pytest
 
 from serving.gateway.app import GatewayLimits, ServedModel, create_app
