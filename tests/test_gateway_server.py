@@ -141,6 +141,10 @@ def test_auth_errors(gw):
     r = gw.post("restricted", _completion(), expect=None)
     assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
     assert gw.get("/v1/models", key="restricted").json()["data"] == []
+    r = gw.get(f"/v1/models/{MODEL}", key="restricted")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert gw.get(f"/v1/models/{MODEL}", key="free").json()["id"] == MODEL
+    assert httpx.get(f"{gw.url}/v1/models/{MODEL}", timeout=10).status_code == 401
 
 
 def test_revoked_key_fails(gw):

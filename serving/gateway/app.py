@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP app.
 
 Routes:
-  POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-  GET /v1/models (OpenAI list shape),
+  POST /v1/completions, POST /v1/chat/completions (JSON or SSE; the body must
+    be sent as ``application/json``, else 415),
+  GET /v1/models (OpenAI list shape), GET /v1/models/{id} (one model; ids may
+    contain '/'; 404 for a model the caller may not use, as the list hides it),
   GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status (the caller's
     tenant; admin keys see every tenant, or one with ``tenant=``),
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
   GET /metrics (Prometheus text format), GET /health (200 when every engine
-  is ready, else 503).
+  is ready, else 503),
+  GET /openapi.json (request and response schemas of every route, errors
+  included; see ``openapi.py``).
 
 ``/v1`` routes need ``Authorization: Bearer KEY`` once keys exist (see
 ``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
@@ -30,18 +34,33 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import MutableHeaders
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.api_keys import Principal
 from serving.gateway.body_limit import RequestBodyLimitMiddleware
-from serving.gateway.errors import OpenAIError, install_error_handlers
+from serving.gateway.errors import OpenAIError, install_error_handlers, model_not_found
 from serving.gateway.ledger import GROUP_BY
 from serving.gateway.limits import GatewayLimits
 from serving.gateway.log_context import request_id_var
 from serving.gateway.metrics import EngineStatsCollector
 from serving.gateway.openai_serving import OpenAIServing
-from serving.gateway.protocol import ModelCard, ModelList
+from serving.gateway.openapi import (
+    error_responses,
+    install_openapi,
+    json_or_stream_responses,
+    json_request_body,
+)
+from serving.gateway.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+)
 from serving.gateway.request_scope import (
     RATE_LIMIT_HEADERS_SCOPE_KEY,
     REQUEST_ID_GIVEN_SCOPE_KEY,
@@ -169,21 +188,38 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
             request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = headers
         return p
 
-    @app.post("/v1/completions")
+    generation_errors = error_responses(400, 401, 403, 404, 413, 415, 429, 503)
+
+    @app.post("/v1/completions", openapi_extra=json_request_body(CompletionRequest),
+              responses={**json_or_stream_responses(CompletionResponse, CompletionResponse),
+                         **generation_errors})
     async def completions(request: Request, caller: Principal = Depends(principal)) -> Response:
         return await serving.create_completion(request, caller)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_request_body(ChatCompletionRequest),
+              responses={**json_or_stream_responses(ChatCompletionResponse, ChatCompletionChunk),
+                         **generation_errors})
     async def chat_completions(request: Request, caller: Principal = Depends(principal)) -> Response:
         return await serving.create_chat_completion(request, caller)
 
-    @app.get("/v1/models")
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest],
+                    stream_models=[CompletionResponse, ChatCompletionChunk])
+
+    def card(name: str) -> ModelCard:
+        m = serving.models[name]
+        return ModelCard(id=name, created=m.created, max_model_len=m.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403, 413))
     async def list_models(caller: Principal = Depends(principal)) -> Response:
-        cards = [
-            ModelCard(id=name, created=m.created, max_model_len=m.max_model_len)
-            for name, m in serving.models.items() if caller.may_use(name)
-        ]
+        cards = [card(name) for name in serving.models if caller.may_use(name)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses=error_responses(401, 403, 404, 413))
+    async def retrieve_model(model_id: str, caller: Principal = Depends(principal)) -> Response:
+        if model_id not in serving.models or not caller.may_use(model_id):
+            raise model_not_found(model_id)
+        return JSONResponse(card(model_id).model_dump(mode="json"))
 
     def _tenant_scope(caller: Principal, tenant: str | None) -> str | None:
         if caller.is_admin:
@@ -193,7 +229,11 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
                               param="tenant", code="forbidden")
         return caller.tenant
 
-    @app.get("/v1/usage")
+    @app.get("/v1/usage", responses={
+        200: {"description": "Usage rows grouped by `group_by`, and their totals.",
+              "content": {"application/json": {"schema": {
+                  "type": "object", "required": ["object", "group_by", "data", "totals"]}}}},
+        **error_responses(400, 401, 403, 404, 413)})
     async def usage(start: str | None = None, end: str | None = None, group_by: str = "model",
                     tenant: str | None = None, caller: Principal = Depends(principal)) -> Response:
         if group_by not in GROUP_BY:
@@ -211,7 +251,11 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
         return JSONResponse({"object": "list", "group_by": group_by, "start": t0, "end": t1,
                              "tenant": scope, "data": rows, "totals": totals})
 
-    @app.get("/v1/requests/{request_id}")
+    @app.get("/v1/requests/{request_id}", responses={
+        200: {"description": "The request's ledger row and trace.",
+              "content": {"application/json": {"schema": {
+                  "type": "object", "required": ["object", "id", "status", "usage", "events"]}}}},
+        **error_responses(401, 403, 404, 413)})
     async def request_trace(request_id: str, caller: Principal = Depends(principal)) -> Response:
         if services.ledger is None:
             raise OpenAIError("This server keeps no request ledger.", status_code=404, code="no_ledger")
@@ -222,11 +266,13 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
                               param="request_id", code="request_not_found")
         return JSONResponse(_trace_body(row))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text format."}})
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses={
+        503: {"model": HealthStatus, "description": "Some engine is not ready."}})
     async def health() -> Response:
         not_ready = []
         for name, m in serving.models.items():

@@ -3,7 +3,9 @@
 Every error body is ``{"error": {"message", "type", "param", "code"}}``:
 
 * malformed JSON, validation errors, unsupported features -> 400
-  ``invalid_request_error`` (never FastAPI's default 422);
+  ``invalid_request_error`` (never FastAPI's default 422); ``param`` names
+  the field (a model-level error names it in ``ctx["field"]``);
+* a POST body not sent as ``application/json`` -> 415 ``unsupported_media_type``;
 * missing or unknown API key -> 401; revoked key or a model the tenant may
   not use -> 403;
 * unknown model -> 404 ``model_not_found``;
@@ -53,7 +55,12 @@ def error_response(
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
-    """An OpenAI-shaped error ``JSONResponse``."""
+    """An OpenAI-shaped error ``JSONResponse``.
+
+    Lone surrogates that a message quotes from the request are escaped
+    (``\\ud800``), so that the body can always be encoded as UTF-8.
+    """
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status_code, headers=dict(headers or {}))
 
@@ -206,10 +213,15 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, str | N
         return "Invalid request.", None
     err = errors[0]
     loc = tuple(p for p in err.get("loc", ()) if p != "body")
+    ctx = err.get("ctx") or {}
+    if "field" in ctx:  # a model-level error about one field
+        loc += (ctx["field"],)
     param = _loc_str(loc) or None
     kind = err.get("type", "")
     if kind == "missing":
         msg = f"Missing required parameter: '{param}'."
+    elif "field" in ctx:
+        msg = err["msg"]
     elif kind == "value_error" and "error" in err.get("ctx", {}):
         msg = str(err["ctx"]["error"])
         if param and f"'{param}'" not in msg:
@@ -217,11 +229,16 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, str | N
     else:
         msg = err.get("msg", "invalid value")
         value = err.get("input")
-        got = f" (got {value!r})" if isinstance(value, (int, float, str, bool)) else ""
+        got = f" (got {_short_repr(value)})" if isinstance(value, (int, float, str, bool)) else ""
         msg = f"Invalid '{param}': {msg}{got}." if param else f"Invalid request body: {msg}."
     if len(errors) > 1:
         msg += f" ({len(errors) - 1} more error(s))"
     return msg, param
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> Response:

@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from email.message import Message
 from typing import Any, AsyncIterator, Mapping
 
 from starlette.requests import Request
@@ -75,19 +76,51 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 async def _read_json(request: Request) -> Any:
-    """The parsed JSON body.
+    """The parsed JSON body of a request that says it is JSON.
 
     Raises:
-      OpenAIError: 400 ``invalid_json`` for a malformed or non-UTF-8 body.
+      OpenAIError: 415 ``unsupported_media_type`` unless the Content-Type is
+        ``application/json`` (in UTF-8); 400 ``invalid_json`` for a malformed
+        or non-UTF-8 body, a constant JSON does not have (NaN, Infinity), an
+        integer beyond Python's digit limit or nesting too deep to parse.
     """
+    require_json_content_type(request.headers.get("content-type"))
     body = await request.body()
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         detail = f"{e.msg} at line {e.lineno} column {e.colno}"
     except UnicodeDecodeError as e:
         detail = str(e)
+    except RecursionError:
+        detail = "nested too deeply"
+    except ValueError as e:  # NaN or Infinity; an integer beyond the digit limit
+        detail = str(e).split(";")[0]
     raise OpenAIError(f"The request body is not valid JSON ({detail}).", code="invalid_json")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def require_json_content_type(content_type: str | None) -> None:
+    """Accepts ``application/json`` with no charset or UTF-8 (any case).
+
+    Requiring it keeps web pages from posting here: a browser sends a
+    cross-site ``text/plain`` or form POST without asking (no CORS preflight),
+    but not an ``application/json`` one.
+
+    Raises:
+      OpenAIError: 415 ``unsupported_media_type`` otherwise.
+    """
+    header = Message()
+    header["content-type"] = content_type or ""
+    charset = (header.get_content_charset() or "utf-8").lower()
+    if (not content_type or header.get_content_type() != "application/json"
+            or charset not in ("utf-8", "utf8")):
+        raise OpenAIError(
+            f"Content-Type must be 'application/json' (UTF-8); got {content_type!r}.",
+            status_code=415, code="unsupported_media_type")
 
 
 # --------------------------------------------------------------- serving
@@ -134,7 +167,8 @@ class OpenAIServing:
     def _sampling(
         req: CompletionRequest | ChatCompletionRequest, max_tokens: int, tok: TextTokenizer
     ) -> SamplingParams:
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        # 0 disables top-k, and so does any k that keeps the whole vocabulary.
+        top_k = req.top_k if req.top_k is not None and 0 < req.top_k < tok.vocab_size else 0
         chat = isinstance(req, ChatCompletionRequest)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -192,7 +226,9 @@ class OpenAIServing:
         served = self.model(req.model, principal)
         prompt_ids, texts = await self.prompts.completion(
             served.tokenizer, req.prompt, decode=bool(self.services.policies.input_policies))
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
         gen = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
                                 max_tokens, "prompt", texts)
         created = int(time.time())

@@ -1,31 +1,103 @@
 """Pydantic models for the OpenAI-compatible API (requests, responses, errors).
 
-Requests follow OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], ...).
-Unknown fields (``user``, ``metadata``, ...) are ignored; fields that would
-change the output but are not implemented here (logprobs, echo, best_of > 1,
-tools, non-text response formats, penalties, n > 1) fail validation with a
-message naming the field, so a client never silently gets something other than
-what it asked for. Validation errors become HTTP 400 (see ``errors.py``).
+Requests follow OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], ...);
+integers are bounded (``max_tokens`` and ``top_k`` to int32, ``seed`` to
+[-2**63, 2**64), which the engine takes modulo 2**32). ``null`` means absent
+for every field (OpenAI's rule). Strings must be valid Unicode: one holding a
+lone UTF-16 surrogate (JSON ``"\\ud800"``) is refused. Unknown fields (``user``,
+``metadata``, ...) are ignored; fields that would change the output but are not
+implemented here (logprobs, echo, best_of > 1, tools, non-text response
+formats, penalties, n > 1, and the vLLM/OpenAI extensions listed in
+``unsupported_fields.py``) fail validation with a message naming the field, so
+a client never silently gets something other than what it asked for.
+Validation errors become HTTP 400 (see ``errors.py``): an error that names its
+field in ``ctx["field"]`` has that field appended to its location.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    WithJsonSchema,
     field_validator,
     model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from serving.gateway.unsupported_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    STREAM_OPTION_FIELDS,
+    Unsupported,
+    first_unsupported,
 )
 
 MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1
+"""Upper bound of ``max_tokens``, ``max_completion_tokens`` and ``top_k``."""
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(s: str) -> str:
+    """`s` unchanged.
+
+    Raises:
+      ValueError: `s` holds a lone UTF-16 surrogate (JSON allows ``"\\ud800"``,
+        but no tokenizer or UTF-8 encoder can take it).
+    """
+    if not s.isascii() and (m := _SURROGATE.search(s)):
+        raise ValueError(
+            f"the text holds a lone UTF-16 surrogate (U+{ord(m.group()):04X} at character "
+            f"{m.start()}), which is not valid Unicode.")
+    return s
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+"""A request string: valid Unicode (no lone surrogates)."""
+
+_SCHEMA_META = ("title", "description", "default", "examples", "deprecated")
+
+
+def _nullable_optionals(schema: dict[str, Any], cls: type) -> None:
+    """JSON schema hook: optional properties also accept ``null`` (null means absent)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _allows_null(prop):
+            continue
+        meta = {k: prop.pop(k) for k in _SCHEMA_META if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(_allows_null(p) for p in prop.get("anyOf", ()))
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request object: unknown fields ignored, ``null`` treated as absent, and
+    the fields of ``unsupported_fields`` refused unless neutral."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_nullable_optionals)
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_absent_and_unsupported_refused(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        name = first_unsupported(data, cls.unsupported_fields)
+        if name is not None:
+            raise PydanticCustomError("unsupported_parameter", cls.unsupported_fields[name].refusal(name),
+                                      {"field": name})
+        return data
 
 
 # --------------------------------------------------------------- requests
@@ -34,19 +106,26 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     """``stream_options``: ``include_usage`` adds a final usage-only chunk."""
 
+    unsupported_fields = STREAM_OPTION_FIELDS
     include_usage: bool = False
 
 
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    model: Text
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    # Newer name of max_tokens; takes precedence over it.
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM extension; 0 or -1 disable
+    # vLLM extension; 0 or -1 disable, and so does a value >= the vocabulary size.
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     n: int | None = 1
-    stop: list[str] | None = None
+    stop: Annotated[list[Text] | None, WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"}]})] = None
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,7 +138,7 @@ class _SamplingRequest(_Request):
     priority: Literal["interactive", "batch"] = "interactive"
     # vLLM extension: requests share prefix-cache pages only with the same salt,
     # within the caller's tenant (or tenant group; see cache_scope.py).
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("n")
     @classmethod
@@ -95,6 +174,21 @@ class _SamplingRequest(_Request):
             raise ValueError("'logit_bias' is not supported by this server.")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "'stream_options' is only allowed when 'stream' is true.", {"field": "stream_options"})
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` or ``max_tokens``, None when neither is set."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
     @property
     def stop_strings(self) -> list[str]:
         """The stop strings as a list ([] when none)."""
@@ -111,20 +205,27 @@ class CompletionRequest(_SamplingRequest):
 
     ``prompt`` is normalized to either a string or a list of token ids; a
     one-element list of either is unwrapped, several prompts are rejected.
-    ``max_tokens`` defaults (in the serving layer) to 16, as in OpenAI's API.
+    ``max_completion_tokens`` or ``max_tokens`` default (in the serving layer)
+    to 16, as in OpenAI's API.
     """
 
-    prompt: str | list[int]
-    logprobs: int | None = None
+    unsupported_fields = COMPLETION_FIELDS
+    prompt: Annotated[str | list[int], WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [
+            {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1}]}},
+    ]})]
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return v
+            return valid_unicode(v)
         if isinstance(v, list):
             if not v:
                 raise ValueError("'prompt' must not be an empty list.")
@@ -173,8 +274,13 @@ _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assis
 class ChatMessage(_Request):
     """One chat message; text content only (a list of text parts is joined with "\\n")."""
 
-    role: str
-    content: str | None = None
+    role: Annotated[str, WithJsonSchema({"type": "string", "enum": [*_CHAT_ROLES]})]
+    content: Annotated[Text | None, WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
+        {"type": "null"}]})] = None
     tool_calls: list[Any] | None = None
 
     @field_validator("role")
@@ -183,7 +289,7 @@ class ChatMessage(_Request):
         if v in ("tool", "function"):
             raise ValueError(f"Role '{v}' is not supported (tools are not supported by this server).")
         if v not in _CHAT_ROLES:
-            raise ValueError(f"Unknown role '{v}'; expected one of system, developer, user, assistant.")
+            raise ValueError(f"Unknown role {v!r}; expected one of system, developer, user, assistant.")
         return v
 
     @field_validator("content", mode="before")
@@ -223,10 +329,10 @@ class ChatCompletionRequest(_SamplingRequest):
     context window and of the KV cache.
     """
 
+    unsupported_fields = CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -269,13 +375,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 f"'response_format' type {v.get('type')!r} is not supported; only 'text' is."
             )
         return v
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        """``max_completion_tokens`` or ``max_tokens``, None when neither is set."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
 
 
 # -------------------------------------------------------------- responses
@@ -399,6 +498,13 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    """``GET /health`` body: ``{"status": "ok"}`` (200) or, with 503, the models not ready."""
+
+    status: Literal["ok", "unavailable"]
+    not_ready: list[str] | None = None
 
 
 class ErrorDetail(BaseModel):
