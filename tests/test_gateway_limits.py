@@ -12,7 +12,7 @@ from serving.gateway.app import GatewayLimits, ServedModel, create_app
 from serving.gateway.policy import Policies
 from serving.gateway.services import GatewayServices
 from tests.gateway_fakes import BOS_ID, FakeEngine, FakeTokenizer
-from tests.test_gateway import MODEL, assert_openai_error, byte_ids, client_for
+from tests.gateway_harness import MODEL, assert_openai_error, byte_ids, client_for
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ from serving.gateway.unsupported_fields import (
     STREAM_OPTION_FIELDS,
 )
 from tests.gateway_fakes import VOCAB_SIZE, FakeEngine, FakeTokenizer
-from tests.test_gateway import (
+from tests.gateway_harness import (
     CHAT,
     MODEL,
     assert_openai_error,

@@ -19,7 +19,7 @@ from serving.gateway.pricing import PriceTable, load_price_table
 from serving.gateway.rate_limit import RateLimited, RateLimiter, format_duration
 from serving.gateway.services import GatewayServices
 from tests.gateway_fakes import FakeEngine, FakeTokenizer
-from tests.test_gateway import parse_sse
+from tests.gateway_harness import parse_sse
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny"
