@@ -330,6 +330,21 @@ def test_gemma3s_own_template_gives_our_gemma_ids():
         served.apply_chat_template([{"role": "user", "content": "a"}] * 2)
 
 
+def test_serve_wires_the_override(tmp_path):
+    from serving.cli import _SETTINGS
+    from serving.server_config import load_server_config
+    from serving.sharding_cli import with_chat_template
+
+    assert "chat_template" in [name for name, _, _ in _SETTINGS]  # --chat-template on serve and generate
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    cfg = load_server_config(chat_template=str(path))
+    tok = GemmaTokenizer.tiny()
+    assert with_chat_template(tok, None) is tok
+    served = with_chat_template(tok, cfg.chat_template)
+    assert served.apply_chat_template([{"role": "user", "content": "<bos>"}]) == [tok.bos_id, *tok.encode("<bos>")]
+
+
 def test_the_known_difference_a_merge_across_a_text_markup_boundary():
     """transformers encodes the rendered string whole, so a BPE merge may span a message's last
     character and the markup after it; we encode them apart. Same text, other ids."""
