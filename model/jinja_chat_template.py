@@ -168,7 +168,7 @@ _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, Attr
                   ArithmeticError)
 
 # Fields of a message that carry its text (rendered as text, never as markup), and the
-# reasoning fields transformers fills from one another (``_alias_reasoning``).
+# reasoning fields transformers fills from one another (``_normalize``).
 _TEXT_FIELDS = ("content", "reasoning_content", "thinking", "reasoning")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -265,9 +265,10 @@ class JinjaChatTemplate:
 
         Raises:
           ValueError: as :meth:`render`; a string rendered as markup that holds
-            control-token text (a message field other than ``content``, a tool
-            description); a message holding control-token text that the
-            template rewrites (see the module docstring).
+            control-token text (a message field other than its texts, a tool
+            description, a document); control-token text in a message when
+            the template rewrites message texts beyond trimming (see the
+            module docstring).
         """
         reference = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                 **kwargs)
@@ -290,8 +291,9 @@ class JinjaChatTemplate:
                 if text and tokenizer.encode(text) != tokenizer.encode_markup(text):
                     raise ValueError(
                         f"{where} contains control-token text, and this chat template "
-                        f"({self.name}) rewrites that message, so it cannot be kept as plain "
-                        f"text; remove the control-token text")
+                        f"({self.name}) rewrites message text in a way that keeping it plain "
+                        f"cannot follow (see model/jinja_chat_template.py); remove the "
+                        f"control-token text")
             return list(tokenizer.encode_markup(reference))
         ids: list[int] = []
         for is_content, text in texts:
