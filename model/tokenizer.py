@@ -24,6 +24,7 @@ This module must not import JAX: the gateway uses it through
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -162,6 +163,9 @@ class Tokenizer:
         self._silent_ids = frozenset(
             i for i in range(self.vocab_size) if sp.IsControl(i) or sp.IsUnknown(i)
         )
+        # Built on first use by encode_markup: {control spelling: id} and a regex of them.
+        self._control_ids: dict[str, int] = {}
+        self._control_re: re.Pattern | None = None
 
     def _control_id(self, piece: str) -> int:
         i = self._sp.PieceToId(piece)
@@ -370,6 +374,42 @@ class Tokenizer:
     def is_control(self, i: int) -> bool:
         """Whether id ``i`` is a control piece (e.g. ``<bos>``, ``<end_of_turn>``)."""
         return bool(self._sp.IsControl(int(i)))
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Spellings of the special tokens, as a Jinja chat template's variables
+        (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``; Gemma: ``<bos>``, ...)."""
+        return {name: self._sp.IdToPiece(i) for name, i in (
+            ("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id),
+            ("unk_token", self.unk_id))}
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Encode a chat template's markup: control-piece spellings become their ids.
+
+        ``<bos>``, ``<start_of_turn>``, ``<end_of_turn>`` (any CONTROL piece) in
+        ``text`` become their ids; the text between them is encoded as
+        :meth:`encode` does. Only for template markup
+        (``model.jinja_chat_template``); user text goes through :meth:`encode`.
+
+        Raises:
+          TypeError: ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode_markup expects str, got {type(text).__name__}")
+        if self._control_re is None:
+            control = {self._sp.IdToPiece(i): i for i in range(self.vocab_size)
+                       if self._sp.IsControl(i) and self._sp.IdToPiece(i)}
+            # Longest spelling first, so one that is a prefix of another never wins.
+            alternatives = sorted(control, key=len, reverse=True)
+            self._control_ids = control
+            self._control_re = re.compile("|".join(map(re.escape, alternatives)))
+        ids: list[int] = []
+        pos = 0
+        for m in self._control_re.finditer(text):
+            ids += self.encode(text[pos:m.start()])
+            ids.append(self._control_ids[m.group()])
+            pos = m.end()
+        return ids + self.encode(text[pos:])
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         """Render chat messages with the Gemma 3 template and generation prompt.

@@ -42,6 +42,8 @@ _SETTINGS = [
     ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
     ("mesh", str, "device mesh, e.g. data=1,tensor=4,expert=1 (default: one device)"),
     ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
+    ("chat_template", str, "Jinja chat template FILE (or JSON with a chat_template field) served "
+                           "instead of the model's own"),
 ]
 
 

@@ -55,6 +55,7 @@ class ServerConfig:
     log_text: bool = False
     mesh: str | None = None
     checkpoint: str | None = None
+    chat_template: str | None = None
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None

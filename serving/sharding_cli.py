@@ -131,7 +131,7 @@ def load_for_serving(cfg):
         model, tok = load_model(cfg.model, dtype=cfg.dtype)
         if mesh_cfg is not None:
             log.info("serving %s on mesh %s (%d devices)", model.cfg.name, mesh_cfg, mesh_cfg.size)
-        return model, tok, mesh
+        return model, with_chat_template(tok, cfg.chat_template), mesh
     import jax.numpy as jnp
 
     from model.checkpoint import load_config, restore_params, tokenizer_model
@@ -152,10 +152,37 @@ def load_for_serving(cfg):
             f"checkpoint {cfg.checkpoint} has no tokenizer (tokenizer.model), so its text cannot "
             f"be served; write the checkpoint from a source with one (xlaserve convert of a "
             f"Gemma 3 GGUF, or of a registry test model)")
-    tok = Tokenizer(spm)
+    tok = with_chat_template(Tokenizer(spm), cfg.chat_template)
     log.info("restored %s from %s onto mesh %s in %.1f s", mcfg.name, cfg.checkpoint,
              mesh_cfg or "1x1x1", time.perf_counter() - t0)
     return model, tok, mesh
+
+
+def with_chat_template(tok, override_file=None, checkpoint_template=None):
+    """``tok`` with the chat template to serve (``model.chat_template_source.pick_chat_template``).
+
+    Args:
+      tok: the model's tokenizer (its own ``apply_chat_template`` is Gemma 3's).
+      override_file: ``--chat-template FILE``, or None.
+      checkpoint_template: the model's own ``JinjaChatTemplate``, or None.
+
+    Returns:
+      ``tok`` itself when neither is given, else a ``TemplatedTokenizer`` whose
+      ``apply_chat_template`` renders the chosen template (its variables: the
+      checkpoint template's, else ``tok.special_tokens``).
+
+    Raises:
+      ValueError: an unreadable or invalid template file, or a tokenizer without
+        ``encode_markup``.
+    """
+    from model.chat_template_source import TemplatedTokenizer, pick_chat_template
+
+    template = pick_chat_template(override_file, checkpoint_template,
+                                  None if checkpoint_template else getattr(tok, "special_tokens", None))
+    if template is None:
+        return tok
+    log.info("chat template: %s", template.name)
+    return TemplatedTokenizer(tok, template)
 
 
 def join_processes(cfg) -> bool:
