@@ -4,9 +4,11 @@ The engine streams token ids; the gateway turns them into text deltas. Two
 things make this harder than ``decode(new_ids)``:
 
 * **Split characters.** With SentencePiece byte fallback a character such as
-  "中" may arrive as three byte tokens. Decoding the first one alone yields
-  U+FFFD. Text is therefore held back while the decoded window ends in U+FFFD
-  and released once the character is complete.
+  "中" may arrive as three byte tokens; with byte-level BPE (Llama 3, Qwen) a
+  token holds any run of bytes, part of a character or the end of one and the
+  start of the next. Decoding a token alone yields U+FFFD. Text is therefore
+  held back while the decoded window ends in U+FFFD and released once the
+  character is complete.
 * **Context-dependent decoding.** Some tokenizers decode a token differently at
   the start of a sequence (e.g. strip a leading space), so a token is never
   decoded on its own: a small window that starts one emission earlier is
@@ -34,8 +36,8 @@ from typing import Sequence
 from serving.tokenizer_protocol import TextTokenizer
 
 _REPLACEMENT = "\ufffd"
-# An incomplete UTF-8 character has at most 3 of its (at most 4) bytes, so with
-# byte-fallback tokens (one byte each) it lies within the last 3 tokens.
+# An incomplete UTF-8 character has at most 3 of its (at most 4) bytes, so (each
+# token holding at least one byte) it starts within the last 3 tokens.
 _MAX_INCOMPLETE_TOKENS = 3
 
 
@@ -59,10 +61,11 @@ class IncrementalDetokenizer:
       stop_string: the stop string that matched, or None.
       text: all text emitted so far (the concatenation of returned deltas).
 
-    Guarantees: a character split across byte-fallback tokens is never emitted
-    as U+FFFD (text is held back until it completes, at most 3 tokens); U+FFFD
-    is emitted only for bytes that can no longer form a valid character, or by
-    :meth:`flush` for an incomplete character at the very end. Stop strings are
+    Guarantees: a character split across tokens (byte-fallback pieces, or
+    byte-level BPE tokens holding parts of characters) is never emitted as
+    U+FFFD (text is held back until it completes); U+FFFD is emitted only for
+    bytes that can no longer form a valid character, or by :meth:`flush` for an
+    incomplete character at the very end. Stop strings are
     never emitted, even partially.
     """
 
@@ -153,11 +156,17 @@ class IncrementalDetokenizer:
                     cut, new_text = c, text
                     break
             else:
-                # Every candidate ends in U+FFFD: the bytes before the last 3
-                # tokens can no longer form a character (invalid output).
+                # Every candidate ends in U+FFFD. Either the bytes before the
+                # last 3 tokens can no longer form a character (invalid output),
+                # or byte-level BPE tokens that straddle characters (the end of
+                # one and the start of the next) leave no clean cut. In the first
+                # case the later tokens left the text up to that point as it was;
+                # in the second they completed its last character: wait.
                 c = n - _MAX_INCOMPLETE_TOKENS
                 if c > read:
-                    cut, new_text = c, self._tokenizer.decode(ids[prefix:c])
+                    text = self._tokenizer.decode(ids[prefix:c])
+                    if new_text.startswith(text):
+                        cut, new_text = c, text
             if cut == 0:
                 return ""
         if len(new_text) <= len(self._prefix_text):

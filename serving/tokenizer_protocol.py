@@ -1,7 +1,9 @@
 """What the gateway needs from a tokenizer: text <-> ids and the chat format.
 
-`model.tokenizer.Tokenizer` (SentencePiece) implements it; the gateway only
-sees this protocol, so it never imports the model package's JAX code.
+`model.tokenizer.Tokenizer` (Gemma's SentencePiece) and
+`model.bpe_tokenizer.BPETokenizer` (``tokenizers``: Hugging Face, tiktoken and
+GGUF byte-level BPE vocabularies) implement it; the gateway only sees this
+protocol, so it never imports the model package's JAX code.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Protocol, Sequence
 
 
 class TextTokenizer(Protocol):
-    bos_id: int
+    bos_id: int | None  # None: the model has no BOS token (Qwen)
     eos_id: int
     vocab_size: int
 
@@ -25,7 +27,8 @@ class TextTokenizer(Protocol):
         a model that opens the next turn itself ends its own."""
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Encode user text; control-token spellings stay plain text."""
+        """Encode user text; control-token spellings stay plain text. ``add_bos``
+        prepends the BOS id when the model uses one."""
 
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids to text; control tokens decode to the empty string."""

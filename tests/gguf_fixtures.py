@@ -121,7 +121,7 @@ def llama3_freq_factors(head_dim: int, theta: float, factor: float, low: float, 
 def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtype=None,
                permute: bool | None = None, rope_scaling: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, drop: frozenset = frozenset(),
-               per_expert: bool = False) -> Path:
+               per_expert: bool = False, add_vocab=None) -> Path:
     """Writes ``p`` (HF layout) as a GGUF of ``arch`` ("llama", "qwen3", "qwen3moe").
 
     permute: apply llama.cpp's Q/K permutation (default: for "llama", as the converter does).
@@ -130,6 +130,8 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
     extra_tensors: more F32 tensors to write; drop: GGUF tensor names not to write.
     per_expert: write experts one tensor each (``blk.{i}.ffn_gate.{e}.weight``, older
       Mixtral GGUFs) instead of stacked ``ffn_gate_exps``.
+    add_vocab: ``writer -> None`` writing the tokenizer fields (default: a llama.cpp-style
+      SentencePiece test vocabulary of ``spec["vocab"]`` pieces).
     """
     import gguf
 
@@ -159,14 +161,17 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
             w.add_feed_forward_length(spec["ffn"])
     else:
         w.add_feed_forward_length(spec["ffn"])
-    vocab = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(spec["vocab"] - 3)]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(vocab)
-    w.add_token_scores([0.0] * len(vocab))
-    w.add_token_types([2, 3, 3] + [1] * (len(vocab) - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    if add_vocab is not None:
+        add_vocab(w)
+    else:
+        vocab = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(spec["vocab"] - 3)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(vocab)
+        w.add_token_scores([0.0] * len(vocab))
+        w.add_token_types([2, 3, 3] + [1] * (len(vocab) - 3))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
 
     def put(name: str, arr: np.ndarray, keep_f32: bool = False):
         if name in drop:
