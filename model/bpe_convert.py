@@ -213,7 +213,8 @@ def byte_level_bpe(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], 
     """
     vocab = dict(vocab)
     n = max(vocab.values(), default=-1) + 1
-    added = [(c, i, True) for c, i in special_tokens.items()] + [(c, i, False) for c, i in user_tokens.items()]
+    added = ([(c, i, True) for c, i in special_tokens.items()]
+             + [(c, i, False) for c, i in user_tokens.items()])
     by_id = {i: t for t, i in vocab.items()}
     for content, i, _ in added:
         if i in by_id and by_id[i] != content:
@@ -270,8 +271,8 @@ def read_tekken(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, int]]:
     ``config.default_num_special_tokens`` are special tokens (the file's
     ``special_tokens`` list by ``rank``, the rest filled as ``<SPECIAL_{id}>``;
     files without the list use ``<unk>``, ``<s>``, ``</s>``, ``[INST]``,
-    ``[/INST]``, ... as mistral_common's ``DEPRECATED_SPECIAL_TOKENS``: only
-    their first three are needed here); then the ``vocab`` entries with rank
+    ``[/INST]``, ... ``[TOOL_CONTENT]`` (ids 0-19), as mistral_common's
+    ``DEPRECATED_SPECIAL_TOKENS``); then the ``vocab`` entries with rank
     below ``default_vocab_size - num_special``, at id ``rank + num_special``,
     split by ``config.pattern``.
 
@@ -308,8 +309,13 @@ def read_tekken(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, int]]:
     return from_ranks(ranks, pattern, specials, id_offset=n_special), specials
 
 
-# mistral_common's ids for Tekken files without a special_tokens list (ranks 0-2 are all we name).
-_TEKKEN_LEGACY_SPECIALS = ("<unk>", "<s>", "</s>")
+# The special tokens of Tekken files without a special_tokens list (tekken_240911.json), ids
+# 0-19, as mistral_common's Tekkenizer.DEPRECATED_SPECIAL_TOKENS names them.
+_TEKKEN_LEGACY_SPECIALS = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+    "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+)
 
 
 class NotByteLevelBPE(ValueError):

@@ -260,7 +260,8 @@ class BPETokenizer:
         return out
 
     @classmethod
-    def cached_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None) -> "BPETokenizer | None":
+    def cached_gguf(cls, path: str | os.PathLike,
+                    cache_dir: str | os.PathLike | None) -> "BPETokenizer | None":
         """The tokenizer :meth:`from_gguf` cached for this GGUF file, or None (no cache,
         or one that fails to load). Does not open the GGUF."""
         if cache_dir is None:

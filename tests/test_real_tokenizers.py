@@ -4,19 +4,20 @@
   package ``llama-models`` (a test dependency): ``BPETokenizer.from_tiktoken``
   against ``llama_models.llama3.tokenizer.Tokenizer`` (tiktoken) on the shared
   tokenizer cases plus code, CJK, emoji and whitespace runs.
-- Mistral's Tekken ``tekken_240911.json`` from ``mistral-common``:
-  ``BPETokenizer.from_tekken`` against ids recorded once with mistral_common
-  (tests/data/mistral_tokenizer_ids.json; mistral-common caps numpy below ours,
-  so it is not installed here). See that file's ``source`` for where the
-  Tekken file comes from at test time.
+- Mistral's Tekken ``tekken_240911.json`` (19 MB, read from the installed
+  package, not committed), shipped in ``mistral-common`` (a test dependency,
+  pinned to 1.9.1: 1.10 and later cap numpy below 2.4 on Python <= 3.12):
+  ``BPETokenizer.from_tekken`` against ``mistral_common``'s ``Tekkenizer``.
+
+Each conversion takes ~3 s of merge derivation, once per module.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 
 from model.bpe_tokenizer import BPETokenizer
 from serving.detokenizer import IncrementalDetokenizer
@@ -82,4 +83,44 @@ def test_llama3_streams_utf8_across_tokens(llama3):
 
 # ------------------------------------------------------------------ Mistral Tekken
 
+
+@pytest.fixture(scope="module")
+def mistral_tekken():
+    """(mistral_common's Tekkenizer, the path of its tekken_240911.json)."""
+    import mistral_common
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    path = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+    return Tekkenizer.from_file(path), path
+
+
+@pytest.fixture(scope="module")
+def tekken(mistral_tekken) -> BPETokenizer:
+    return BPETokenizer.from_tekken(mistral_tekken[1])
+
+
+def test_tekken_ids_equal_mistral_commons(tekken, mistral_tekken):
+    theirs = mistral_tekken[0]
+    assert tekken.vocab_size == theirs.n_words == 131072
+    assert (tekken.bos_id, tekken.eos_id) == (theirs.bos_id, theirs.eos_id) == (1, 2)
+    for name, text in TEXTS.items():
+        want = theirs.encode(text, bos=False, eos=False)
+        assert tekken.encode(text) == want, name
+        assert tekken.encode(text, add_bos=True) == theirs.encode(text, bos=True, eos=False), name
+        theirs_text = theirs.decode(want, special_token_policy=SpecialTokenPolicy.IGNORE)
+        assert tekken.decode(want) == theirs_text == text, name
+
+
+def test_tekken_special_tokens(tekken, mistral_tekken):
+    theirs = mistral_tekken[0]
+    for token in ("[INST]", "[/INST]", "[TOOL_CALLS]", "[SYSTEM_PROMPT]", "<pad>", "<SPECIAL_999>"):
+        assert tekken.token_id(token) == theirs.get_special_token(token), token
+        typed = f"a {token} b"
+        ids = tekken.encode(typed)
+        assert ids == theirs.encode(typed, bos=False, eos=False)  # Tekken never parses special text
+        assert not any(tekken.is_control(i) for i in ids)
+    inst, end = tekken.token_id("[INST]"), tekken.token_id("[/INST]")
+    hi = theirs.encode("Hi there", bos=False, eos=False)
+    assert tekken.encode_markup("[INST]Hi there[/INST]") == [inst, *hi, end]
+    assert tekken.token_id("[INST]") in tekken.chat_stop_token_ids and len(tekken.special_tokens()) == 1000
 
