@@ -65,6 +65,9 @@ class BPETokenizer:
       add_bos: whether ``encode(..., add_bos=True)`` prepends ``bos_id``.
       chat_template: the checkpoint's Jinja chat template source, if any (for
         the chat-template renderer; not used here).
+      vocab_size: the model's vocabulary size when it exceeds the tokenizer's
+        (Qwen2.5 pads its 151665 tokens to 151936 embedding rows); the ids in
+        between are accepted and decode to "". None: the tokenizer's size.
 
     Attributes:
       vocab_size: ids are ``[0, vocab_size)`` (added tokens included).
@@ -76,16 +79,20 @@ class BPETokenizer:
         (called by :meth:`apply_chat_template`); None until then.
 
     Raises:
-      ValueError: no EOS id, or an id outside the vocabulary.
+      ValueError: no EOS id, an id outside the vocabulary, or a ``vocab_size``
+        smaller than the tokenizer's.
     """
 
     def __init__(self, tokenizer: HFTokenizer, *, bos_id: int | None, eos_ids: Sequence[int],
-                 add_bos: bool, chat_template: str | None = None) -> None:
+                 add_bos: bool, chat_template: str | None = None, vocab_size: int | None = None) -> None:
         self._markup = tokenizer
         self._markup.encode_special_tokens = False
         self._text = HFTokenizer.from_str(tokenizer.to_str())
         self._text.encode_special_tokens = True
-        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._own_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if vocab_size is not None and vocab_size < self._own_size:
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {self._own_size} tokens")
+        self.vocab_size: int = self._own_size if vocab_size is None else int(vocab_size)
         eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
         if not eos_ids:
             raise ValueError("the tokenizer has no EOS id")
@@ -108,8 +115,9 @@ class BPETokenizer:
     # ------------------------------------------------------------------ builders
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "BPETokenizer":
-        """From a Hugging Face checkpoint directory (see :meth:`from_hf_files`).
+    def from_hf_dir(cls, path: str | os.PathLike, vocab_size: int | None = None) -> "BPETokenizer":
+        """From a Hugging Face checkpoint directory (see :meth:`from_hf_files`; ``vocab_size``:
+        the model's, ``config.json``'s, when it pads the tokenizer's, see the class).
 
         Raises:
           FileNotFoundError: the directory has no ``tokenizer.json`` (a
@@ -122,12 +130,13 @@ class BPETokenizer:
             raise FileNotFoundError(f"{path} has no tokenizer.json")
         opt = [p if p.is_file() else None for p in (path / "tokenizer_config.json",
                                                      path / "generation_config.json")]
-        return cls.from_hf_files(tj, *opt)
+        return cls.from_hf_files(tj, *opt, vocab_size=vocab_size)
 
     @classmethod
     def from_hf_files(cls, tokenizer_json: str | os.PathLike,
                       tokenizer_config: str | os.PathLike | None = None,
-                      generation_config: str | os.PathLike | None = None) -> "BPETokenizer":
+                      generation_config: str | os.PathLike | None = None,
+                      vocab_size: int | None = None) -> "BPETokenizer":
         """From ``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json``).
 
         - BOS: ``bos_token`` of the tokenizer config (a string or
@@ -177,7 +186,7 @@ class BPETokenizer:
         else:
             add_bos = bos_id is not None and _post_processor_adds(tok, bos_id)
         return cls(tok, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
-                   chat_template=_template_source(tc.get("chat_template")))
+                   chat_template=_template_source(tc.get("chat_template")), vocab_size=vocab_size)
 
     @classmethod
     def from_tiktoken(cls, path: str | os.PathLike, *, pattern: str = bpe_convert.LLAMA3_PATTERN,
@@ -334,12 +343,13 @@ class BPETokenizer:
             i = int(i)
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
-            out.append(i)
+            if i < self._own_size:
+                out.append(i)
         return self._markup.decode(out, skip_special_tokens=True) if out else ""
 
     def id_to_piece(self, i: int) -> str:
         """The vocabulary spelling of id ``i`` (byte-level tokens in GPT-2's byte
-        alphabet, e.g. "Ġworld"; added tokens as their content).
+        alphabet, e.g. "Ġworld"; added tokens as their content; "" for a padding id).
 
         Raises:
           ValueError: ``i`` is outside ``[0, vocab_size)``.
@@ -347,7 +357,7 @@ class BPETokenizer:
         i = int(i)
         if not 0 <= i < self.vocab_size:
             raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
-        return self._markup.id_to_token(i)
+        return self._markup.id_to_token(i) if i < self._own_size else ""
 
     def token_id(self, token: str) -> int:
         """The id of a token by its spelling (e.g. ``"<|eot_id|>"``, ``"<|im_start|>"``).

@@ -242,6 +242,19 @@ def test_hf_bos_and_eos_fields(tok, tmp_path):
     assert not BPETokenizer.from_hf_dir(d).add_bos  # the explicit key wins over the post-processor
 
 
+def test_model_vocabulary_padding(tok, tmp_path):
+    """Qwen-style: the model has more embedding rows than the tokenizer has tokens."""
+    padded = BPETokenizer.from_hf_dir(_hf_dir(tok, tmp_path), vocab_size=tok.vocab_size + 7)
+    assert padded.vocab_size == tok.vocab_size + 7
+    ids = tok.encode("hello")
+    assert padded.decode([*ids, tok.vocab_size, tok.vocab_size + 6]) == "hello"
+    assert padded.id_to_piece(tok.vocab_size + 6) == ""
+    with pytest.raises(ValueError, match="outside"):
+        padded.decode([tok.vocab_size + 7])
+    with pytest.raises(ValueError, match="smaller than the tokenizer's"):
+        BPETokenizer.from_hf_dir(tmp_path, vocab_size=tok.vocab_size - 1)
+
+
 def test_hf_errors_name_the_file_and_field(tok, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         BPETokenizer.from_hf_dir(tmp_path)
