@@ -91,7 +91,8 @@ class BPETokenizer:
         self._text.encode_special_tokens = True
         self._own_size = tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab_size is not None and vocab_size < self._own_size:
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {self._own_size} tokens")
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's "
+                             f"{self._own_size} tokens")
         self.vocab_size: int = self._own_size if vocab_size is None else int(vocab_size)
         eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
         if not eos_ids:
