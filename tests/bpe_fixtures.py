@@ -48,22 +48,26 @@ def tiny_tokenizer(tmp_path: Path):
                                       eos_tokens=("<|end_of_text|>", "<|eot_id|>"))
 
 
-def add_gguf_vocab(writer, tok, pre: str, add_bos: bool | None = True) -> int:
+def add_gguf_vocab(writer, tok, pre: str, add_bos: bool | None = True, user_defined: tuple[str, ...] = (),
+                   chat_template: str | None = None) -> int:
     """Writes ``tok`` (a ``BPETokenizer``) as GGUF "gpt2" tokenizer fields, as llama.cpp's
     converter does: tokens in the byte alphabet, ``"left right"`` merges, control tokens
-    typed 3. Returns the vocabulary size."""
+    typed 3, those named in ``user_defined`` typed 4. Returns the vocabulary size."""
     model = json.loads(tok.backend.to_str())["model"]
     tokens = [""] * tok.vocab_size
     for t, i in model["vocab"].items():
         tokens[i] = t
-    control = set(tok.special_tokens().values())
+    user = {tok.token_id(t) for t in user_defined}
+    control = set(tok.special_tokens().values()) - user
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in control else 1 for i in range(len(tokens))])
+    writer.add_token_types([3 if i in control else 4 if i in user else 1 for i in range(len(tokens))])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
     writer.add_bos_token_id(tok.bos_id)
     writer.add_eos_token_id(tok.eos_id)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     return len(tokens)

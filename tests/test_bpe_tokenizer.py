@@ -325,6 +325,18 @@ def test_gguf_pre_tokenizers_and_bos(tok, tmp_path):
     assert qwen.encode("e\u0301") == qwen.encode("\u00e9") != llama.encode("e\u0301")
 
 
+def test_gguf_user_defined_tokens_and_chat_template(tok, tmp_path):
+    """Type-4 (user-defined) tokens are matched in any text and decode as text, as in llama.cpp;
+    the GGUF's tokenizer.chat_template is kept for the chat-template renderer."""
+    path = _bpe_gguf(tmp_path, tok, "llama-bpe", user_defined=("<|im_start|>",), chat_template="{{ x }}")
+    got = BPETokenizer.from_gguf(path)
+    im = tok.token_id("<|im_start|>")
+    assert got.encode("a<|im_start|>b") == [*tok.encode("a"), im, *tok.encode("b")]
+    assert not got.is_control(im) and got.decode([im]) == "<|im_start|>"
+    assert got.is_control(tok.token_id("<|eot_id|>")) and got.encode("<|eot_id|>") == tok.encode("<|eot_id|>")
+    assert got.chat_template == "{{ x }}" and im not in got.chat_stop_token_ids
+
+
 def test_gguf_unknown_pre_tokenizer_is_named(tok, tmp_path, monkeypatch):
     from serving.model_registry import load_model
 
