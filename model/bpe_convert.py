@@ -208,8 +208,8 @@ def byte_level_bpe(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], 
       nfc: NFC-normalize input first (Qwen2).
 
     Raises:
-      ValueError: an added token's id is taken by a different vocabulary entry
-        or lies past the end of the vocabulary.
+      ValueError: an added token's id is another entry's, its spelling is
+        another id's, or the ids leave gaps.
     """
     vocab = dict(vocab)
     n = max(vocab.values(), default=-1) + 1

@@ -25,6 +25,10 @@ tokenizers have no BOS). EOS: every id of ``generation_config.json``'s
 ``eos_token_id`` (an int or a list) and ``tokenizer_config.json``'s
 ``eos_token`` stops generation.
 
+Thread safety: ``tokenizers``' encode and decode leave the pipeline as it was
+(its BPE cache sits behind a lock) and both pipelines' settings are fixed at
+construction, so one tokenizer serves all of the gateway's tokenizer threads.
+
 This module must not import JAX: the gateway uses it.
 """
 
