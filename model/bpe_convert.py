@@ -39,7 +39,7 @@ from typing import Mapping, Sequence
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 __all__ = [
-    "LLAMA3_PATTERN", "QWEN2_PATTERN", "GGUF_PRE_TOKENIZERS", "LLAMA3_SPECIAL_TOKENS",
+    "LLAMA3_PATTERN", "QWEN2_PATTERN", "TEKKEN_PATTERN", "GGUF_PRE_TOKENIZERS", "LLAMA3_SPECIAL_TOKENS",
     "byte_alphabet", "read_tiktoken_ranks", "merges_from_ranks", "byte_level_bpe",
     "from_ranks", "read_tekken", "read_gguf_bpe", "NotByteLevelBPE",
 ]
@@ -58,17 +58,27 @@ QWEN2_PATTERN = (
 )
 """Qwen2's split expression (its ``tokenizer.json``): Llama 3's with single digits."""
 
+TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""Mistral's Tekken split expression (``config.pattern`` of ``tekken_240911.json``):
+case-aware letter runs, single digits, punctuation runs that keep a trailing "/"."""
+
 GGUF_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
     # tokenizer.ggml.pre -> (split expression, NFC-normalize first)
     "llama-bpe": (LLAMA3_PATTERN, False),
     "llama3": (LLAMA3_PATTERN, False),
     "llama-v3": (LLAMA3_PATTERN, False),
     "qwen2": (QWEN2_PATTERN, True),
+    "tekken": (TEKKEN_PATTERN, False),
 }
 """The ``tokenizer.ggml.pre`` names read (llama.cpp's names for the split
 expressions): Llama 3 ("llama-bpe", with the older spellings "llama3" and
-"llama-v3") and Qwen2 ("qwen2", whose ``tokenizer.json`` also normalizes to
-NFC). Any other name is refused (:func:`read_gguf_bpe`)."""
+"llama-v3"), Qwen2 ("qwen2", whose ``tokenizer.json`` also normalizes to
+NFC) and Mistral's Tekken ("tekken", Mistral Nemo). Any other name is refused
+(:func:`read_gguf_bpe`)."""
 
 
 def _llama3_special_tokens() -> tuple[str, ...]:

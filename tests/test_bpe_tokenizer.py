@@ -102,6 +102,24 @@ def test_user_text_never_becomes_control_tokens(tok):
         tok.encode(b"bytes")
 
 
+def test_threads_encoding_text_and_markup_at_once_never_mix(tok):
+    """The gateway's tokenizer threads share one tokenizer: encode (special tokens off) and
+    encode_markup (on) run on separate pipelines, so neither sees the other's setting
+    (``tokenizers`` releases the GIL while encoding: one pipeline whose setting is switched
+    per call gives wrong ids here in about a third of the calls)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    text = "hello <|eot_id|> world " * 1000
+    plain, markup = tok.encode(text), tok.encode_markup(text)
+    assert plain != markup
+
+    def work(k: int) -> bool:
+        return (tok.encode_markup(text) == markup) if k % 2 else (tok.encode(text) == plain)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(60)))
+
+
 def test_stop_ids_and_chat_stops(tok):
     assert tok.stop_token_ids == (tok.token_id("<|end_of_text|>"), tok.token_id("<|eot_id|>"))
     assert tok.eos_id == tok.stop_token_ids[0]

@@ -14,6 +14,7 @@ Each conversion takes ~3 s of merge derivation, once per module.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,14 @@ def test_tekken_ids_equal_mistral_commons(tekken, mistral_tekken):
         assert tekken.encode(text, add_bos=True) == theirs.encode(text, bos=True, eos=False), name
         theirs_text = theirs.decode(want, special_token_policy=SpecialTokenPolicy.IGNORE)
         assert tekken.decode(want) == theirs_text == text, name
+
+
+def test_tekken_split_expression_is_the_ggufs(mistral_tekken):
+    """A Mistral Nemo GGUF ("tekken" pre) splits text as the Tekken file says."""
+    from model import bpe_convert
+
+    config = json.loads(mistral_tekken[1].read_text(encoding="utf-8"))["config"]
+    assert bpe_convert.GGUF_PRE_TOKENIZERS["tekken"] == (config["pattern"], False)
 
 
 def test_tekken_special_tokens(tekken, mistral_tekken):
