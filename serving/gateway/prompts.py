@@ -15,7 +15,8 @@ hand-over.
 Thread safety: SentencePiece's encode and decode are const C++ methods that
 release the GIL, and ``model.tokenizer.Tokenizer`` and the chat template
 (``model/chat_template.py``) keep no mutable state after construction, so
-one tokenizer serves all threads at once.
+one tokenizer serves all threads at once; so does
+``model.bpe_tokenizer.BPETokenizer`` (see its docstring).
 
 The prompt's length in characters (``max_prompt_chars``) is checked here
 before any tokenization.
