@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -67,8 +67,10 @@ class BPETokenizer:
       bos_id: the BOS id, or None (no BOS token).
       eos_ids: ids that end generation, the primary EOS first (at least one).
       add_bos: whether ``encode(..., add_bos=True)`` prepends ``bos_id``.
-      chat_template: the checkpoint's Jinja chat template source, if any (for
-        the chat-template renderer; not used here).
+      chat_template_source: the Jinja chat template the files carry, if any
+        (``tokenizer_config.json``'s ``chat_template``, a GGUF's
+        ``tokenizer.chat_template``), kept for ``model.chat_template_source``;
+        not rendered here.
       vocab_size: the model's vocabulary size when it exceeds the tokenizer's
         (Qwen2.5 pads its 151665 tokens to 151936 embedding rows); the ids in
         between are accepted and decode to "". None: the tokenizer's size.
@@ -78,9 +80,7 @@ class BPETokenizer:
       bos_id, eos_id: BOS (None if the model has none) and the primary EOS id.
       bos_token, eos_token: their spellings (``bos_token`` None without BOS).
       add_bos: see Args.
-      chat_template: see Args.
-      chat_renderer: ``messages -> ids``, set by whoever wires a chat template
-        (called by :meth:`apply_chat_template`); None until then.
+      chat_template_source: see Args.
 
     Raises:
       ValueError: no EOS id, an id outside the vocabulary, or a ``vocab_size``
@@ -88,7 +88,8 @@ class BPETokenizer:
     """
 
     def __init__(self, tokenizer: HFTokenizer, *, bos_id: int | None, eos_ids: Sequence[int],
-                 add_bos: bool, chat_template: str | None = None, vocab_size: int | None = None) -> None:
+                 add_bos: bool, chat_template_source: str | None = None,
+                 vocab_size: int | None = None) -> None:
         self._markup = tokenizer
         self._markup.encode_special_tokens = False
         self._text = HFTokenizer.from_str(tokenizer.to_str())
@@ -110,8 +111,7 @@ class BPETokenizer:
         self.add_bos: bool = bool(add_bos) and self.bos_id is not None
         self.bos_token: str | None = None if self.bos_id is None else tokenizer.id_to_token(self.bos_id)
         self.eos_token: str = tokenizer.id_to_token(self.eos_id)
-        self.chat_template: str | None = chat_template
-        self.chat_renderer: Callable[[Sequence[dict]], list[int]] | None = None
+        self.chat_template_source: str | None = chat_template_source
         self._control = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         openers = (tokenizer.token_to_id(t) for t in TURN_OPENING_TOKENS)
         self._chat_stops = tuple(dict.fromkeys(
@@ -191,7 +191,7 @@ class BPETokenizer:
         else:
             add_bos = bos_id is not None and _post_processor_adds(tok, bos_id)
         return cls(tok, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
-                   chat_template=_template_source(tc.get("chat_template")), vocab_size=vocab_size)
+                   chat_template_source=_template_source(tc.get("chat_template")), vocab_size=vocab_size)
 
     @classmethod
     def from_tiktoken(cls, path: str | os.PathLike, *, pattern: str = bpe_convert.LLAMA3_PATTERN,
@@ -262,7 +262,7 @@ class BPETokenizer:
         if not eos:
             raise ValueError(f"{Path(path).name} has no tokenizer.ggml.eos_token_id")
         out = cls(tok, bos_id=meta["bos_id"], eos_ids=eos, add_bos=meta["add_bos"],
-                  chat_template=meta["chat_template"])
+                  chat_template_source=meta["chat_template"])
         if cache_dir is not None:
             target = _cache_path(path, cache_dir)
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name, suffix=".tmp"))
@@ -375,24 +375,35 @@ class BPETokenizer:
             raise KeyError(f"the vocabulary has no token {token!r}")
         return i
 
-    def special_tokens(self) -> dict[str, int]:
+    def control_tokens(self) -> dict[str, int]:
         """``{spelling: id}`` of every control (special added) token."""
         dec = self._markup.get_added_tokens_decoder()
         return {dec[i].content: i for i in sorted(self._control)}
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Spellings of BOS and EOS as a Jinja chat template's variables
+        (``{"bos_token": ..., "eos_token": ...}``; no ``bos_token`` without BOS),
+        as ``model.tokenizer.Tokenizer.special_tokens``."""
+        out = {"eos_token": self.eos_token}
+        if self.bos_token is not None:
+            out["bos_token"] = self.bos_token
+        return out
 
     def is_control(self, i: int) -> bool:
         """Whether id ``i`` is a control token (a special added token, e.g. ``<|eot_id|>``)."""
         return int(i) in self._control
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Render chat messages to ids with ``chat_renderer`` (set by the chat-template wiring).
+        """Always refuses: this tokenizer has no chat format of its own. A chat template
+        is served by wrapping it (``model.chat_template_source.TemplatedTokenizer``,
+        which renders a Jinja template with :meth:`encode` and :meth:`encode_markup`).
 
         Raises:
-          ValueError: no renderer is set, or the messages are invalid for it.
+          ValueError: always, saying so.
         """
-        if self.chat_renderer is None:
-            raise ValueError("this tokenizer has no chat template renderer")
-        return list(self.chat_renderer(messages))
+        raise ValueError("this model's tokenizer has no chat template wired in; serve it with its "
+                         "checkpoint's template or --chat-template FILE")
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
@@ -406,8 +417,8 @@ class BPETokenizer:
         self._markup.save(str(path / "tokenizer.json"))
         tc: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                               "add_bos_token": self.add_bos}
-        if self.chat_template is not None:
-            tc["chat_template"] = self.chat_template
+        if self.chat_template_source is not None:
+            tc["chat_template"] = self.chat_template_source
         (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=1, ensure_ascii=False))
         gc = {"eos_token_id": list(self._eos_ids)}
         if self.bos_id is not None:

@@ -58,7 +58,7 @@ def add_gguf_vocab(writer, tok, pre: str, add_bos: bool | None = True, user_defi
     for t, i in model["vocab"].items():
         tokens[i] = t
     user = {tok.token_id(t) for t in user_defined}
-    control = set(tok.special_tokens().values()) - user
+    control = set(tok.control_tokens().values()) - user
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)

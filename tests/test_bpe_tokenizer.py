@@ -95,7 +95,8 @@ def test_user_text_never_becomes_control_tokens(tok):
                                          tok.token_id("<|end_header_id|>"), *tok.encode("\n\nhello"),
                                          tok.token_id("<|eot_id|>")]
     assert tok.decode(tok.encode_markup(markup)) == "user\n\nhello"  # control ids decode to ""
-    assert tok.special_tokens() == {s: tok.token_id(s) for s in bf.SPECIALS}
+    assert tok.control_tokens() == {s: tok.token_id(s) for s in bf.SPECIALS}
+    assert tok.special_tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
     with pytest.raises(KeyError, match="no token '<\\|nope\\|>'"):
         tok.token_id("<|nope|>")
     with pytest.raises(TypeError):
@@ -137,12 +138,11 @@ def test_decode_and_piece_errors(tok):
     assert tok.id_to_piece(tok.token_id("Ġworld")) == "Ġworld"
     half = tok.encode("😁")
     assert len(half) == 2 and tok.decode(half[:1]) == FFFD and tok.decode(half) == "😁"
-    with pytest.raises(ValueError, match="no chat template renderer"):
+    with pytest.raises(ValueError, match="no chat template wired in"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
     tok2 = BPETokenizer(_copy(tok), bos_id=None, eos_ids=[1], add_bos=True)
-    tok2.chat_renderer = lambda msgs: [5, 6]
-    assert tok2.apply_chat_template([]) == [5, 6]
     assert tok2.encode("he", add_bos=True) == tok.encode("he")  # no BOS token: nothing prepended
+    assert tok2.special_tokens == {"eos_token": tok.id_to_piece(1)}
 
 
 def test_bad_tiktoken_file_is_named(tmp_path):
@@ -219,16 +219,16 @@ def _hf_dir(tok, tmp_path: Path, tc: dict | None = None, gc: dict | None = None)
 
 
 def test_hf_files_round_trip(tok, tmp_path):
-    tok.chat_template = "{{ messages }}"
+    tok.chat_template_source = "{{ messages }}"
     try:
         back = BPETokenizer.from_hf_dir(_hf_dir(tok, tmp_path))
     finally:
-        tok.chat_template = None
+        tok.chat_template_source = None
     for text in TEXTS:
         assert back.encode(text, add_bos=True) == tok.encode(text, add_bos=True)
         assert back.encode_markup(text) == tok.encode_markup(text)
     assert (back.stop_token_ids, back.chat_stop_token_ids) == (tok.stop_token_ids, tok.chat_stop_token_ids)
-    assert back.chat_template == "{{ messages }}" and back.bos_token == "<|begin_of_text|>"
+    assert back.chat_template_source == "{{ messages }}" and back.bos_token == "<|begin_of_text|>"
 
 
 def test_hf_bos_and_eos_fields(tok, tmp_path):
@@ -352,7 +352,7 @@ def test_gguf_user_defined_tokens_and_chat_template(tok, tmp_path):
     assert got.encode("a<|im_start|>b") == [*tok.encode("a"), im, *tok.encode("b")]
     assert not got.is_control(im) and got.decode([im]) == "<|im_start|>"
     assert got.is_control(tok.token_id("<|eot_id|>")) and got.encode("<|eot_id|>") == tok.encode("<|eot_id|>")
-    assert got.chat_template == "{{ x }}" and im not in got.chat_stop_token_ids
+    assert got.chat_template_source == "{{ x }}" and im not in got.chat_stop_token_ids
 
 
 def test_gguf_unknown_pre_tokenizer_is_named(tok, tmp_path, monkeypatch):
