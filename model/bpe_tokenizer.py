@@ -103,8 +103,9 @@ class BPETokenizer:
         if not eos_ids:
             raise ValueError("the tokenizer has no EOS id")
         for i in (*eos_ids, *(() if bos_id is None else (bos_id,))):
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"special id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if not 0 <= i < self._own_size:
+                raise ValueError(f"special id {i} is outside the tokenizer's vocabulary "
+                                 f"[0, {self._own_size})")
         self.bos_id: int | None = None if bos_id is None else int(bos_id)
         self.eos_id: int = eos_ids[0]
         self._eos_ids = eos_ids
