@@ -53,6 +53,15 @@ SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 """Gemma3ForConditionalGeneration's vision tower: not read (text only)."""
 
 
+def is_hf_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face checkpoint directory: ``config.json`` beside
+    ``model.safetensors.index.json`` or ``model.safetensors`` (an xlaserve orbax
+    checkpoint has a ``config.json`` too, but ``params/`` instead)."""
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and (
+        (p / INDEX_FILE).is_file() or (p / SINGLE_FILE).is_file())
+
+
 def safe_open(path: str, framework: str = "numpy"):
     """``safetensors.safe_open`` (a seam the shard-read tests count through)."""
     import safetensors

@@ -26,7 +26,7 @@ from model.attention_metadata import AttentionMetadata
 from model.factory import build_model
 from model.hf_config import read_hf_config
 from model.kv_cache import KVCache
-from model.safetensors_loader import load_hf_checkpoint
+from model.safetensors_loader import is_hf_checkpoint, load_hf_checkpoint
 
 DATA = Path(__file__).resolve().parent / "data" / "hf_tiny"
 PAGE = 8
@@ -204,3 +204,11 @@ def test_vision_tower_is_skipped_with_a_log_line(caplog):
         cfg, params = load_hf_checkpoint(DATA / "gemma3_mm", progress=False)
     assert "vision tower is skipped" in caplog.text and "vision-tower tensors" in caplog.text
     assert not any("vision" in k for k in params)
+
+
+def test_is_hf_checkpoint(tmp_path):
+    assert is_hf_checkpoint(DATA / "llama") and is_hf_checkpoint(DATA / "qwen3")
+    assert not is_hf_checkpoint(DATA) and not is_hf_checkpoint(DATA / "llama" / "config.json")
+    (tmp_path / "config.json").write_text("{}")  # an orbax checkpoint's layout
+    (tmp_path / "params").mkdir()
+    assert not is_hf_checkpoint(tmp_path)
