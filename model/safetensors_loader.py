@@ -141,7 +141,7 @@ def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: Any = "float32", mes
       dtype: the serving dtype ("float32" or "bfloat16"): matmul weights are
         stored in it; norms and the router in float32.
       mesh: a ``jax.sharding.Mesh`` to place the parameters on (None: JAX's
-        first device).
+        default device, each parameter read whole).
       rules: with ``mesh``, the ``sharding.rules.ShardingRules`` that map each
         parameter's logical axes onto it (anything with
         ``spec(shape, logical_axes, axis_sizes, what)``).
