@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -98,3 +99,11 @@ def test_each_device_reads_only_its_shard(monkeypatch, case, mesh_shape):
     _, single = loader.load_hf_checkpoint(DATA / case, "float32", progress=False)
     for name, arr in params.items():
         np.testing.assert_array_equal(np.asarray(arr), np.asarray(single[name]), err_msg=name)
+    # served in bfloat16: each block is cast as it is read, on the same shardings
+    _, bf16 = loader.load_hf_checkpoint(DATA / case, "bfloat16", mesh=mesh,
+                                        rules=ShardingRules.default(), progress=False)
+    assert bf16["wq"].dtype == jnp.bfloat16 and bf16["attn_norm"].dtype == jnp.float32
+    for name, arr in bf16.items():
+        assert arr.sharding == params[name].sharding, name
+        np.testing.assert_array_equal(np.asarray(arr), np.asarray(single[name]).astype(arr.dtype),
+                                      err_msg=name)
