@@ -76,12 +76,21 @@ _QWEN3_MOE = {
     "w_down": Source(_LAYER + "mlp.experts.{e}.down_proj.weight", "in"),
 }
 
+_FUSED_MOE = {  # transformers v5's own layout (save_original_format=False), Mixtral and Qwen3-MoE
+    "router": Source(_LAYER + "mlp.gate.weight", "in"),
+    "w_gate": Source(_LAYER + "mlp.experts.gate_up_proj", "fused_gate"),
+    "w_up": Source(_LAYER + "mlp.experts.gate_up_proj", "fused_up"),
+    "w_down": Source(_LAYER + "mlp.experts.down_proj", "fused_down"),
+}
+FUSED_EXPERTS_PROBE = "layers.0.mlp.experts.gate_up_proj"
+"""A tensor (after the prefix) only checkpoints in the fused expert layout hold."""
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers older conversions saved that are no weights (transformers skips them too)."""
 
 
 def sources(arch: str, cfg: ModelConfig, prefix: str = "model.",
-            head: str = "lm_head.weight") -> dict[str, Source]:
+            head: str = "lm_head.weight", fused_experts: bool = False) -> dict[str, Source]:
     """{our parameter: Source} for ``config.json``'s architecture.
 
     Args:
@@ -91,6 +100,10 @@ def sources(arch: str, cfg: ModelConfig, prefix: str = "model.",
         language model of a Gemma3ForConditionalGeneration: "language_model.model."
         or "model.language_model.").
       head: the untied output head's name.
+      fused_experts: MoE experts stored stacked per layer, as transformers v5
+        holds them (``mlp.experts.gate_up_proj`` [E, 2F, D] = gate rows then up
+        rows, ``mlp.experts.down_proj`` [E, D, F]), instead of one tensor per
+        expert (every Mixtral and Qwen3-MoE release).
     """
     out = {
         "embed": Source(prefix + "embed_tokens.weight", "embed"),
@@ -98,8 +111,11 @@ def sources(arch: str, cfg: ModelConfig, prefix: str = "model.",
     }
     if not cfg.tie_embeddings:
         out["lm_head"] = Source(head, "in")
+    extras = _layer_extras(arch, cfg)
+    if fused_experts and cfg.is_moe:
+        extras.update(_FUSED_MOE)
     layer = {k: dataclasses.replace(v, pattern=prefix + v.pattern)
-             for k, v in {**_ATTENTION, **_layer_extras(arch, cfg)}.items()}
+             for k, v in {**_ATTENTION, **extras}.items()}
     out.update(layer)
     if arch.startswith("Gemma3"):
         out = {k: dataclasses.replace(v, offset=1.0) if v.kind == "vector" else v
@@ -143,7 +159,9 @@ def hf_shape(kind: str, ours: Sequence[int]) -> tuple[int, ...]:
 
     kinds: "vector" [n] and "embed" [V, D] as stored; "in" (out, in) -> ours
     [in, out] (also the router (E, D) -> [D, E], each expert's (F, D) -> [D, F]);
-    "q" / "kv" (N*H, D) -> [D, N, H]; "out" (D, N*H) -> [N, H, D].
+    "q" / "kv" (N*H, D) -> [D, N, H]; "out" (D, N*H) -> [N, H, D]; a layer's
+    fused experts: "fused_gate" / "fused_up" (E, 2F, D) (rows [:F] / [F:]) ->
+    [E, D, F], "fused_down" (E, D, F) -> [E, F, D].
     """
     if kind in ("vector", "embed"):
         return tuple(ours)
@@ -153,6 +171,10 @@ def hf_shape(kind: str, ours: Sequence[int]) -> tuple[int, ...]:
         return (ours[1] * ours[2], ours[0])
     if kind == "out":
         return (ours[2], ours[0] * ours[1])
+    if kind in ("fused_gate", "fused_up"):
+        return (ours[0], 2 * ours[2], ours[1])
+    if kind == "fused_down":
+        return (ours[0], ours[2], ours[1])
     raise ValueError(f"unknown tensor layout kind {kind!r}")
 
 
@@ -203,6 +225,13 @@ def read_block(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Seque
             cols = slice(n.start * H, n.stop * H)
             arr = read(name, (sl[2], cols)).T.reshape(len(n), H, len(d))
             arr = arr[:, h.start:h.stop, :]
+        elif src.kind in ("fused_gate", "fused_up"):
+            e, d, f = sl
+            off = cfg.expert_mlp_dim if src.kind == "fused_up" else 0
+            arr = read(name, (e, slice(f.start + off, f.stop + off), d)).transpose(0, 2, 1)
+        elif src.kind == "fused_down":
+            e, f, d = sl
+            arr = read(name, (e, d, f)).transpose(0, 2, 1)
         else:
             raise ValueError(f"unknown tensor layout kind {src.kind!r}")
         if src.offset:

@@ -224,9 +224,11 @@ def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: Any = "float32", mes
 def _sources(arch: str, cfg: ModelConfig, ckpt: SafetensorsCheckpoint) -> dict[str, hmap.Source]:
     """The tensor map for this checkpoint's naming (Gemma3ForConditionalGeneration
     has been saved as ``language_model.model.*`` and, since transformers 4.52,
-    ``model.language_model.*``)."""
+    ``model.language_model.*``; MoE experts one tensor per expert, or fused per
+    layer as transformers v5 holds them)."""
     if arch != "Gemma3ForConditionalGeneration":
-        return hmap.sources(arch, cfg)
+        fused = "model." + hmap.FUSED_EXPERTS_PROBE in ckpt.files
+        return hmap.sources(arch, cfg, fused_experts=fused)
     for prefix, head in (("model.language_model.", "lm_head.weight"),
                          ("language_model.model.", "language_model.lm_head.weight")):
         if prefix + "embed_tokens.weight" in ckpt.files:

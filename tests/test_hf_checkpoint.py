@@ -212,3 +212,35 @@ def test_is_hf_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # an orbax checkpoint's layout
     (tmp_path / "params").mkdir()
     assert not is_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("case, names", [
+    ("qwen3_moe", ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                   "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")),
+    ("mixtral", ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                 "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")),
+])
+def test_fused_expert_layout_loads_alike(tmp_path, case, names):
+    """transformers v5's own MoE layout (``save_pretrained(save_original_format=False)``):
+    per layer ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` [E, 2F, D] (gate rows, then up
+    rows) and ``mlp.experts.down_proj`` [E, D, F]; make_fixtures.py checks this construction
+    against transformers' own fused save. The parameters equal the per-expert load's."""
+    cfg, want = load_hf_checkpoint(DATA / case, progress=False)
+    router, gate, up, down = names
+
+    def fuse(t):
+        out = {k: v for k, v in t.items() if ".experts." not in k and not k.endswith(router)}
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            stack = lambda pat: np.stack([t[p + pat.format(e=e)] for e in range(cfg.num_experts)])  # noqa: E731
+            out[p + "mlp.gate.weight"] = t[p + router]
+            out[p + "mlp.experts.gate_up_proj"] = np.concatenate([stack(gate), stack(up)], axis=1)
+            out[p + "mlp.experts.down_proj"] = stack(down)
+        return out
+
+    d = _copy(case, tmp_path)
+    _rewrite(d / "model.safetensors", fuse)
+    _, got = load_hf_checkpoint(d, progress=False)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)

@@ -32,6 +32,10 @@ case in several shards with ``model.safetensors.index.json``), and writes:
     top-1 minus top-2 logit), the ``cutoff``, the RoPE inverse frequencies and
     attention factor transformers computed, and the versions used.
 
+For Mixtral and Qwen3-MoE it also checks that transformers' fused expert layout
+(``save_original_format=False``) is the per-expert tensors stacked, as
+tests/test_hf_checkpoint.py builds it (that layout is not committed).
+
 ``rope.json`` holds transformers' inverse frequencies and attention factors for
 the RoPE scaling types at real models' sizes (Llama 3.1 8B's llama3, Qwen3's
 yarn with a factor of 4, Gemma 3 4B's linear 8), for tests/test_hf_config.py.
@@ -161,6 +165,35 @@ def to_v4_config(d: dict) -> dict:
     return d
 
 
+def check_fused_experts(model, out: Path) -> None:
+    """transformers v5's own MoE layout (save_original_format=False) is the per-expert tensors
+    stacked: gate_up_proj = concat([gate, up], rows), down_proj = stack(down)
+    (tests/test_hf_checkpoint.py::test_fused_expert_layout_loads_alike builds it so)."""
+    import tempfile
+
+    from safetensors.numpy import load_file
+
+    per_expert = load_file(str(out / "model.safetensors"))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, save_original_format=False)
+        fused = load_file(str(Path(tmp) / "model.safetensors"))
+    cfg = model.config
+    n = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    moe = "block_sparse_moe" if any("block_sparse_moe" in k for k in per_expert) else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if moe == "block_sparse_moe" else (
+        "gate_proj", "up_proj", "down_proj")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+
+        def stack(w, p=p):
+            return np.stack([per_expert[f"{p}{moe}.experts.{e}.{w}.weight"] for e in range(n)])
+
+        assert np.array_equal(fused[p + "mlp.gate.weight"], per_expert[f"{p}{moe}.gate.weight"])
+        assert np.array_equal(fused[p + "mlp.experts.gate_up_proj"],
+                              np.concatenate([stack(gate), stack(up)], axis=1))
+        assert np.array_equal(fused[p + "mlp.experts.down_proj"], stack(down))
+
+
 def make_case(name: str, seed: int) -> None:
     cls_name, cfg_name, cfg_kw, save_kw, v4 = CASES[name]
     cfg = getattr(transformers, cfg_name)(**cfg_kw)
@@ -181,6 +214,8 @@ def make_case(name: str, seed: int) -> None:
         out, dtype=torch.float32, attn_implementation="eager")
     again = forward_logits(reloaded.eval(), PROMPT)
     assert np.array_equal(logits, again), f"{name}: the saved directory reloads to other logits"
+    if name in ("mixtral", "qwen3_moe"):
+        check_fused_experts(model, out)
     ids, margins, step_logits = greedy(model, PROMPT)
     np.save(out / "logits.npy", logits.astype(np.float32))
     np.save(out / "greedy_logits.npy", step_logits.astype(np.float32))
