@@ -15,6 +15,7 @@ import math
 from typing import Any, Mapping
 
 ARCHITECTURES = ("gemma3", "llama")
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")
 GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen3", "qwen3moe")
 """``general.architecture`` values ``from_gguf_metadata`` reads (llama.cpp's names)."""
 
@@ -39,6 +40,10 @@ class ModelConfig:
         query itself: query i sees key j iff j <= i and i - j < sliding_window.
       sliding_window_pattern: layer i is global iff (i + 1) % pattern == 0
         (Gemma 3: 6, i.e. layers 5, 11, 17); 0 means every layer is global.
+      sliding_layers: per-layer flags, True = a sliding-window layer (HF
+        ``layer_types``); when given (one per layer) they replace
+        ``sliding_window_pattern`` (Mistral: every layer; Qwen3 with
+        ``use_sliding_window``: layers from ``max_window_layers`` on).
       query_pre_attn_scalar: attention scores are scaled by its rsqrt.
       max_position: the longest context the weights were trained for (tokens).
       attn_logit_softcap: optional tanh soft-cap on attention scores (None: off).
@@ -46,9 +51,14 @@ class ModelConfig:
       tie_embeddings: logits = norm(h) @ embed.T (else a separate lm_head [D, V]).
       architecture: "gemma3" or "llama".
       qk_norm: per-head RMSNorm on q and k before RoPE (Gemma 3, Qwen3).
-      rope_scaling_factor: Llama 3.1 RoPE scaling factor (None: unscaled), with
-        rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position
-        (tokens) as in HF's "llama3" rope_type.
+      rope_scaling_factor: RoPE scaling factor (None: unscaled), of type
+        rope_scaling_type: "llama3" (Llama 3.1, with rope_low_freq_factor,
+        rope_high_freq_factor, rope_original_max_position in tokens, as in HF's
+        "llama3" rope_type), "linear" (every frequency divided by the factor) or
+        "yarn" (rope_original_max_position, rope_yarn_beta_fast,
+        rope_yarn_beta_slow, rope_attention_factor, rope_yarn_truncate; see
+        ``model.layers.rope_inv_freq``). The gemma3 decoder scales its global
+        layers only (HF's Gemma 3 runs its sliding layers with unscaled RoPE).
       num_experts: MoE experts per layer (0: a dense MLP).
       num_experts_per_tok: experts each token is routed to (top-k).
       expert_mlp_dim: each expert's SwiGLU hidden width.
@@ -78,6 +88,12 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_scaling_type: str = "llama3"
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
+    rope_yarn_truncate: bool = True
+    sliding_layers: tuple[bool, ...] = ()
     num_experts: int = 0
     num_experts_per_tok: int = 0
     expert_mlp_dim: int = 0
@@ -93,6 +109,17 @@ class ModelConfig:
                                  f"got {self.num_experts_per_tok}")
             if self.expert_mlp_dim < 1:
                 raise ValueError("an MoE config needs expert_mlp_dim >= 1")
+        if self.rope_scaling_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope_scaling_type must be one of {ROPE_SCALING_TYPES}, "
+                             f"got {self.rope_scaling_type!r}")
+        # JSON (a checkpoint's config.json) gives a list; keep the dataclass hashable.
+        object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
+        if self.sliding_layers:
+            if len(self.sliding_layers) != self.num_layers:
+                raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries, "
+                                 f"expected one per layer ({self.num_layers})")
+            if any(self.sliding_layers) and self.sliding_window < 1:
+                raise ValueError("sliding_layers marks sliding layers but sliding_window < 1")
         if self.architecture == "gemma3" and not self.tie_embeddings:
             raise ValueError("the gemma3 decoder ties its output head to the embedding")
         if self.num_heads % self.num_kv_heads:
@@ -109,12 +136,19 @@ class ModelConfig:
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
     def is_global_layer(self, layer: int) -> bool:
+        if self.sliding_layers:
+            return not self.sliding_layers[layer]
         p = self.sliding_window_pattern
         return p == 0 or (layer + 1) % p == 0
 
     def layer_windows(self) -> list[int]:
         """Per-layer attention window in tokens; 0 means unlimited (global)."""
         return [0 if self.is_global_layer(i) else self.sliding_window for i in range(self.num_layers)]
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(w > 0 for w in self.layer_windows())
 
     def layer_rope_thetas(self) -> list[float]:
         return [

@@ -137,16 +137,21 @@ class Gemma3(nnx.Module):
                          "k_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         }
         eps = cfg.rms_norm_eps
-        use_window = cfg.sliding_window_pattern != 1  # some layers are sliding
+        use_window = cfg.has_sliding_layers
+        # HF's Gemma 3 scales the RoPE of its global layers only (rope_scaling, e.g. linear 8
+        # on 4B+); unscaled models scan over the same inputs as before (same program).
+        scaled_rope = cfg.rope_scaling_factor is not None
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
-            p, l, window, theta = xs
+            p, l, window, theta = xs[:4]
+            rope_scaled = xs[4] if scaled_rope else True
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             h = rms_norm(x, p["attn_norm"], eps)
             o, k_cache, v_cache = attention_block(
                 h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,
-                window=window if use_window else None, dtype=dtype, compute=compute)
+                window=window if use_window else None, dtype=dtype, compute=compute,
+                rope_scaled=rope_scaled)
             x = x + rms_norm(o, p["post_attn_norm"], eps)
             h = rms_norm(x, p["ffw_norm"], eps)
             gate = compute.dot("td,df->tf", h, p["w_gate"], dtype)
@@ -156,9 +161,10 @@ class Gemma3(nnx.Module):
             return (x, k_cache, v_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(
-            layer, (x, kv_cache.k, kv_cache.v), (layer_params, layer_ids, windows, thetas)
-        )
+        xs = (layer_params, layer_ids, windows, thetas)
+        if scaled_rope:
+            xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)
+        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
         x = rms_norm(x[logits_indices], self.final_norm[...], eps)
         logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
         if cfg.final_logit_softcap is not None:

@@ -28,28 +28,87 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
 
 
-def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None) -> jax.Array:
-    """[head_dim / 2] f32 inverse frequencies, with Llama 3.1's frequency-dependent
-    scaling when ``cfg.rope_scaling_factor`` is set (HF ``_compute_llama3_parameters``):
-    wavelengths above ``original_max_position / low_freq_factor`` are divided by
-    ``factor``, those below ``original_max_position / high_freq_factor`` kept, and
-    the band between interpolated smoothly."""
+def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None, scaled=True) -> jax.Array:
+    """[head_dim / 2] f32 inverse frequencies ``theta ** (-2i / head_dim)``, scaled as
+    ``cfg.rope_scaling_type`` says when ``cfg.rope_scaling_factor`` is set:
+
+      * "llama3" (Llama 3.1; HF ``_compute_llama3_parameters``): wavelengths above
+        ``original_max_position / low_freq_factor`` are divided by ``factor``,
+        those below ``original_max_position / high_freq_factor`` kept, and the
+        band between interpolated smoothly.
+      * "linear" (Chen et al. 2023, "Extending Context Window of Large Language
+        Models via Positional Interpolation"; HF ``_compute_linear_scaling_rope_parameters``):
+        every frequency divided by ``factor``.
+      * "yarn" (Peng et al. 2023, "YaRN: Efficient Context Window Extension of
+        Large Language Models", sec. 3.2 "NTK-by-parts"; HF ``_compute_yarn_parameters``):
+        with ``d(r) = head_dim * ln(original_max_position / (2 pi r)) / (2 ln theta)``
+        the dimension that turns ``r`` times over the original context,
+        ``low = d(beta_fast)``, ``high = d(beta_slow)`` (floored / ceiled when
+        ``rope_yarn_truncate``, clamped to [0, head_dim - 1]) and
+        ``ramp_i = clip((i - low) / (high - low), 0, 1)``, frequency i is
+        ``inv_freq_i * (1 - ramp_i) + inv_freq_i / factor * ramp_i``; the
+        cos/sin attention factor is :func:`rope_attention_factor`.
+
+    Args:
+      head_dim: the rotated width.
+      theta: RoPE base (python float or traced scalar).
+      cfg: the scaling parameters (None: unscaled).
+      scaled: False (or a traced False) returns the unscaled frequencies
+        (Gemma 3's sliding layers).
+    """
     half = head_dim // 2
     exponent = jnp.arange(half, dtype=jnp.float32) * (2.0 / head_dim)
     inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)
-    if cfg is None or cfg.rope_scaling_factor is None:
+    if cfg is None or cfg.rope_scaling_factor is None or scaled is False:
         return inv_freq
-    factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    factor = cfg.rope_scaling_factor
+    kind = cfg.rope_scaling_type
+    if kind == "linear":
+        out = inv_freq / factor
+    elif kind == "yarn":
+        out = _yarn_inv_freq(inv_freq, head_dim, theta, cfg)
+    else:
+        lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = float(cfg.rope_original_max_position)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = jnp.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        out = jnp.where(medium, smoothed, out)
+    return out if scaled is True else jnp.where(scaled, out, inv_freq)
+
+
+def _yarn_inv_freq(inv_freq: jax.Array, head_dim: int, theta, cfg: ModelConfig) -> jax.Array:
+    """YaRN's NTK-by-parts frequencies (formula in :func:`rope_inv_freq`)."""
+    log_base = jnp.log(jnp.asarray(theta, jnp.float32))
     old_len = float(cfg.rope_original_max_position)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = jnp.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-    medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
-    return jnp.where(medium, smoothed, out)
+
+    def correction_dim(rotations: float):
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * log_base)
+
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:
+        low, high = jnp.floor(low), jnp.ceil(high)
+    low, high = jnp.maximum(low, 0.0), jnp.minimum(high, head_dim - 1.0)
+    high = jnp.where(high == low, high + 0.001, high)  # as HF: no zero-width ramp
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1.0 - ramp)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | None = None) -> jax.Array:
+def rope_attention_factor(cfg: ModelConfig | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other RoPE):
+    ``cfg.rope_attention_factor``, else the paper's ``0.1 ln(factor) + 1`` (YaRN
+    sec. 3.4, "sqrt(1/t) = 0.1 ln(s) + 1"; HF ``get_mscale``)."""
+    if cfg is None or cfg.rope_scaling_factor is None or cfg.rope_scaling_type != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return float(cfg.rope_attention_factor)
+    return 0.1 * math.log(cfg.rope_scaling_factor) + 1.0 if cfg.rope_scaling_factor > 1 else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | None = None,
+               scaled=True) -> jax.Array:
     """Rotary embedding, rotate-half (NeoX) pairing: element d pairs with d + head_dim/2.
 
     Args:
@@ -57,12 +116,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | Non
       positions: [T] int32 absolute positions.
       theta: RoPE base (python float or traced scalar).
       cfg: only for RoPE scaling (see :func:`rope_inv_freq`); None: unscaled.
+      scaled: whether this layer's RoPE is scaled (bool or traced bool; Gemma 3
+        scales its global layers only).
     """
     half = x.shape[-1] // 2
-    inv_freq = rope_inv_freq(x.shape[-1], theta, cfg)  # [half]
+    inv_freq = rope_inv_freq(x.shape[-1], theta, cfg, scaled)  # [half]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    factor = rope_attention_factor(cfg) if scaled is not False else 1.0
+    if factor != 1.0:
+        factor = factor if scaled is True else jnp.where(scaled, factor, 1.0)
+        cos, sin = cos * factor, sin * factor
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -121,7 +186,8 @@ def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
 
 def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Array,
                     v_cache: jax.Array, md: AttentionMetadata, layer, *, cfg: ModelConfig, theta,
-                    window, dtype, compute: Compute) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    window, dtype, compute: Compute, rope_scaled=True
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention sub-layer of one layer (inside the layer scan).
 
     Args:
@@ -133,6 +199,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
       md: the step's attention metadata.
       layer: int32 scalar, this layer's index into the cache.
       theta: this layer's RoPE base; window: its sliding window (None or int32, <= 0: global).
+      rope_scaled: whether ``cfg``'s RoPE scaling applies to this layer (bool or traced bool).
       dtype: matmul-input dtype; compute: the dot and the attention implementation.
 
     Returns:
@@ -147,8 +214,8 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-    q = apply_rope(q, positions, theta, cfg)
-    k = apply_rope(k, positions, theta, cfg)
+    q = apply_rope(q, positions, theta, cfg, rope_scaled)
+    k = apply_rope(k, positions, theta, cfg, rope_scaled)
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
     attn = paged_attention(
         q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,

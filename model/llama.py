@@ -11,7 +11,8 @@ Architecture (Llama 3: Grattafiori et al. 2024; HF ``modeling_llama.py``)::
 ``cfg.num_experts > 0`` the mixture of experts of ``model.moe`` (Mixtral:
 8 experts, top-2; Qwen3-30B-A3B: 128 experts, top-8, with QK-norm). The
 attention sub-layer is Gemma 3's (``model.layers.attention_block``) without
-sliding windows or soft-caps.
+soft-caps; layers that ``cfg`` marks sliding (Mistral's ``sliding_window``,
+Qwen3's ``use_sliding_window``) attend through the window.
 
 Layer weights are stacked on a leading ``layers`` axis and the decoder runs
 as one ``lax.scan``; stacked weights in a storage representation are turned
@@ -134,14 +135,16 @@ class Llama(nnx.Module):
         layer_params = {n: getattr(self, n)[...] for n in _LAYER_PARAMS if n in layout}
         eps = cfg.rms_norm_eps
         theta = cfg.rope_theta_global
+        use_window = cfg.has_sliding_layers  # Mistral, Qwen3 with use_sliding_window
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
-            p, l = xs
+            p, l = xs[:2]
+            window = xs[2] if use_window else None
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             o, k_cache, v_cache = attention_block(
                 rms_norm(x, p["attn_norm"], eps), p, positions, k_cache, v_cache, md, l, cfg=cfg,
-                theta=theta, window=None, dtype=dtype, compute=compute)
+                theta=theta, window=window, dtype=dtype, compute=compute)
             h = x + o
             y = rms_norm(h, p["ffw_norm"], eps)
             if cfg.is_moe:
@@ -153,8 +156,10 @@ class Llama(nnx.Module):
             return (h + y, k_cache, v_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(
-            layer, (x, kv_cache.k, kv_cache.v), (layer_params, layer_ids))
+        xs = (layer_params, layer_ids)
+        if use_window:  # per-layer windows (models without sliding layers scan as before)
+            xs += (jnp.asarray(cfg.layer_windows(), jnp.int32),)
+        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
         x = rms_norm(x[logits_indices], self.final_norm[...], eps)
         if cfg.tie_embeddings:
             logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)

@@ -1,0 +1,246 @@
+"""Which Hugging Face tensor becomes which parameter, per architecture, and how.
+
+transformers names a checkpoint's tensors after its modules
+(``model.layers.{i}.self_attn.q_proj.weight``, ...) and stores a linear layer
+as ``nn.Linear.weight``: ``(out, in)``, ``y = x @ W.T``. Our decoders keep
+einsum layouts with the layers (and experts) stacked on leading axes
+(``model.llama.param_layout``, ``model.gemma3.Gemma3``), so each parameter is
+one name pattern (``{i}`` = layer, ``{e}`` = expert) and a layout kind, as in
+``model.gguf_tensor_map`` for GGUF names. HF's q/k rows are in rotate-half
+order already (what ``model.layers.apply_rope`` uses): nothing is permuted.
+
+Gemma 3's RMSNorm multiplies by ``1 + w`` (``Gemma3RMSNorm``); ours stores the
+full multiplier, so its norms load with ``offset=1``.
+
+:func:`read_block` turns one block of one of our parameters (the index a device
+holds) into the reads of only those bytes from the HF tensor (a ``get_slice``
+of ``safetensors``), so a device never reads another device's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one of our parameters comes from.
+
+    Attributes:
+      pattern: the HF tensor name, with ``{i}`` (layer, stacked on our axis 0)
+        and ``{e}`` (expert, stacked on the next axis) where it is per layer / expert.
+      kind: layout kind of each HF tensor (see :func:`hf_shape`).
+      offset: added to every value (1.0 for Gemma 3's norms).
+    """
+
+    pattern: str
+    kind: str
+    offset: float = 0.0
+
+    @property
+    def stacked_axes(self) -> int:
+        return ("{i}" in self.pattern) + ("{e}" in self.pattern)
+
+
+_LAYER = "layers.{i}."
+_ATTENTION = {
+    "wq": Source(_LAYER + "self_attn.q_proj.weight", "q"),
+    "wk": Source(_LAYER + "self_attn.k_proj.weight", "kv"),
+    "wv": Source(_LAYER + "self_attn.v_proj.weight", "kv"),
+    "wo": Source(_LAYER + "self_attn.o_proj.weight", "out"),
+}
+_QK_NORM = {
+    "q_norm": Source(_LAYER + "self_attn.q_norm.weight", "vector"),
+    "k_norm": Source(_LAYER + "self_attn.k_norm.weight", "vector"),
+}
+_DENSE_MLP = {
+    "w_gate": Source(_LAYER + "mlp.gate_proj.weight", "in"),
+    "w_up": Source(_LAYER + "mlp.up_proj.weight", "in"),
+    "w_down": Source(_LAYER + "mlp.down_proj.weight", "in"),
+}
+_MIXTRAL_MOE = {  # MixtralSparseMoeBlock: w1 = gate, w3 = up, w2 = down
+    "router": Source(_LAYER + "block_sparse_moe.gate.weight", "in"),
+    "w_gate": Source(_LAYER + "block_sparse_moe.experts.{e}.w1.weight", "in"),
+    "w_up": Source(_LAYER + "block_sparse_moe.experts.{e}.w3.weight", "in"),
+    "w_down": Source(_LAYER + "block_sparse_moe.experts.{e}.w2.weight", "in"),
+}
+_QWEN3_MOE = {
+    "router": Source(_LAYER + "mlp.gate.weight", "in"),
+    "w_gate": Source(_LAYER + "mlp.experts.{e}.gate_proj.weight", "in"),
+    "w_up": Source(_LAYER + "mlp.experts.{e}.up_proj.weight", "in"),
+    "w_down": Source(_LAYER + "mlp.experts.{e}.down_proj.weight", "in"),
+}
+
+_FUSED_MOE = {  # transformers v5's own layout (save_original_format=False), Mixtral and Qwen3-MoE
+    "router": Source(_LAYER + "mlp.gate.weight", "in"),
+    "w_gate": Source(_LAYER + "mlp.experts.gate_up_proj", "fused_gate"),
+    "w_up": Source(_LAYER + "mlp.experts.gate_up_proj", "fused_up"),
+    "w_down": Source(_LAYER + "mlp.experts.down_proj", "fused_down"),
+}
+FUSED_EXPERTS_PROBE = "layers.0.mlp.experts.gate_up_proj"
+"""A tensor (after the prefix) only checkpoints in the fused expert layout hold."""
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers older conversions saved that are no weights (transformers skips them too)."""
+
+
+def sources(arch: str, cfg: ModelConfig, prefix: str = "model.",
+            head: str = "lm_head.weight", fused_experts: bool = False) -> dict[str, Source]:
+    """{our parameter: Source} for ``config.json``'s architecture.
+
+    Args:
+      arch: an ``architectures`` entry (``model.hf_config.HF_ARCHITECTURES``).
+      cfg: its config (tied head, QK-norm).
+      prefix: what precedes ``layers.``, ``embed_tokens`` and ``norm`` ("model."; the
+        language model of a Gemma3ForConditionalGeneration: "language_model.model."
+        or "model.language_model.").
+      head: the untied output head's name.
+      fused_experts: MoE experts stored stacked per layer, as transformers v5
+        holds them (``mlp.experts.gate_up_proj`` [E, 2F, D] = gate rows then up
+        rows, ``mlp.experts.down_proj`` [E, D, F]), instead of one tensor per
+        expert (every Mixtral and Qwen3-MoE release).
+    """
+    out = {
+        "embed": Source(prefix + "embed_tokens.weight", "embed"),
+        "final_norm": Source(prefix + "norm.weight", "vector"),
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head"] = Source(head, "in")
+    extras = _layer_extras(arch, cfg)
+    if fused_experts and cfg.is_moe:
+        extras.update(_FUSED_MOE)
+    layer = {k: dataclasses.replace(v, pattern=prefix + v.pattern)
+             for k, v in {**_ATTENTION, **extras}.items()}
+    out.update(layer)
+    if arch.startswith("Gemma3"):
+        out = {k: dataclasses.replace(v, offset=1.0) if v.kind == "vector" else v
+               for k, v in out.items()}
+    return out
+
+
+def _layer_extras(arch: str, cfg: ModelConfig) -> dict[str, Source]:
+    if arch.startswith("Gemma3"):
+        norms = {
+            "attn_norm": Source(_LAYER + "input_layernorm.weight", "vector"),
+            "post_attn_norm": Source(_LAYER + "post_attention_layernorm.weight", "vector"),
+            "ffw_norm": Source(_LAYER + "pre_feedforward_layernorm.weight", "vector"),
+            "post_ffw_norm": Source(_LAYER + "post_feedforward_layernorm.weight", "vector"),
+        }
+        return {**norms, **_QK_NORM, **_DENSE_MLP}
+    out = {
+        "attn_norm": Source(_LAYER + "input_layernorm.weight", "vector"),
+        "ffw_norm": Source(_LAYER + "post_attention_layernorm.weight", "vector"),
+    }
+    if cfg.qk_norm:
+        out.update(_QK_NORM)
+    if not cfg.is_moe:
+        out.update(_DENSE_MLP)
+    elif arch == "MixtralForCausalLM":
+        out.update(_MIXTRAL_MOE)
+    else:
+        out.update(_QWEN3_MOE)
+    return out
+
+
+def tensor_names(src: Source, cfg: ModelConfig) -> list[str]:
+    """Every HF tensor name a Source reads."""
+    layers = range(cfg.num_layers) if "{i}" in src.pattern else [None]
+    experts = range(cfg.num_experts) if "{e}" in src.pattern else [None]
+    return [src.pattern.format(i=i, e=e) for i in layers for e in experts]
+
+
+def hf_shape(kind: str, ours: Sequence[int]) -> tuple[int, ...]:
+    """The HF tensor shape behind our per-tensor shape ``ours``.
+
+    kinds: "vector" [n] and "embed" [V, D] as stored; "in" (out, in) -> ours
+    [in, out] (also the router (E, D) -> [D, E], each expert's (F, D) -> [D, F]);
+    "q" / "kv" (N*H, D) -> [D, N, H]; "out" (D, N*H) -> [N, H, D]; a layer's
+    fused experts: "fused_gate" / "fused_up" (E, 2F, D) (rows [:F] / [F:]) ->
+    [E, D, F], "fused_down" (E, D, F) -> [E, F, D].
+    """
+    if kind in ("vector", "embed"):
+        return tuple(ours)
+    if kind == "in":
+        return (ours[1], ours[0])
+    if kind in ("q", "kv"):
+        return (ours[1] * ours[2], ours[0])
+    if kind == "out":
+        return (ours[2], ours[0] * ours[1])
+    if kind in ("fused_gate", "fused_up"):
+        return (ours[0], 2 * ours[2], ours[1])
+    if kind == "fused_down":
+        return (ours[0], ours[2], ours[1])
+    raise ValueError(f"unknown tensor layout kind {kind!r}")
+
+
+def _ranges(index: Sequence[slice], shape: Sequence[int]) -> list[range]:
+    return [range(*s.indices(n)) for s, n in zip(index, shape)]
+
+
+def read_block(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Sequence[slice],
+               read: Callable[[str, tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+    """The block ``index`` of our parameter (global ``shape``) from its HF tensors.
+
+    Args:
+      src: the parameter's Source.
+      cfg: shapes (head_dim, layer and expert counts).
+      shape: the parameter's global shape (stacked axes first).
+      index: one slice per dimension (a device's block, e.g. from
+        ``jax.make_array_from_callback``); steps must be 1.
+      read: ``read(hf_name, hf_index) -> array`` reading only ``hf_index`` of the
+        HF tensor (a safetensors ``get_slice``).
+
+    Returns:
+      The block in our layout, in the stored dtype (float32 where ``src.offset``
+      was added); the caller casts.
+
+    Rows of a "q"/"kv"/"out" tensor are read for whole heads: a block that
+    splits ``head_dim`` reads its heads' full rows and keeps its columns.
+    """
+    ranges = _ranges(index, shape)
+    if any(r.step != 1 for r in ranges):
+        raise ValueError(f"{src.pattern}: strided blocks are not supported ({index})")
+    n_stacked = src.stacked_axes
+    stacked, inner = ranges[:n_stacked], ranges[n_stacked:]
+    H = cfg.head_dim
+
+    def one(name: str) -> np.ndarray:
+        sl = [slice(r.start, r.stop) for r in inner]
+        if src.kind in ("vector", "embed"):
+            arr = read(name, tuple(sl))
+        elif src.kind == "in":
+            arr = read(name, (sl[1], sl[0])).T
+        elif src.kind in ("q", "kv"):
+            d, n, h = inner
+            rows = slice(n.start * H, n.stop * H)
+            arr = read(name, (rows, sl[0])).reshape(len(n), H, len(d))
+            arr = arr[:, h.start:h.stop, :].transpose(2, 0, 1)
+        elif src.kind == "out":
+            n, h, d = inner
+            cols = slice(n.start * H, n.stop * H)
+            arr = read(name, (sl[2], cols)).T.reshape(len(n), H, len(d))
+            arr = arr[:, h.start:h.stop, :]
+        elif src.kind in ("fused_gate", "fused_up"):
+            e, d, f = sl
+            off = cfg.expert_mlp_dim if src.kind == "fused_up" else 0
+            arr = read(name, (e, slice(f.start + off, f.stop + off), d)).transpose(0, 2, 1)
+        elif src.kind == "fused_down":
+            e, f, d = sl
+            arr = read(name, (e, d, f)).transpose(0, 2, 1)
+        else:
+            raise ValueError(f"unknown tensor layout kind {src.kind!r}")
+        if src.offset:
+            arr = arr.astype(np.float32) + np.float32(src.offset)
+        return arr
+
+    if n_stacked == 0:
+        return one(src.pattern)
+    if n_stacked == 1:
+        return np.stack([one(src.pattern.format(i=i)) for i in stacked[0]])
+    return np.stack([np.stack([one(src.pattern.format(i=i, e=e)) for e in stacked[1]])
+                     for i in stacked[0]])
