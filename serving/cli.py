@@ -142,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
-                                  "stream_write_timeout"))
+                                  "stream_write_timeout", "default_chat_max_tokens"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
@@ -156,7 +156,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                stream_write_timeout=cfg.stream_write_timeout)
         app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
                                              max_model_len=loop.max_model_len,
-                                             kv_capacity_tokens=loop.kv_capacity_tokens)}, services, limits)
+                                             kv_capacity_tokens=loop.kv_capacity_tokens,
+                                             default_chat_max_tokens=cfg.default_chat_max_tokens)},
+                         services, limits)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()
         try:
@@ -290,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                        "config's prefix_cache_groups); by default each tenant shares only with itself")
     serve.add_argument("--max-request-bytes", type=int, default=None,
                        help="larger request bodies get 413 before they are read (default 4 MiB)")
+    serve.add_argument("--default-chat-max-tokens", type=int, default=None,
+                       help="cap the completion of a chat request that sends no max_tokens (default: "
+                       "the most that fits the context window and the KV cache)")
     serve.add_argument("--max-prompt-chars", type=int, default=None,
                        help="longer prompts (chat: all message contents) get 400 before tokenizing "
                        "(default 1000000)")

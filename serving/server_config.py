@@ -41,6 +41,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1_000_000
+    default_chat_max_tokens: int | None = None
     stream_buffer_events: int = 1024
     stream_write_timeout: float = 30.0
     served_model_name: str | None = None
@@ -65,8 +66,9 @@ class ServerConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
-        for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2)):
-            if getattr(self, name) < least:
+        for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
+                            ("default_chat_max_tokens", 1)):
+            if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
         if not self.stream_write_timeout > 0:
             raise ValueError(f"stream_write_timeout must be positive, got {self.stream_write_timeout!r}")

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from serving.engine_client import EngineRequest
+from serving.gateway.app import ServedModel, create_app
 from tests.gateway_fakes import BOS_ID, END_OF_TURN_ID, START_OF_TURN_ID, FakeEngine
 from tests.gateway_harness import (
     CHAT,
@@ -173,6 +174,18 @@ async def test_chat_non_streaming(engine):
     assert req.sampling.max_tokens == 100 - len(prompt_ids)
     assert body["usage"]["prompt_tokens"] == len(prompt_ids)
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+
+
+async def test_default_chat_max_tokens_caps_only_requests_without_max_tokens(engine):
+    app = create_app({MODEL: ServedModel(MODEL, engine, TOK, 512, default_chat_max_tokens=7)})
+    async with client_for(app) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert engine.submitted[-1].sampling.max_tokens == 7
+        r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20})
+        assert r.status_code == 200, r.text
+        assert engine.submitted[-1].sampling.max_tokens == 20  # the client's own value wins
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert engine.submitted[-1].sampling.max_tokens == 16  # completions keep OpenAI's default
 
 
 async def test_chat_max_completion_tokens_and_text_parts(client, engine):

@@ -119,7 +119,8 @@ def require_json_content_type(content_type: str | None) -> None:
     if (not content_type or header.get_content_type() != "application/json"
             or charset not in ("utf-8", "utf8")):
         raise OpenAIError(
-            f"Content-Type must be 'application/json' (UTF-8); got {content_type!r}.",
+            f"Content-Type must be 'application/json' (UTF-8); got "
+            f"{repr(content_type) if content_type else 'none'}.",
             status_code=415, code="unsupported_media_type")
 
 
@@ -370,7 +371,8 @@ class OpenAIServing:
 
         ``max_tokens`` defaults to the most the request can have: what the
         messages leave of the context window and of the KV cache
-        (``min(max_model_len, kv_capacity_tokens) - prompt_tokens``).
+        (``min(max_model_len, kv_capacity_tokens) - prompt_tokens``), capped
+        by the operator's ``default_chat_max_tokens`` when set.
 
         Raises:
           Same as :meth:`create_completion`; 400 also for messages the chat
@@ -390,6 +392,8 @@ class OpenAIServing:
             if max_tokens < 1:
                 raise no_room_for_completion(served.max_model_len, served.kv_capacity_tokens,
                                              len(prompt_ids))
+            if served.default_chat_max_tokens is not None:
+                max_tokens = min(max_tokens, served.default_chat_max_tokens)
         texts = [m.content for m in req.messages if isinstance(m.content, str)]
         gen = await self._start(request, principal, arrival, served, "chatcmpl", prompt_ids, req,
                                 max_tokens, "messages", texts)

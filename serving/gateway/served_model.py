@@ -22,6 +22,9 @@ class ServedModel:
       kv_capacity_tokens: the most tokens (prompt + completion) one request
         can hold in the engine's KV cache (``EngineClient.kv_capacity_tokens``);
         None: no bound beyond the context window.
+      default_chat_max_tokens: the operator's cap on the completion of a chat
+        request that sends no ``max_tokens`` (None: the largest that fits,
+        :attr:`max_request_tokens` minus the prompt).
     """
 
     name: str
@@ -30,6 +33,7 @@ class ServedModel:
     max_model_len: int
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     kv_capacity_tokens: int | None = None
+    default_chat_max_tokens: int | None = None
 
     @property
     def max_request_tokens(self) -> int:
