@@ -6,6 +6,9 @@ Layout of a checkpoint directory::
     DIR/params/          orbax StandardCheckpointer: {name: array}, names as in
                          the model's parameter layout (``model.factory.abstract_params``)
     DIR/tokenizer.model  the SentencePiece model (serialized ModelProto), if any
+    DIR/tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja
+                         a ``tokenizers`` (BPE) tokenizer and its chat template, if any
+                         (:data:`TOKENIZER_FILES`, as a Hugging Face checkpoint holds them)
 
 Orbax stores each array as a tensorstore (zarr) array independent of how it
 was sharded when written, so a checkpoint written on one mesh restores onto
@@ -26,16 +29,29 @@ import numpy as np
 
 from model.config import ModelConfig
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+"""The Hugging Face tokenizer and chat-template files a checkpoint may hold beside its arrays."""
+
 
 def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, object],
-                    tokenizer_model: bytes | None = None) -> Path:
+                    tokenizer_model: bytes | None = None,
+                    tokenizer_files: Mapping[str, bytes] | None = None) -> Path:
     """Writes ``params`` ({name: numpy or jax array, possibly sharded}) with config and tokenizer.
 
     Every process of a multi-process run must call it (orbax coordinates the write).
 
+    Args:
+      tokenizer_model: a SentencePiece model (Gemma's), written as ``tokenizer.model``.
+      tokenizer_files: {file name: bytes} of :data:`TOKENIZER_FILES` (a BPE
+        tokenizer, its chat template), written beside the arrays.
+
     Raises:
       FileExistsError: ``out_dir/params`` already exists.
+      ValueError: a tokenizer file name outside :data:`TOKENIZER_FILES`.
     """
+    bad = sorted(set(tokenizer_files or ()) - set(TOKENIZER_FILES))
+    if bad:
+        raise ValueError(f"save_checkpoint: {bad} are not tokenizer files ({', '.join(TOKENIZER_FILES)})")
     import orbax.checkpoint as ocp
 
     out = Path(out_dir).resolve()
@@ -50,6 +66,8 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mappin
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         if tokenizer_model is not None:
             (out / "tokenizer.model").write_bytes(tokenizer_model)
+        for file, data in (tokenizer_files or {}).items():
+            (out / file).write_bytes(data)
     return out
 
 

@@ -3,6 +3,7 @@
 
     xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
     xlaserve serve --model tiny-random --port 8100
+    xlaserve serve --model path/to/hf_checkpoint_dir     # or a .gguf file, or a Hub id org/name
     xlaserve generate "The capital of France is" --max-tokens 24
     xlaserve keys create --tenant acme --rpm 60
     xlaserve usage --group-by day
@@ -25,7 +26,9 @@ log = logging.getLogger("xlaserve")
 
 _SETTINGS = [
     # (flag, type, help)
-    ("model", str, "model name from configs/models.yaml, or a path to a .gguf file"),
+    ("model", str, "model name from configs/models.yaml, a .gguf file, a Hugging Face checkpoint "
+                   "directory, or a Hugging Face Hub id (org/name)"),
+    ("revision", str, "branch, tag or commit of a Hub id --model (default: main)"),
     ("dtype", str, "float32 | bfloat16: weights and matmul inputs"),
     ("kv_dtype", str, "KV cache dtype (default: same as --dtype)"),
     ("max_model_len", int, "context window in tokens (prompt + completion)"),

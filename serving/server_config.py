@@ -22,6 +22,7 @@ class ServerConfig:
     """See configs/server.yaml for each field's meaning and unit."""
 
     model: str = "gemma-3-270m"
+    revision: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "bfloat16"

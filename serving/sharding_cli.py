@@ -1,8 +1,10 @@
 """``xlaserve convert`` and ``xlaserve shard-plan``, and loading a model onto a mesh for ``serve``.
 
     xlaserve convert path/to/model.gguf OUT_DIR       # orbax checkpoint + config + tokenizer
+    xlaserve convert path/to/hf_dir OUT_DIR            # a Hugging Face checkpoint (or a Hub id)
     xlaserve convert tiny-moe OUT_DIR                  # a random model from configs/models.yaml
     xlaserve shard-plan --model llama3-70b --mesh tensor=8 --device h200 --slots 32 --max-len 8192
+    xlaserve shard-plan --model org/name --mesh tensor=8   # a Hub id's (or a directory's) config.json
     xlaserve serve --checkpoint OUT_DIR --mesh data=1,tensor=4,expert=1
 """
 
@@ -19,18 +21,22 @@ log = logging.getLogger("xlaserve")
 
 def register(sub) -> None:
     """Adds the ``convert`` and ``shard-plan`` subcommands to the CLI's subparsers."""
-    conv = sub.add_parser("convert", help="write an orbax checkpoint (with config and tokenizer) "
-                                          "from a GGUF or a named random model")
-    conv.add_argument("source", help="a .gguf path, or a name from configs/models.yaml")
+    conv = sub.add_parser("convert", help="write an orbax checkpoint (with config, tokenizer and chat "
+                                          "template) from a GGUF, a Hugging Face checkpoint or a "
+                                          "named model")
+    conv.add_argument("source", help="a .gguf path, a Hugging Face checkpoint directory, a Hub id "
+                                     "(org/name), or a name from configs/models.yaml")
     conv.add_argument("out_dir", help="output directory (created; must not hold a checkpoint)")
     conv.add_argument("--name", help="the model name the checkpoint serves as (default: the "
-                      "configs/models.yaml name, or the GGUF file's stem)")
+                      "configs/models.yaml name, the GGUF file's stem, the directory's name or the Hub id)")
+    conv.add_argument("--revision", help="a Hub id's branch, tag or commit (default: main)")
     conv.set_defaults(func=cmd_convert)
 
     sp = sub.add_parser("shard-plan", help="per-device memory and decode floor of a model on a mesh")
     sp.add_argument("--model", required=True,
-                    help="model config: YAML path, configs/ name (llama3-70b, mixtral-8x7b, ...) "
-                         "or random model name")
+                    help="model config: YAML path, configs/ name (llama3-70b, mixtral-8x7b, ...), "
+                         "random model name, GGUF path, Hugging Face checkpoint directory or Hub id")
+    sp.add_argument("--revision", help="a Hub id's branch, tag or commit (default: main)")
     sp.add_argument("--mesh", default="", help="e.g. tensor=8 or data=2,tensor=4,expert=1")
     sp.add_argument("--device", default="h200", help="v5e | v6e | h100 | h200 (configs/devices.yaml)")
     sp.add_argument("--slots", type=int, default=32, help="concurrent sequences")
@@ -46,45 +52,91 @@ def cmd_shard_plan(args: argparse.Namespace) -> int:
     from sharding.mesh import MeshConfig
     from sharding.plan import device_spec, load_model_config, plan
 
-    p = plan(load_model_config(args.model), MeshConfig.parse(args.mesh), device_spec(args.device),
+    p = plan(plan_model_config(args.model, getattr(args, "revision", None)), MeshConfig.parse(args.mesh),
+             device_spec(args.device),
              slots=args.slots, max_len=args.max_len, page_size=args.page_size,
              prefill_chunk=args.prefill_chunk, dtype=args.dtype, kv_dtype=args.kv_dtype)
     print(p.table())
     return 0
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
+def plan_model_config(model: str, revision: str | None = None):
+    """The ModelConfig ``shard-plan`` plans: a Hugging Face checkpoint directory's or a Hub id's
+    ``config.json`` (only that file is fetched), else ``sharding.plan.load_model_config``'s forms.
+
+    Raises:
+      ValueError: none of the forms, or an unsupported ``config.json``.
+    """
     from pathlib import Path
+
+    from serving.model_source import CONFIG_FILES, is_hub_id, resolve_model
+    from sharding.plan import load_model_config
+
+    path = Path(model).expanduser()
+    if (path.is_dir() or (is_hub_id(model) and not path.exists() and path.suffix not in (".yaml", ".yml"))
+            or revision is not None):
+        from model.hf_config import read_hf_config
+
+        source = resolve_model(model, revision=revision, files=CONFIG_FILES)
+        if source.is_hf:
+            return read_hf_config(source.path, name=source.name)
+    return load_model_config(model)
+
+
+def _tokenizer_files(directory) -> dict[str, bytes]:
+    """The tokenizer and chat-template files a directory holds ({name: bytes}), verbatim."""
+    from pathlib import Path
+
+    from model.checkpoint import TOKENIZER_FILES
+
+    return {f: (Path(directory) / f).read_bytes() for f in TOKENIZER_FILES if (Path(directory) / f).is_file()}
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import tempfile
 
     from model.checkpoint import save_checkpoint
     from serving.model_registry import known_models
+    from serving.model_source import resolve_model
 
     t0 = time.perf_counter()
     models = known_models()
-    if args.source.endswith(".gguf") and Path(args.source).is_file():
-        from model.gguf_loader import load_gguf
-        from model.tokenizer import Tokenizer
+    source = resolve_model(args.source, revision=getattr(args, "revision", None), registry=models)
+    tok, tok_files = None, None
+    if source.is_hf:
+        from model.safetensors_loader import load_hf_checkpoint
+        from serving.model_registry import hf_tokenizer
 
-        cfg, params = load_gguf(args.source, name=Path(args.source).stem, cache_dir=None)
-        try:
-            tok = Tokenizer.from_gguf(args.source).serialized_model
-        except (ValueError, KeyError, RuntimeError) as e:
-            # Our tokenizer rebuilds Gemma-style SentencePiece vocabularies only: a Llama 3
-            # BPE ("gpt2") vocabulary or a Llama 2 / Mixtral one (no chat pieces) is refused.
-            log.warning("tokenizer not converted: the checkpoint holds weights only, and "
-                        "serve/generate will refuse it: %s", e)
-            tok = None
-    elif args.source in models and models[args.source].get("source") == "gguf-package":
+        hf_tokenizer(source.path)  # refuse a directory without a usable tokenizer before reading weights
+        cfg, params = load_hf_checkpoint(source.path, "float32", name=source.name)
+        tok_files = _tokenizer_files(source.path)
+    elif source.kind == "gguf" or models[args.source].get("source") == "gguf-package":
         import importlib
 
+        from model.bpe_tokenizer import BPETokenizer
         from model.gguf_loader import load_gguf
-        from model.tokenizer import Tokenizer
+        from serving.model_registry import gguf_tokenizer
         from serving.server_config import cache_dir
 
-        path = importlib.import_module(models[args.source]["package"]).assemble()
-        cfg, params = load_gguf(path, name=args.source, cache_dir=cache_dir("weights"))
-        tok = Tokenizer.from_gguf(path, cache_dir=cache_dir("tokenizer")).serialized_model
-    elif args.source in models and models[args.source].get("source") == "random":
+        if source.kind == "gguf":
+            path, weights_cache = source.path, None
+        else:
+            path, weights_cache = importlib.import_module(models[args.source]["package"]).assemble(), cache_dir("weights")
+        cfg, params = load_gguf(path, name=source.name, cache_dir=weights_cache)
+        try:
+            gtok = gguf_tokenizer(path)
+        except ValueError as e:
+            # A vocabulary xlaserve cannot rebuild (a Llama 2 / Mixtral SentencePiece one without
+            # Gemma's chat pieces, an unknown tokenizer.ggml.pre) is not converted.
+            log.warning("tokenizer not converted: the checkpoint holds weights only, and "
+                        "serve/generate will refuse it: %s", e)
+            gtok = None
+        if isinstance(gtok, BPETokenizer):
+            with tempfile.TemporaryDirectory() as d:  # tokenizer files and the GGUF's chat template
+                tok_files = _tokenizer_files(gtok.save(d))
+        elif gtok is not None:
+            tok = gtok.serialized_model
+    elif models[args.source].get("source") == "random":
         from flax import nnx
 
         from model.config import ModelConfig
@@ -98,10 +150,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
         tok = Tokenizer.tiny(cfg.vocab_size).serialized_model
     else:
-        raise ValueError(f"convert: {args.source!r} is neither a .gguf file nor a model in configs/models.yaml")
+        raise ValueError(f"convert: model {args.source!r}: unknown source {models[args.source].get('source')!r}")
     if getattr(args, "name", None):
         cfg = dataclasses.replace(cfg, name=args.name)
-    out = save_checkpoint(args.out_dir, cfg, params, tokenizer_model=tok)
+    out = save_checkpoint(args.out_dir, cfg, params, tokenizer_model=tok, tokenizer_files=tok_files)
     print(f"wrote {out} ({cfg.name}, {len(params)} arrays) in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -111,16 +163,21 @@ def load_for_serving(cfg):
 
     ``cfg.mesh`` (e.g. "data=1,tensor=4,expert=1") builds the mesh over all
     processes' devices; ``cfg.checkpoint`` restores an orbax checkpoint straight
-    into the mesh's shardings; otherwise ``cfg.model`` is loaded as before and
-    placed on the mesh by the engine.
+    into the mesh's shardings; otherwise ``cfg.model`` (any form of
+    ``serving.model_source``, ``cfg.revision`` for a Hub id) is loaded by
+    ``serving.model_registry.load_model``: a Hugging Face checkpoint straight
+    into the mesh's shardings, anything else placed on the mesh by the engine.
+    The tokenizer serves ``cfg.chat_template``, else the model's own template,
+    else Gemma 3's.
 
     Returns:
       (model, tokenizer, mesh or None).
 
     Raises:
-      ValueError: a mesh the devices or the model cannot take, or a checkpoint or
-        GGUF that carries no usable tokenizer (text in and out would not be the
-        model's; the registry's ``tiny-*`` test models keep their test vocabulary).
+      ValueError: a mesh the devices or the model cannot take, a ``--model`` that
+        is none of the forms, or a checkpoint or GGUF that carries no usable
+        tokenizer (text in and out would not be the model's; the registry's
+        ``tiny-*`` test models keep their test vocabulary).
     """
     from serving.model_registry import load_model
     from sharding.mesh import MeshConfig, build_mesh
@@ -128,15 +185,15 @@ def load_for_serving(cfg):
     mesh_cfg = MeshConfig.parse(cfg.mesh) if cfg.mesh else None
     mesh = build_mesh(mesh_cfg) if mesh_cfg is not None and mesh_cfg.size > 1 else None
     if not cfg.checkpoint:
-        model, tok = load_model(cfg.model, dtype=cfg.dtype)
+        model, tok = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, revision=cfg.revision,
+                                chat_template=cfg.chat_template)
         if mesh_cfg is not None:
             log.info("serving %s on mesh %s (%d devices)", model.cfg.name, mesh_cfg, mesh_cfg.size)
-        return model, with_chat_template(tok, cfg.chat_template), mesh
+        return model, tok, mesh
     import jax.numpy as jnp
 
     from model.checkpoint import load_config, restore_params, tokenizer_model
     from model.factory import abstract_params, build_model
-    from model.tokenizer import Tokenizer
     from sharding.placement import abstract_targets
     from sharding.rules import ShardingRules
 
@@ -146,43 +203,43 @@ def load_for_serving(cfg):
     targets = abstract_targets(abstract_params(mcfg, "float32"), mesh, ShardingRules.default())
     params = restore_params(cfg.checkpoint, targets)
     model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype))
-    spm = tokenizer_model(cfg.checkpoint)
-    if not spm:
-        raise ValueError(
-            f"checkpoint {cfg.checkpoint} has no tokenizer (tokenizer.model), so its text cannot "
-            f"be served; write the checkpoint from a source with one (xlaserve convert of a "
-            f"Gemma 3 GGUF, or of a registry test model)")
-    tok = with_chat_template(Tokenizer(spm), cfg.chat_template)
+    tok = checkpoint_tokenizer(cfg.checkpoint, mcfg.vocab_size, tokenizer_model(cfg.checkpoint),
+                               cfg.chat_template)
     log.info("restored %s from %s onto mesh %s in %.1f s", mcfg.name, cfg.checkpoint,
              mesh_cfg or "1x1x1", time.perf_counter() - t0)
     return model, tok, mesh
 
 
-def with_chat_template(tok, override_file=None, checkpoint_template=None):
-    """``tok`` with the chat template to serve (``model.chat_template_source.pick_chat_template``).
-
-    Args:
-      tok: the model's tokenizer (its own ``apply_chat_template`` is Gemma 3's).
-      override_file: ``--chat-template FILE``, or None.
-      checkpoint_template: the model's own ``JinjaChatTemplate``, or None.
-
-    Returns:
-      ``tok`` itself when neither is given, else a ``TemplatedTokenizer`` whose
-      ``apply_chat_template`` renders the chosen template (its variables: the
-      checkpoint template's, else ``tok.special_tokens``).
+def checkpoint_tokenizer(ckpt_dir, vocab_size: int, spm: bytes | None, override_file=None):
+    """The tokenizer an orbax checkpoint holds, with its chat template: ``tokenizer.json`` (+ its
+    config files and chat template, as ``xlaserve convert`` copies them from a Hugging Face
+    checkpoint or writes them for a BPE GGUF), else Gemma's ``tokenizer.model``.
 
     Raises:
-      ValueError: an unreadable or invalid template file, or a tokenizer without
-        ``encode_markup``.
+      ValueError: the checkpoint holds neither, or a tokenizer file that does not load.
     """
-    from model.chat_template_source import TemplatedTokenizer, pick_chat_template
+    from pathlib import Path
 
-    template = pick_chat_template(override_file, checkpoint_template,
-                                  None if checkpoint_template else getattr(tok, "special_tokens", None))
-    if template is None:
-        return tok
-    log.info("chat template: %s", template.name)
-    return TemplatedTokenizer(tok, template)
+    from model.chat_template_source import load_checkpoint_chat_template
+    from model.tokenizer import Tokenizer
+    from serving.model_registry import hf_tokenizer, serve_chat_template
+
+    if (Path(ckpt_dir) / "tokenizer.json").is_file():
+        return serve_chat_template(hf_tokenizer(ckpt_dir, vocab_size), override_file,
+                                   load_checkpoint_chat_template(ckpt_dir))
+    if not spm:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} has no tokenizer (tokenizer.json or tokenizer.model), so its text "
+            f"cannot be served; write the checkpoint from a source with one (xlaserve convert of a "
+            f"Hugging Face checkpoint, a Gemma 3 or BPE GGUF, or a registry test model)")
+    return serve_chat_template(Tokenizer(spm), override_file)
+
+
+def with_chat_template(tok, override_file=None, checkpoint_template=None):
+    """``serving.model_registry.serve_chat_template`` (kept under this name for callers)."""
+    from serving.model_registry import serve_chat_template
+
+    return serve_chat_template(tok, override_file, checkpoint_template)
 
 
 def join_processes(cfg) -> bool:
