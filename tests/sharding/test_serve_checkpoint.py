@@ -38,3 +38,31 @@ def test_convert_then_serve_on_mesh(tmp_path):
     spec = known_models()["tiny-moe"]
     one = build_model(ModelConfig.from_dict(spec["config"]), rngs=nnx.Rngs(int(spec.get("seed", 0))))
     assert _complete(model, mesh) == _complete(one, None)
+
+
+def test_hf_directory_loads_onto_the_mesh(tmp_path):
+    """``serve --model DIR --mesh tensor=2``: the Hugging Face checkpoint's tensors arrive in
+    their shardings (each device holding half of a column-split weight), equal to a one-device load."""
+    import numpy as np
+
+    from serving.model_registry import load_model
+    from tests.test_model_forms import _hf_dir, _params
+
+    d = _hf_dir(tmp_path)
+    model, tok, mesh = load_for_serving(load_server_config(model=str(d), mesh="data=1,tensor=2,expert=1",
+                                                           dtype="float32"))
+    assert model.cfg.name == d.name and dict(mesh.shape)["tensor"] == 2
+    sharded = [v for v in jax_leaves(model) if not v.sharding.is_fully_replicated]
+    assert sharded and all(len(v.addressable_shards) == 2 and v.addressable_shards[0].data.size * 2 == v.size
+                           for v in sharded)
+    one, _ = load_model(str(d), progress=False)
+    got, want = _params(model), _params(one)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}])[0] == tok.bos_id
+
+
+def jax_leaves(model):
+    from flax import nnx
+
+    return [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
