@@ -167,7 +167,8 @@ def gguf_chat_template(tokenizer, path: str | Path):
     text = getattr(tokenizer, "chat_template_source", None)
     if not text:
         return None
-    return JinjaChatTemplate(text, tokenizer.special_tokens, name=f"{Path(path).name} tokenizer.chat_template")
+    return JinjaChatTemplate(text, tokenizer.special_tokens,
+                             name=f"{Path(path).name} tokenizer.chat_template")
 
 
 def serve_chat_template(tok, override_file=None, checkpoint_template=None):

@@ -121,7 +121,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if source.kind == "gguf":
             path, weights_cache = source.path, None
         else:
-            path, weights_cache = importlib.import_module(models[args.source]["package"]).assemble(), cache_dir("weights")
+            path = importlib.import_module(models[args.source]["package"]).assemble()
+            weights_cache = cache_dir("weights")
         cfg, params = load_gguf(path, name=source.name, cache_dir=weights_cache)
         try:
             gtok = gguf_tokenizer(path)
@@ -150,7 +151,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
         tok = Tokenizer.tiny(cfg.vocab_size).serialized_model
     else:
-        raise ValueError(f"convert: model {args.source!r}: unknown source {models[args.source].get('source')!r}")
+        raise ValueError(f"convert: model {args.source!r}: unknown source "
+                         f"{models[args.source].get('source')!r}")
     if getattr(args, "name", None):
         cfg = dataclasses.replace(cfg, name=args.name)
     out = save_checkpoint(args.out_dir, cfg, params, tokenizer_model=tok, tokenizer_files=tok_files)

@@ -88,7 +88,8 @@ def test_hf_directory_serves_its_tokenizer_and_template(tmp_path):
     assert isinstance(tok, TemplatedTokenizer)
     ids = tok.apply_chat_template(DIALOG)
     assert ids[0] == plain.bos_id and ids.count(eot) == 2  # the two messages' markup only
-    assert plain.backend.decode(ids, skip_special_tokens=False) == load_checkpoint_chat_template(d).render(DIALOG)
+    rendered = load_checkpoint_chat_template(d).render(DIALOG)
+    assert plain.backend.decode(ids, skip_special_tokens=False) == rendered
     override = tmp_path / "plain.jinja"
     override.write_text("{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
     _, tok2 = load_model(str(d), progress=False, chat_template=str(override))
@@ -129,7 +130,8 @@ def test_bpe_gguf_serves_and_converts_with_its_chat_template(tmp_path, monkeypat
     ids = tok.apply_chat_template(DIALOG)
     eot = base.token_id("<|eot_id|>")
     assert ids[0] == base.bos_id and ids.count(eot) == 2
-    assert base.backend.decode(ids, skip_special_tokens=False).startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
+    assert base.backend.decode(ids, skip_special_tokens=False).startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
     assert main(["convert", str(path), str(tmp_path / "ckpt")]) == 0
     assert "chat_template" in json.loads((tmp_path / "ckpt" / "tokenizer_config.json").read_text())
     _, ctok, _ = load_for_serving(load_server_config(checkpoint=str(tmp_path / "ckpt")))
@@ -181,7 +183,8 @@ src = resolve_model("acme/tiny-llama")
 out["kind"], out["name"], out["path"] = src.kind, src.name, str(src.path)
 out["at_commit"] = str(resolve_model("acme/tiny-llama", revision="%s").path)
 model, tok = load_model("acme/tiny-llama", progress=False)
-out["model_name"], out["chat"] = model.cfg.name, len(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+out["model_name"] = model.cfg.name
+out["chat"] = len(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
 out["plan_layers"] = plan_model_config("acme/tiny-llama").num_layers
 for bad in ("acme/absent", ):
     try:
