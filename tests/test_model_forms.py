@@ -73,6 +73,9 @@ def test_cli_names_the_forms_for_an_unknown_model(capsys):
     assert main(["generate", "hi", "--model", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "Hugging Face Hub id (org/name)" in err
+    # --revision (the server key `revision`) reaches the resolution
+    assert main(["generate", "hi", "--model", "tiny-random", "--revision", "v2"]) == 2
+    assert "--revision 'v2' applies to a Hugging Face Hub id" in capsys.readouterr().err
 
 
 def test_hf_directory_serves_its_tokenizer_and_template(tmp_path):
