@@ -50,11 +50,10 @@ def register(sub) -> None:
 
 def cmd_shard_plan(args: argparse.Namespace) -> int:
     from sharding.mesh import MeshConfig
-    from sharding.plan import device_spec, load_model_config, plan
+    from sharding.plan import device_spec, plan
 
     p = plan(plan_model_config(args.model, getattr(args, "revision", None)), MeshConfig.parse(args.mesh),
-             device_spec(args.device),
-             slots=args.slots, max_len=args.max_len, page_size=args.page_size,
+             device_spec(args.device), slots=args.slots, max_len=args.max_len, page_size=args.page_size,
              prefill_chunk=args.prefill_chunk, dtype=args.dtype, kv_dtype=args.kv_dtype)
     print(p.table())
     return 0
@@ -73,8 +72,8 @@ def plan_model_config(model: str, revision: str | None = None):
     from sharding.plan import load_model_config
 
     path = Path(model).expanduser()
-    if (path.is_dir() or (is_hub_id(model) and not path.exists() and path.suffix not in (".yaml", ".yml"))
-            or revision is not None):
+    hub = is_hub_id(model) and not path.exists() and path.suffix not in (".yaml", ".yml")
+    if path.is_dir() or hub or revision is not None:
         from model.hf_config import read_hf_config
 
         source = resolve_model(model, revision=revision, files=CONFIG_FILES)
@@ -89,7 +88,8 @@ def _tokenizer_files(directory) -> dict[str, bytes]:
 
     from model.checkpoint import TOKENIZER_FILES
 
-    return {f: (Path(directory) / f).read_bytes() for f in TOKENIZER_FILES if (Path(directory) / f).is_file()}
+    directory = Path(directory)
+    return {f: (directory / f).read_bytes() for f in TOKENIZER_FILES if (directory / f).is_file()}
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
