@@ -1,6 +1,26 @@
-"""Gemma 3 tokenizer: a SentencePiece BPE model rebuilt from the GGUF vocabulary.
+"""SentencePiece tokenizers: Gemma 3's, rebuilt from the GGUF vocabulary, and real ``.model`` files.
 
-The GGUF file stores the vocabulary (``tokenizer.ggml.tokens``, ``.scores``,
+:class:`Tokenizer` wraps any SentencePiece model (implements
+``serving.tokenizer_protocol.TextTokenizer``). Its constructors:
+
+- :meth:`Tokenizer.from_gguf` / :meth:`~Tokenizer.from_pieces` /
+  :meth:`~Tokenizer.tiny`: Gemma 3's vocabulary by the recipe below (these
+  require Gemma's ``<start_of_turn>`` / ``<end_of_turn>`` control pieces);
+- :meth:`Tokenizer.from_file`: a real SentencePiece ``.model`` file as its
+  maker ships it (e.g. Mistral's ``mistral_instruct_tokenizer_240323.model.v3``),
+  its normalizer, BOS and EOS read from the model proto (or overridden);
+- :meth:`Tokenizer.from_hf_dir`: a Hugging Face checkpoint directory's
+  ``tokenizer.model`` with BOS/EOS from ``tokenizer_config.json`` and
+  ``generation_config.json``.
+
+In every case ``encode`` never produces a CONTROL piece from user text
+(SentencePiece never matches control pieces in its input), while
+``encode_markup`` (for a chat template's own markup) turns their spellings
+into their ids. USER_DEFINED pieces (Gemma's whitespace runs, Mistral v3's
+``[REF]``) are ordinary text to SentencePiece and are matched by both, as
+their makers' tokenizers do.
+
+Gemma's GGUF file stores the vocabulary (``tokenizer.ggml.tokens``, ``.scores``,
 ``.token_type``) but no SentencePiece model file. We rebuild one as a
 ``sentencepiece_model_pb2.ModelProto`` following the recipe in the reference
 README ("Rebuilding the SentencePiece model from the GGUF"):
@@ -49,6 +69,8 @@ _BYTE = sp_pb2.ModelProto.SentencePiece.BYTE  # 6
 
 _START_OF_TURN = "<start_of_turn>"
 _END_OF_TURN = "<end_of_turn>"
+
+_FROM_MODEL = object()  # Tokenizer(bos_id=...) default: the model proto's
 
 
 def build_model_proto(
@@ -124,54 +146,102 @@ def build_model_proto(
 
 
 class Tokenizer:
-    """Text <-> token ids for Gemma 3 (implements ``TextTokenizer``).
+    """Text <-> token ids through SentencePiece (implements ``TextTokenizer``).
 
-    Wraps a ``sentencepiece.SentencePieceProcessor`` built by
-    :func:`build_model_proto` (the reference README's recipe). Construct it
-    with :meth:`from_gguf` (the real vocabulary), :meth:`from_pieces` or
-    :meth:`tiny` (a small vocabulary for random-weight test models).
+    Wraps a ``sentencepiece.SentencePieceProcessor``. Construct it with
+    :meth:`from_gguf` (Gemma 3's real vocabulary, rebuilt by
+    :func:`build_model_proto`), :meth:`from_pieces` or :meth:`tiny` (a small
+    Gemma-like vocabulary for random-weight test models), :meth:`from_file`
+    (a real ``.model`` file) or :meth:`from_hf_dir`.
+
+    Args:
+      serialized_model: a serialized SentencePiece ``ModelProto`` (``.model`` bytes).
+      bos_id: the BOS id; by default the model's (``trainer_spec.bos_id``; none
+        when that is -1); None: no BOS.
+      eos_ids: ids that end generation, the primary EOS first; by default the
+        model's EOS, then the control pieces of
+        ``model.bpe_tokenizer.END_OF_TURN_TOKENS`` it has (Gemma: (1, 106)).
+      add_bos: whether ``encode(..., add_bos=True)`` prepends ``bos_id``.
+      chat_template_source: the Jinja chat template the files carry, if any
+        (kept for ``model.chat_template_source``; not rendered here).
+      name: where the model came from, for error messages.
+      vocab_size: the model's vocabulary size when it exceeds the tokenizer's
+        (embedding rows padded past the pieces); the ids in between are
+        accepted and decode to "". None: the number of pieces.
 
     Attributes:
-      bos_id, eos_id, pad_id, unk_id: special ids (Gemma: 2, 1, 0, 3).
-      start_of_turn_id, end_of_turn_id: chat control ids (Gemma: 105, 106).
-      vocab_size: number of pieces (Gemma: 262144).
+      bos_id, eos_id, pad_id, unk_id: special ids (Gemma: 2, 1, 0, 3; Mistral
+        v3: 1, 2, None, 0); ``bos_id`` / ``pad_id`` None when the model has none.
+      start_of_turn_id, end_of_turn_id: Gemma's chat control ids (105, 106), or
+        None when the vocabulary lacks those control pieces.
+      vocab_size: ids are ``[0, vocab_size)`` (Gemma: 262144; Mistral v3: 32768).
+      add_bos, chat_template_source: see Args.
+
+    Raises:
+      ValueError: bytes that are not a SentencePiece model, no EOS, an id
+        outside the vocabulary, or a ``vocab_size`` below the number of pieces
+        (each naming ``name``).
     """
 
-    def __init__(self, serialized_model: bytes):
-        """Load from a serialized SentencePiece ``ModelProto`` (``.model`` bytes).
+    def __init__(self, serialized_model: bytes, *, bos_id: int | None | object = _FROM_MODEL,
+                 eos_ids: Sequence[int] | None = None, add_bos: bool = True,
+                 chat_template_source: str | None = None, name: str = "SentencePiece model",
+                 vocab_size: int | None = None):
+        from model.bpe_tokenizer import END_OF_TURN_TOKENS, TURN_OPENING_TOKENS
 
-        Raises:
-          RuntimeError/OSError: (from sentencepiece) the bytes are not a valid model.
-          ValueError: the model lacks ``<start_of_turn>``/``<end_of_turn>`` pieces
-            or a bos/eos/pad/unk piece.
-        """
         self._sp = spm.SentencePieceProcessor()
-        self._sp.LoadFromSerializedProto(serialized_model)
+        try:
+            self._sp.LoadFromSerializedProto(serialized_model)
+        except (RuntimeError, OSError, TypeError) as e:
+            raise ValueError(f"{name} is not a SentencePiece model: {e}") from None
         self._serialized = serialized_model
         sp = self._sp
-        self.vocab_size: int = sp.GetPieceSize()
-        self.bos_id: int = sp.bos_id()
-        self.eos_id: int = sp.eos_id()
-        self.pad_id: int = sp.pad_id()
+        self._own_size = sp.GetPieceSize()
+        if vocab_size is not None and vocab_size < self._own_size:
+            raise ValueError(f"{name}: vocab_size {vocab_size} is smaller than its {self._own_size} pieces")
+        self.vocab_size: int = self._own_size if vocab_size is None else int(vocab_size)
+        if bos_id is _FROM_MODEL:
+            bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
+        # Ids that decode to "" (control and unknown pieces), and {control spelling: id}.
+        silent = [i for i in range(self._own_size) if sp.IsControl(i) or sp.IsUnknown(i)]
+        self._silent_ids = frozenset(silent)
+        control = {sp.IdToPiece(i): i for i in silent if sp.IsControl(i)}
+        if eos_ids is None:
+            eos_ids = ([sp.eos_id()] if sp.eos_id() >= 0 else []) + [
+                control[t] for t in END_OF_TURN_TOKENS if t in control]
+        eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
+        if not eos_ids:
+            raise ValueError(f"{name} has no EOS piece")
+        for i in (*eos_ids, *(() if bos_id is None else (bos_id,))):
+            if not 0 <= i < self._own_size:
+                raise ValueError(f"{name}: special id {i} is outside the vocabulary [0, {self._own_size})")
+        self.bos_id: int | None = None if bos_id is None else int(bos_id)
+        self.eos_id: int = eos_ids[0]
+        self._eos_ids = eos_ids
+        self.pad_id: int | None = sp.pad_id() if sp.pad_id() >= 0 else None
         self.unk_id: int = sp.unk_id()
-        for name in ("bos_id", "eos_id", "pad_id", "unk_id"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SentencePiece model has no piece for {name}")
-        self.start_of_turn_id: int = self._control_id(_START_OF_TURN)
-        self.end_of_turn_id: int = self._control_id(_END_OF_TURN)
-        # Ids that decode to "" (control and unknown pieces).
-        self._silent_ids = frozenset(
-            i for i in range(self.vocab_size) if sp.IsControl(i) or sp.IsUnknown(i)
-        )
-        # Built on first use by encode_markup: {control spelling: id} and a regex of them.
-        self._control_ids: dict[str, int] = {}
+        self.add_bos: bool = bool(add_bos) and self.bos_id is not None
+        self.chat_template_source: str | None = chat_template_source
+        self.start_of_turn_id: int | None = control.get(_START_OF_TURN)
+        self.end_of_turn_id: int | None = control.get(_END_OF_TURN)
+        openers = [control[t] for t in TURN_OPENING_TOKENS if t in control]
+        self._chat_stops = tuple(dict.fromkeys((*eos_ids, *openers)))
+        # For encode_markup: {control spelling: id} and a regex of them (built on first use).
+        self._control_ids: dict[str, int] = {k: v for k, v in control.items() if k}
         self._control_re: re.Pattern | None = None
 
-    def _control_id(self, piece: str) -> int:
-        i = self._sp.PieceToId(piece)
-        if i == self._sp.unk_id() or not self._sp.IsControl(i):
-            raise ValueError(f"SentencePiece model has no control piece {piece!r}")
-        return i
+    @classmethod
+    def _gemma(cls, serialized_model: bytes) -> "Tokenizer":
+        """A tokenizer of Gemma's recipe: it must have Gemma's chat control pieces.
+
+        Raises:
+          ValueError: no ``<start_of_turn>`` / ``<end_of_turn>`` control piece.
+        """
+        tok = cls(serialized_model)
+        for piece, i in ((_START_OF_TURN, tok.start_of_turn_id), (_END_OF_TURN, tok.end_of_turn_id)):
+            if i is None:
+                raise ValueError(f"SentencePiece model has no control piece {piece!r}")
+        return tok
 
     # ------------------------------------------------------------------ builders
 
@@ -198,7 +268,73 @@ class Tokenizer:
         proto = build_model_proto(
             pieces, scores, types, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, unk_id=unk_id
         )
-        return cls(proto.SerializeToString())
+        return cls._gemma(proto.SerializeToString())
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **kwargs) -> "Tokenizer":
+        """From a SentencePiece ``.model`` file as its maker ships it (e.g. Mistral's
+        ``mistral_instruct_tokenizer_240323.model.v3``, a checkpoint's ``tokenizer.model``).
+
+        Its normalizer (Mistral: a dummy prefix), BOS and EOS are the model
+        proto's; ``kwargs`` (``bos_id``, ``eos_ids``, ``add_bos``,
+        ``chat_template_source``) override them, as in the class.
+
+        Raises:
+          FileNotFoundError: no such file.
+          ValueError: the file is not a SentencePiece model (e.g. a tiktoken
+            ``tokenizer.model``), or has no EOS; each naming the file.
+        """
+        path = Path(path)
+        return cls(path.read_bytes(), name=str(path), **kwargs)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike, vocab_size: int | None = None) -> "Tokenizer":
+        """From a Hugging Face checkpoint directory that ships a SentencePiece ``tokenizer.model``
+        (``vocab_size``: the model's, ``config.json``'s, when it pads the pieces; see the class).
+
+        BOS: ``tokenizer_config.json``'s ``bos_token`` (a string or
+        ``{"content": ...}``; null: none), else the model's; prepended unless
+        ``add_bos_token`` is false. EOS: ``generation_config.json``'s
+        ``eos_token_id`` (an int or a list: every id stops), then
+        ``tokenizer_config.json``'s ``eos_token``, else the model's. The
+        ``chat_template`` of ``tokenizer_config.json`` is kept (as ``BPETokenizer.from_hf_files``
+        reads these files).
+
+        Raises:
+          FileNotFoundError: no ``tokenizer.model``.
+          ValueError: it is not a SentencePiece model, a config file is not a
+            JSON object, or a token spelling the vocabulary lacks (naming file and field).
+        """
+        from model.bpe_tokenizer import _ids, _read_json, _template_source, _token_content
+
+        path = Path(path)
+        tc, gc = ({} if not (path / f).is_file() else _read_json(path / f)
+                  for f in ("tokenizer_config.json", "generation_config.json"))
+        probe = cls.from_file(path / "tokenizer.model")
+
+        def token_id(field: str) -> int | None:
+            content = _token_content(tc.get(field))
+            if content is None:
+                return None
+            i = probe._sp.PieceToId(content)
+            if probe._sp.IdToPiece(i) != content:
+                raise ValueError(f"{path / 'tokenizer_config.json'}: {field} {content!r} is not a piece "
+                                 f"of tokenizer.model")
+            return i
+
+        kwargs: dict = {}
+        if "bos_token" in tc:
+            kwargs["bos_id"] = token_id("bos_token")
+        eos_ids = list(_ids(gc.get("eos_token_id")))
+        tc_eos = token_id("eos_token")
+        if tc_eos is not None:
+            eos_ids.append(tc_eos)
+        if eos_ids:
+            kwargs["eos_ids"] = eos_ids
+        if isinstance(tc.get("add_bos_token"), bool):
+            kwargs["add_bos"] = tc["add_bos_token"]
+        return cls(probe.serialized_model, name=str(path / "tokenizer.model"), vocab_size=vocab_size,
+                   chat_template_source=_template_source(tc.get("chat_template")), **kwargs)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> "Tokenizer":
@@ -235,14 +371,14 @@ class Tokenizer:
             )
             if cache_file.is_file():
                 try:
-                    return cls(cache_file.read_bytes())
+                    return cls._gemma(cache_file.read_bytes())
                 except Exception:  # corrupt/partial cache file: rebuild below
                     pass
 
         pieces, scores, types, ids = _read_gguf_vocab(path)
         proto = build_model_proto(pieces, scores, types, **ids)
         data = proto.SerializeToString()
-        tok = cls(data)
+        tok = cls._gemma(data)
         if cache_file is not None:
             _atomic_write(cache_file, data)
         return tok
@@ -310,14 +446,17 @@ class Tokenizer:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that end generation: ``(eos_id, end_of_turn_id)`` (Gemma: (1, 106))."""
-        return (self.eos_id, self.end_of_turn_id)
+        """Ids that end generation, the primary EOS first (Gemma: ``(eos_id,
+        end_of_turn_id)`` = (1, 106); Mistral v3: (2,))."""
+        return self._eos_ids
 
     @property
     def chat_stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that end a chat turn: ``stop_token_ids`` and ``start_of_turn_id``
-        (a model opening the next turn has ended its own; Gemma: (1, 106, 105))."""
-        return (*self.stop_token_ids, self.start_of_turn_id)
+        """Ids that end a chat turn: ``stop_token_ids`` and the turn-opening control
+        pieces of ``model.bpe_tokenizer.TURN_OPENING_TOKENS`` the vocabulary has (a
+        model opening the next turn has ended its own; Gemma: (1, 106, 105),
+        Mistral v3: (2, 3), ``[INST]``)."""
+        return self._chat_stops
 
     @property
     def serialized_model(self) -> bytes:
@@ -325,10 +464,12 @@ class Tokenizer:
         return self._serialized
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Encode ``text`` to token ids (no dummy prefix, no EOS).
+        """Encode ``text`` to token ids (no EOS) by the model's normalizer (Gemma: no
+        dummy prefix; Mistral: one).
 
-        Control-token spellings such as ``<start_of_turn>`` in ``text`` are
-        encoded as plain text. With ``add_bos`` the ids start with ``bos_id``.
+        Control-token spellings such as ``<start_of_turn>`` or ``[INST]`` in
+        ``text`` are encoded as plain text. With ``add_bos`` the ids start with
+        ``bos_id`` when the model uses one (``self.add_bos``).
 
         Raises:
           TypeError: ``text`` is not a ``str``.
@@ -336,7 +477,7 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         ids = self._sp.EncodeAsIds(text) if text else []
-        return [self.bos_id, *ids] if add_bos else list(ids)
+        return [self.bos_id, *ids] if add_bos and self.add_bos else list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids to text; control (and ``<unk>``) ids decode to "".
@@ -352,12 +493,12 @@ class Tokenizer:
             i = int(i)
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
-            if i not in self._silent_ids:
+            if i < self._own_size and i not in self._silent_ids:
                 out.append(i)
         return self._sp.DecodeIds(out) if out else ""
 
     def id_to_piece(self, i: int) -> str:
-        """The SentencePiece piece string of id ``i`` (spaces spelled "▁").
+        """The SentencePiece piece string of id ``i`` (spaces spelled "▁"; "" for a padding id).
 
         Raises:
           ValueError: ``i`` is outside ``[0, vocab_size)``.
@@ -365,7 +506,7 @@ class Tokenizer:
         i = int(i)
         if not 0 <= i < self.vocab_size:
             raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
-        return self._sp.IdToPiece(i)
+        return self._sp.IdToPiece(i) if i < self._own_size else ""
 
     def piece_to_id(self, piece: str) -> int:
         """The id of ``piece``, or ``unk_id`` if it is not in the vocabulary."""
@@ -373,15 +514,17 @@ class Tokenizer:
 
     def is_control(self, i: int) -> bool:
         """Whether id ``i`` is a control piece (e.g. ``<bos>``, ``<end_of_turn>``)."""
-        return bool(self._sp.IsControl(int(i)))
+        i = int(i)
+        return 0 <= i < self._own_size and bool(self._sp.IsControl(i))
 
     @property
     def special_tokens(self) -> dict[str, str]:
         """Spellings of the special tokens, as a Jinja chat template's variables
-        (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``; Gemma: ``<bos>``, ...)."""
+        (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``, those the model
+        has; Gemma: ``<bos>``, ...; Mistral v3: ``<s>``, ``</s>``, no ``pad_token``)."""
         return {name: self._sp.IdToPiece(i) for name, i in (
             ("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id),
-            ("unk_token", self.unk_id))}
+            ("unk_token", self.unk_id)) if i is not None}
 
     def encode_markup(self, text: str) -> list[int]:
         """Encode a chat template's markup: control-piece spellings become their ids.
@@ -397,11 +540,8 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode_markup expects str, got {type(text).__name__}")
         if self._control_re is None:
-            control = {self._sp.IdToPiece(i): i for i in range(self.vocab_size)
-                       if self._sp.IsControl(i) and self._sp.IdToPiece(i)}
             # Longest spelling first, so one that is a prefix of another never wins.
-            alternatives = sorted(control, key=len, reverse=True)
-            self._control_ids = control
+            alternatives = sorted(self._control_ids, key=len, reverse=True)
             self._control_re = re.compile("|".join(map(re.escape, alternatives)))
         ids: list[int] = []
         pos = 0
@@ -414,14 +554,20 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         """Render chat messages with the Gemma 3 template and generation prompt.
 
-        Delegates to :func:`model.chat_template.render_gemma3_chat`.
+        Delegates to :func:`model.chat_template.render_gemma3_chat`. A model
+        without Gemma's chat pieces (e.g. Mistral's) is served with its own
+        Jinja template instead (``model.chat_template_source.TemplatedTokenizer``).
 
         Raises:
           ValueError: empty list, unknown role, system message not first, or
-            non-text content.
+            non-text content; or the vocabulary has no Gemma chat pieces.
         """
         from model.chat_template import render_gemma3_chat
 
+        if self.start_of_turn_id is None or self.end_of_turn_id is None:
+            raise ValueError("this model's tokenizer has no chat template wired in (its vocabulary lacks "
+                             "Gemma's <start_of_turn>/<end_of_turn>); serve it with its checkpoint's "
+                             "template or --chat-template FILE")
         return render_gemma3_chat(messages, self)
 
     def __repr__(self) -> str:

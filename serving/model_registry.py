@@ -72,7 +72,7 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
         ones (:func:`gguf_tokenizer`), and any other GGUF (e.g. a Llama 2 /
         Mixtral SentencePiece one) is refused rather than served with a
         vocabulary that is not its own. A Hugging Face checkpoint needs its
-        ``tokenizer.json`` (``BPETokenizer.from_hf_dir``). The ``tiny-*`` test
+        ``tokenizer.json`` or SentencePiece ``tokenizer.model`` (:func:`hf_tokenizer`). The ``tiny-*`` test
         models come with the test vocabulary.
       dtype: "float32" or "bfloat16" (weights and matmul inputs).
       progress: show a progress bar while dequantizing a GGUF or reading safetensors.
@@ -142,20 +142,25 @@ def _load_hf(source, jdtype, mesh, progress: bool, chat_template: str | None):
     return build_model(cfg, params=params, dtype=jdtype), served
 
 
-def hf_tokenizer(directory: str | Path, vocab_size: int | None = None) -> BPETokenizer:
+def hf_tokenizer(directory: str | Path, vocab_size: int | None = None) -> TextTokenizer:
     """The tokenizer of a Hugging Face checkpoint directory (or of an xlaserve checkpoint
-    converted from one): ``tokenizer.json`` with ``tokenizer_config.json`` and
-    ``generation_config.json``; ``vocab_size`` is the model's (it may pad the tokenizer's).
+    converted from one): ``tokenizer.json`` (``BPETokenizer``), else a SentencePiece
+    ``tokenizer.model`` (``model.tokenizer.Tokenizer.from_hf_dir``), each with
+    ``tokenizer_config.json`` and ``generation_config.json``; ``vocab_size`` is the
+    model's (it may pad the tokenizer's).
 
     Raises:
-      ValueError: no ``tokenizer.json`` (a SentencePiece-only ``tokenizer.model`` is
-        not read), or one that does not load (naming the file and field).
+      ValueError: neither file, a ``tokenizer.model`` that is not SentencePiece (a
+        tiktoken one), or a file that does not load (naming the file and field).
     """
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file() and (directory / "tokenizer.model").is_file():
+        return Tokenizer.from_hf_dir(directory, vocab_size=vocab_size)
     try:
         return BPETokenizer.from_hf_dir(directory, vocab_size=vocab_size)
     except FileNotFoundError:
-        raise ValueError(f"{directory} has no tokenizer.json, so its text cannot be served "
-                         f"(a SentencePiece-only tokenizer.model is not read)") from None
+        raise ValueError(f"{directory} has neither tokenizer.json nor a SentencePiece tokenizer.model, "
+                         f"so its text cannot be served") from None
 
 
 def gguf_chat_template(tokenizer, path: str | Path):

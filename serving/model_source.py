@@ -26,7 +26,7 @@ from pathlib import Path
 __all__ = ["ModelSource", "resolve_model", "is_hub_id", "SERVE_FILES", "CONFIG_FILES", "ACCEPTED_FORMS"]
 
 SERVE_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
-               "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+               "model.safetensors.index.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                "chat_template.jinja")
 """``allow_patterns`` for serving a hub id: config, weights (not a repository's
 ``consolidated.safetensors`` or ``original/`` copies), tokenizer and chat template."""

@@ -94,6 +94,7 @@ def _tokenizer_files(directory) -> dict[str, bytes]:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     import tempfile
+    from pathlib import Path
 
     from model.checkpoint import save_checkpoint
     from serving.model_registry import known_models
@@ -110,6 +111,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         hf_tokenizer(source.path)  # refuse a directory without a usable tokenizer before reading weights
         cfg, params = load_hf_checkpoint(source.path, "float32", name=source.name)
         tok_files = _tokenizer_files(source.path)
+        spm_file = Path(source.path) / "tokenizer.model"
+        if "tokenizer.json" not in tok_files and spm_file.is_file():  # a SentencePiece-only checkpoint
+            tok = spm_file.read_bytes()
     elif source.kind == "gguf" or models[args.source].get("source") == "gguf-package":
         import importlib
 
@@ -215,7 +219,8 @@ def load_for_serving(cfg):
 def checkpoint_tokenizer(ckpt_dir, vocab_size: int, spm: bytes | None, override_file=None):
     """The tokenizer an orbax checkpoint holds, with its chat template: ``tokenizer.json`` (+ its
     config files and chat template, as ``xlaserve convert`` copies them from a Hugging Face
-    checkpoint or writes them for a BPE GGUF), else Gemma's ``tokenizer.model``.
+    checkpoint or writes them for a BPE GGUF), else a SentencePiece ``tokenizer.model`` with
+    those files (a SentencePiece-only Hugging Face checkpoint), else Gemma's ``tokenizer.model``.
 
     Raises:
       ValueError: the checkpoint holds neither, or a tokenizer file that does not load.
@@ -226,7 +231,9 @@ def checkpoint_tokenizer(ckpt_dir, vocab_size: int, spm: bytes | None, override_
     from model.tokenizer import Tokenizer
     from serving.model_registry import hf_tokenizer, serve_chat_template
 
-    if (Path(ckpt_dir) / "tokenizer.json").is_file():
+    ckpt = Path(ckpt_dir)
+    hf_configs = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+    if (ckpt / "tokenizer.json").is_file() or (spm and any((ckpt / f).is_file() for f in hf_configs)):
         return serve_chat_template(hf_tokenizer(ckpt_dir, vocab_size), override_file,
                                    load_checkpoint_chat_template(ckpt_dir))
     if not spm:

@@ -1,6 +1,6 @@
 """What the gateway needs from a tokenizer: text <-> ids and the chat format.
 
-`model.tokenizer.Tokenizer` (Gemma's SentencePiece) and
+`model.tokenizer.Tokenizer` (SentencePiece: Gemma's, and real ``.model`` files) and
 `model.bpe_tokenizer.BPETokenizer` (``tokenizers``: Hugging Face, tiktoken and
 GGUF byte-level BPE vocabularies) implement it; the gateway only sees this
 protocol, so it never imports the model package's JAX code.

@@ -8,8 +8,13 @@
   package, not committed), shipped in ``mistral-common`` (a test dependency,
   pinned to 1.9.1: 1.10 and later cap numpy below 2.4 on Python <= 3.12):
   ``BPETokenizer.from_tekken`` against ``mistral_common``'s ``Tekkenizer``.
+- Mistral's SentencePiece ``mistral_instruct_tokenizer_240323.model.v3`` (587 kB,
+  read from the same package): ``model.tokenizer.Tokenizer.from_file`` against
+  ``mistral_common``'s ``SentencePieceTokenizer`` and, for dialogs, its v3
+  ``MistralTokenizer.encode_chat_completion``.
 
-Each conversion takes ~3 s of merge derivation, once per module.
+Each BPE conversion takes ~3 s of merge derivation, once per module; the
+SentencePiece model loads in ~0.1 s.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 
 from model.bpe_tokenizer import BPETokenizer
+from model.tokenizer import Tokenizer
 from serving.detokenizer import IncrementalDetokenizer
 from tests.tokenizer_texts import tokenizer_texts
 
@@ -160,3 +166,124 @@ def test_tekken_special_tokens(tekken, mistral_tekken):
     assert tekken.encode_markup("[INST]Hi there[/INST]") == [inst, *hi, end]
     assert tekken.token_id("[INST]") in tekken.chat_stop_token_ids and len(tekken.control_tokens()) == 1000
 
+
+
+# ------------------------------------------------------------------ Mistral SentencePiece (v3)
+
+
+@pytest.fixture(scope="module")
+def mistral_spm():
+    """(mistral_common's SentencePieceTokenizer, the path of its .model.v3 file)."""
+    import mistral_common
+    from mistral_common.tokens.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    path = Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
+    return SentencePieceTokenizer(path), path
+
+
+@pytest.fixture(scope="module")
+def spm_v3(mistral_spm) -> Tokenizer:
+    return Tokenizer.from_file(mistral_spm[1])
+
+
+def test_mistral_spm_ids_equal_mistral_commons(spm_v3, mistral_spm):
+    theirs = mistral_spm[0]
+    assert spm_v3.vocab_size == theirs.n_words == 32768
+    assert (spm_v3.bos_id, spm_v3.eos_id, spm_v3.pad_id, spm_v3.unk_id) == (theirs.bos_id, theirs.eos_id,
+                                                                            None, 0) == (1, 2, None, 0)
+    for name, text in TEXTS.items():
+        want = theirs.encode(text, bos=False, eos=False)
+        assert spm_v3.encode(text) == want, name
+        assert spm_v3.encode(text, add_bos=True) == theirs.encode(text, bos=True, eos=False), name
+        theirs_text = theirs.decode(want, special_token_policy=SpecialTokenPolicy.IGNORE)
+        assert spm_v3.decode(want) == theirs_text == text, name
+
+
+def test_mistral_spm_control_tokens(spm_v3, mistral_spm):
+    """Typed control-token text stays text (as mistral_common encodes it); encode_markup gives the ids."""
+    theirs = mistral_spm[0]
+    for token in ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "<s>", "</s>", "[control_99]"):
+        i = theirs.get_special_token(token)
+        assert spm_v3.is_control(i) and spm_v3.id_to_piece(i) == token, token
+        typed = f"a {token} b"
+        ids = spm_v3.encode(typed)
+        assert ids == theirs.encode(typed, bos=False, eos=False) and i not in ids, token
+        assert not any(spm_v3.is_control(j) for j in ids) and spm_v3.decode(ids) == typed, token
+        assert spm_v3.encode_markup(token) == [i], token
+    inst, end = theirs.get_special_token("[INST]"), theirs.get_special_token("[/INST]")
+    hi = theirs.encode("Hi there", bos=False, eos=False)
+    assert spm_v3.encode_markup("<s>[INST]Hi there[/INST]") == [1, inst, *hi, end]
+    assert spm_v3.decode([1, inst, *hi, end, 2]) == "Hi there"  # control ids decode to ""
+    assert spm_v3.stop_token_ids == (2,) and spm_v3.chat_stop_token_ids == (2, inst)
+    assert spm_v3.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    with pytest.raises(ValueError, match="no chat template"):  # no Gemma chat pieces to fall back on
+        spm_v3.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+MISTRAL_DIALOGS = [
+    [("user", "Hello!")],
+    [("user", "What is 2+2?"), ("assistant", "Four."), ("user", "Et 3+3 ? 中文 😀")],
+    [("user", "Type [INST] and </s> for me")],
+]
+
+
+@pytest.mark.parametrize("dialog", MISTRAL_DIALOGS, ids=["user", "multi-turn", "typed-control-text"])
+def test_mistral_spm_chat_template_gives_mistral_commons_ids(spm_v3, mistral_spm, dialog):
+    """The ``[INST]content[/INST]`` layout (the Mistral Nemo template of tests/data/chat_templates,
+    the same as v3's for these dialogs) rendered with the v3 SentencePiece tokenizer gives the
+    ids of mistral_common's own v3 ``encode_chat_completion``."""
+    from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from model.chat_template_source import TemplatedTokenizer, load_checkpoint_chat_template
+
+    template = load_checkpoint_chat_template(Path(__file__).parent / "data" / "chat_templates" / "mistral-nemo")
+    ours = TemplatedTokenizer(spm_v3, template).apply_chat_template(
+        [{"role": r, "content": c} for r, c in dialog])
+    kinds = {"user": UserMessage, "assistant": AssistantMessage}
+    want = MistralTokenizer.from_file(str(mistral_spm[1])).encode_chat_completion(
+        ChatCompletionRequest(messages=[kinds[r](content=c) for r, c in dialog])).tokens
+    assert ours == want
+    # BOS, then [INST] and [/INST] around each user turn and EOS after each assistant turn
+    assert sum(spm_v3.is_control(i) for i in ours) == 1 + sum(2 if r == "user" else 1 for r, _ in dialog)
+
+
+def test_mistral_spm_streams_utf8_across_tokens(spm_v3):
+    """CJK and emoji held in byte-fallback pieces stream back exactly through the detokenizer,
+    one id at a time (the leading dummy-prefix space is dropped as in a whole decode)."""
+    partial = 0
+    for name in ("chinese", "japanese_mixed", "korean", "emoji_zwj_family", "emoji_flags", "cjk_mixed",
+                 "emoji_runs", "whitespace_runs", "code_rust"):
+        text = TEXTS[name]
+        ids = spm_v3.encode(text)
+        partial += sum(FFFD in spm_v3.decode([i]) for i in ids)
+        d = IncrementalDetokenizer(spm_v3)
+        deltas = [d.add([i]) for i in ids] + [d.flush()]
+        assert "".join(deltas) == text and not any(FFFD in x for x in deltas), name
+    assert partial >= 10
+
+
+def test_sentencepiece_only_hf_dir(tmp_path, mistral_spm, spm_v3):
+    """A Hugging Face directory (or a converted checkpoint) with only a SentencePiece
+    tokenizer.model loads it, with BOS/EOS and the template from its config files."""
+    from serving.model_registry import hf_tokenizer
+    from serving.sharding_cli import checkpoint_tokenizer
+
+    spm = mistral_spm[1].read_bytes()
+    (tmp_path / "tokenizer.model").write_bytes(spm)
+    template = "{{ bos_token }}{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True, "chat_template": template}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))
+    tok = hf_tokenizer(tmp_path, 32800)  # a model whose embedding pads the vocabulary
+    assert isinstance(tok, Tokenizer) and tok.vocab_size == 32800
+    assert tok.stop_token_ids == (2, 4) and tok.chat_template_source == template
+    assert tok.encode("Hi [INST]", add_bos=True) == spm_v3.encode("Hi [INST]", add_bos=True)
+    assert tok.decode([*spm_v3.encode("ok"), 32799]) == "ok" and tok.id_to_piece(32799) == ""
+    served = checkpoint_tokenizer(tmp_path, 32768, spm)
+    assert served.apply_chat_template([{"role": "user", "content": "Hi"}]) == spm_v3.encode_markup(
+        "<s>[INST]Hi[/INST]")
+    (tmp_path / "tokenizer.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="tokenizer.model is not a SentencePiece model"):
+        hf_tokenizer(tmp_path)
