@@ -359,7 +359,9 @@ class Tokenizer:
 
         Raises:
           FileNotFoundError: ``path`` does not exist.
-          ValueError: the GGUF lacks the tokenizer fields or they are inconsistent.
+          ValueError: the GGUF lacks the tokenizer fields, they are inconsistent, or
+            the vocabulary has no ``<start_of_turn>`` / ``<end_of_turn>`` control pieces
+            (Gemma's recipe; e.g. a Llama 2 SentencePiece GGUF).
         """
         path = Path(path)
         st = path.stat()
