@@ -206,3 +206,28 @@ print(json.dumps(out))
     assert Path(out["path"]) == Path(out["at_commit"]) == snap
     assert out["chat"] > 5 and out["plan_layers"] == 2
     assert out["absent"].startswith("cannot fetch the Hugging Face Hub model 'acme/absent'")
+
+
+def test_sentencepiece_only_directory_serves_and_converts(tmp_path):
+    """A Hugging Face directory whose tokenizer is only a SentencePiece tokenizer.model (Mistral's
+    v3, from mistral-common) loads with it and its template, and convert keeps it for
+    serve --checkpoint."""
+    import mistral_common
+
+    from model.tokenizer import Tokenizer
+
+    spm = Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
+    d = hfx.write_llama_checkpoint(tmp_path / "tiny-mistral-spm", 32768, hidden=32, head_dim=16, ffn=32)
+    shutil.copyfile(spm, d / "tokenizer.model")
+    template = "{{ bos_token }}{% for m in messages %}[INST]{{ m['content'] }}[/INST]{% endfor %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+    dialog = [{"role": "user", "content": "hi [INST] there"}]
+    plain = Tokenizer.from_file(spm)
+    want = [1, 3, *plain.encode("hi [INST] there"), 4]  # the typed [INST] stays text
+    _, tok = load_model(str(d), progress=False)
+    assert isinstance(tok, TemplatedTokenizer) and tok.apply_chat_template(dialog) == want
+    assert main(["convert", str(d), str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "tokenizer.model").read_bytes() == spm.read_bytes()
+    _, tok2, _ = load_for_serving(load_server_config(checkpoint=str(tmp_path / "ckpt"), dtype="float32"))
+    assert tok2.apply_chat_template(dialog) == want and tok2.stop_token_ids == (2,)
