@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model import tokenizer as tokenizer_module
+from model import gemma_vocab
 from model.tokenizer import Tokenizer
 from serving.tokenizer_protocol import TextTokenizer
 
@@ -124,7 +124,7 @@ def test_from_gguf_cache(gemma_tokenizer, gemma_gguf_path, gemma_tokenizer_cache
     def no_gguf(*args, **kwargs):
         raise AssertionError("cache miss: the GGUF was read again")
 
-    monkeypatch.setattr(tokenizer_module, "_read_gguf_vocab", no_gguf)
+    monkeypatch.setattr(gemma_vocab, "read_gguf_vocab", no_gguf)
     cached = Tokenizer.from_gguf(gemma_gguf_path, cache_dir=gemma_tokenizer_cache_dir)
     assert cached.serialized_model == gemma_tokenizer.serialized_model
     for case in CASES["cases"]:
@@ -142,7 +142,7 @@ def test_from_gguf_rebuilds_corrupt_cache(tmp_path, gemma_tokenizer, gemma_token
     st_ = fake_gguf.stat()
     cache = tmp_path / "cache"
     cache.mkdir()
-    name = f"fake.{st_.st_size}-{st_.st_mtime_ns}.spm-v{tokenizer_module._RECIPE_VERSION}.model"
+    name = f"fake.{st_.st_size}-{st_.st_mtime_ns}.spm-v{gemma_vocab.RECIPE_VERSION}.model"
     (cache / name).write_bytes(good.read_bytes()[:1000])
 
     tiny = Tokenizer.tiny()
@@ -156,7 +156,7 @@ def test_from_gguf_rebuilds_corrupt_cache(tmp_path, gemma_tokenizer, gemma_token
         [p.type for p in proto.pieces],
         {"bos_id": 2, "eos_id": 1, "pad_id": 0, "unk_id": 3},
     )
-    monkeypatch.setattr(tokenizer_module, "_read_gguf_vocab", lambda path: vocab)
+    monkeypatch.setattr(gemma_vocab, "read_gguf_vocab", lambda path: vocab)
     rebuilt = Tokenizer.from_gguf(fake_gguf, cache_dir=cache)
     assert rebuilt.vocab_size == tiny.vocab_size
     assert rebuilt.encode("Hello world") == tiny.encode("Hello world")
