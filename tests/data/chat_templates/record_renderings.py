@@ -4,9 +4,9 @@ Run once, in a throwaway virtualenv (no torch needed; transformers renders chat
 templates through a tokenizer object, built here from a one-token
 ``tokenizers`` vocabulary with each family's special tokens):
 
-    python3 -m venv /tmp/venv-tmpl
-    /tmp/venv-tmpl/bin/pip install transformers tokenizers jinja2
-    /tmp/venv-tmpl/bin/python tests/data/chat_templates/record_renderings.py
+    python3 -m venv .venv-fixtures
+    .venv-fixtures/bin/pip install transformers tokenizers jinja2
+    .venv-fixtures/bin/python tests/data/chat_templates/record_renderings.py
 
 Each case is rendered with ``tokenizer.apply_chat_template(messages, tools=...,
 add_generation_prompt=..., tokenize=False, **kwargs)``; a template that raises

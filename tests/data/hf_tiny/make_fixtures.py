@@ -8,10 +8,10 @@ step whose top-1/top-2 margin is below ``cutoff``).
 Run once, in a throwaway virtualenv (torch's CPU wheel, as benchmarks/RESULTS.md
 installs the baselines), from the repository root::
 
-    python -m venv /tmp/venv-hf
-    /tmp/venv-hf/bin/pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
-    /tmp/venv-hf/bin/pip install transformers==5.24.0 safetensors
-    /tmp/venv-hf/bin/python tests/data/hf_tiny/make_fixtures.py
+    python -m venv .venv-fixtures
+    .venv-fixtures/bin/pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
+    .venv-fixtures/bin/pip install transformers==5.24.0 safetensors
+    .venv-fixtures/bin/python tests/data/hf_tiny/make_fixtures.py
 
 For each case (``CASES``) it builds the model class with random weights (seeded;
 every weight, norms included, drawn so that a mis-mapped tensor shows in the
