@@ -23,7 +23,7 @@ served in bf16 is never widened.
 
 Errors name what is wrong: a tensor the model needs that no file holds, a
 tensor the model would ignore (biases, a ``lm_head`` next to tied embeddings,
-fused MoE layouts), a shape that is not the config's, a file the index names
+any other name the architecture does not use), a shape that is not the config's, a file the index names
 that is missing.
 """
 
