@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# The gateway tests' shared fixtures (engine, client, anyio_backend).
+pytest_plugins = ["tests.gateway_harness"]
+
 os.environ.setdefault(
     "XLASERVE_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".xlaserve-test-data"))
 

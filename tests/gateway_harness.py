@@ -1,12 +1,16 @@
 """The gateway over a scripted fake engine, for the gateway's in-process tests:
 an app factory, an ASGI client, SSE parsing and OpenAI error-shape checks, and
-constants shared by those tests."""
+constants shared by those tests, and the fixtures ``anyio_backend`` (asyncio),
+``engine`` (a FakeEngine answering "Hello world") and ``client`` (an httpx
+client of an app over it), registered for every test module by
+``tests/conftest.py`` (a module's own fixture of the same name wins)."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import pytest
 
 from serving.gateway.app import ServedModel, create_app
 from tests.gateway_fakes import BYTE_OFFSET, FakeEngine, FakeTokenizer
@@ -61,3 +65,19 @@ async def assert_still_serving(client: httpx.AsyncClient) -> None:
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(text="Hello world")
+
+
+@pytest.fixture
+async def client(engine):
+    async with client_for(make_app(engine)) as c:
+        yield c

@@ -26,22 +26,6 @@ from tests.gateway_harness import (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-def engine():
-    return FakeEngine(text="Hello world")
-
-
-@pytest.fixture
-async def client(engine):
-    async with client_for(make_app(engine)) as c:
-        yield c
-
-
 # ------------------------------------------------------------- completions
 
 

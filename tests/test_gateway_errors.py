@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serving.gateway.app import ServedModel, create_app
-from tests.gateway_fakes import FakeEngine, FakeTokenizer
+from tests.gateway_fakes import FakeTokenizer
 from tests.gateway_harness import (
     CHAT,
     MODEL,
@@ -19,22 +19,6 @@ from tests.gateway_harness import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-def engine():
-    return FakeEngine(text="Hello world")
-
-
-@pytest.fixture
-async def client(engine):
-    async with client_for(make_app(engine)) as c:
-        yield c
 
 
 # ------------------------------------------------------------------ errors

@@ -28,29 +28,12 @@ from tests.gateway_harness import (
     assert_openai_error,
     assert_still_serving,
     client_for,
-    make_app,
     parse_sse,
 )
 
 pytestmark = pytest.mark.anyio
 COMPLETION = {"model": MODEL, "prompt": "Say hi"}
 ROUTES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-def engine():
-    return FakeEngine(text="Hello world")
-
-
-@pytest.fixture
-async def client(engine):
-    async with client_for(make_app(engine)) as c:
-        yield c
 
 
 def post_raw(client: httpx.AsyncClient, path: str, raw: bytes, content_type="application/json"):
