@@ -17,30 +17,91 @@ import dataclasses
 from typing import AsyncIterator, Protocol, Sequence
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives per position ``logprobs`` / ``prompt_logprobs`` may ask for."""
+
+MAX_LOGIT_BIAS = 300
+"""The most token ids one request's ``logit_bias`` may name (OpenAI's limit)."""
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced on device with a token bitmask.
+
+    Attributes:
+      kind: one of :data:`STRUCTURED_KINDS`.
+      value: for "json_schema" the schema as JSON text; for "json_object" "";
+        for "regex" the pattern; for "choice" a JSON list of the allowed
+        strings; for "grammar" a grammar text (llguidance's Lark dialect).
+    """
+
+    kind: str
+    value: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, applied on device per slot.
 
+    Order on device (vLLM's): logits (float32) -> logit_bias -> min_tokens
+    (stop ids masked) -> repetition, frequency and presence penalties ->
+    structured-output mask -> temperature -> top_k -> top_p -> min_p -> sample.
+    Log probabilities are of the raw logits (before any of these), the same
+    logits that sample.
+
     Attributes:
-      max_tokens: the most new tokens to generate (>= 1).
+      max_tokens: the most new tokens to generate (>= 1; 0 only with
+        ``prompt_logprobs``: score the prompt, generate nothing).
       temperature: 0.0 means greedy (argmax); otherwise logits are divided by it.
       top_k: keep the k most likely tokens; 0 disables.
       top_p: nucleus sampling mass in (0, 1]; 1.0 disables.
+      min_p: drop tokens whose probability is below min_p times the most
+        likely one's (vLLM's extension); 0.0 disables.
       seed: seeds the request's random stream. The stream is keyed by
         (seed, position), so a sample never depends on batch neighbours.
         None lets the engine pick one.
       stop_token_ids: generation finishes (reason "stop") after emitting any of
         these; the token is reported but is not part of the returned text.
       ignore_eos: generate exactly max_tokens tokens.
+      presence_penalty: OpenAI's: subtracted once from the logit of every token
+        generated so far (-2..2).
+      frequency_penalty: OpenAI's: subtracted from a token's logit once per time
+        it was generated so far (-2..2).
+      repetition_penalty: vLLM's (CTRL's): a token seen in the prompt or the
+        output has its logit divided by it when positive, multiplied when
+        negative; 1.0 disables.
+      logit_bias: (token id, bias) pairs added to the logits, at most
+        :data:`MAX_LOGIT_BIAS`.
+      min_tokens: ``stop_token_ids`` (EOS included) cannot be generated before
+        this many tokens.
+      logprobs: None: off. k in 0..MAX_LOGPROBS: every generated token comes
+        with its log probability and the k most likely alternatives
+        (``TokenEvent.logprobs``).
+      prompt_logprobs: None: off. k in 0..MAX_LOGPROBS: the log probability of
+        every prompt token after the first, with the k most likely
+        alternatives, on the first event (``TokenEvent.prompt_logprobs``).
+        The prompt is computed in full (no prefix-cache hit).
+      structured_output: constrain the output (None: free text).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +118,10 @@ class EngineRequest:
       cache_salt: scopes prefix-cache sharing: requests share cached pages only
         with requests of the same salt. Opaque to the engine (the gateway
         derives it from the tenant and the request's own ``cache_salt``).
+      parent_id: one of ``n`` choices: the id of the choice submitted first
+        with the same prompt (and salt). The engine computes that prompt once
+        and the choices share its KV pages (the last, partial page copied).
+        If the parent is unknown or already gone the prompt is computed as usual.
     """
 
     request_id: str
@@ -65,6 +130,23 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: str = "interactive"
     cache_salt: str | None = None
+    parent_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log probabilities (float32 log-softmax of the raw logits).
+
+    Attributes:
+      token_id: the token at this position (sampled, or the prompt's).
+      logprob: its log probability.
+      top: the k most likely (token id, logprob) pairs, most likely first
+        (k as the request asked; may include ``token_id``).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +169,10 @@ class TokenEvent:
       error: a human-readable message when finish_reason == "error", or when
         the engine itself cancelled the request ("cancelled", e.g. its
         consumer stopped reading).
+      logprobs: with ``sampling.logprobs``, one entry per ``token_ids`` entry.
+      prompt_logprobs: with ``sampling.prompt_logprobs``, on the first event
+        that has any token (or the final one): one entry per prompt token, None
+        for the first (nothing precedes it).
     """
 
     request_id: str
@@ -99,6 +185,8 @@ class TokenEvent:
     scheduled_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
