@@ -93,6 +93,9 @@ class SchedRequest:
         the slot (so a decode row can feed it). False after admission: a
         recomputed request's tokens all come from the host.
       num_preemptions: times it was preempted.
+      prefix_cache: False: never take prefix-cache hits, every token is computed
+        in the request's slot (prompt log probabilities and the penalties' token
+        counts need that); its full pages are still offered to the cache.
     """
 
     request_id: str
@@ -112,6 +115,7 @@ class SchedRequest:
     arrival: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    prefix_cache: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -235,7 +239,8 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             plan.decode.append(DecodeRow(req.request_id, req.slot, req.num_computed,
-                                         self.kv.page_ids(req.request_id), req.sampling))
+                                         self.kv.page_ids(req.request_id), req.sampling,
+                                         num_generated=req.num_generated))
             budget -= 1
         # 2. Prompt / recompute chunks of running requests, then admissions.
         prefill_budget = min(budget, self.max_prefill_tokens)
@@ -274,9 +279,12 @@ class Scheduler:
         """Appends the row for req's next n tokens (its pages already cover them); returns n."""
         start = req.num_computed
         tokens = req.token_ids()[start:start + n]
+        prompt_len = len(req.prompt_ids)
         plan.prefill.append(PrefillRow(req.request_id, req.slot, start, tuple(tokens),
                                        self.kv.page_ids(req.request_id),
-                                       samples=start + n == req.num_tokens, sampling=req.sampling))
+                                       samples=start + n == req.num_tokens, sampling=req.sampling,
+                                       prompt_len=prompt_len, num_generated=req.num_generated,
+                                       next_prompt_id=req.prompt_ids[start + n] if start + n < prompt_len else -1))
         return n
 
     def _commit(self, plan: StepPlan) -> StepPlan:
@@ -299,7 +307,7 @@ class Scheduler:
         tokens = req.token_ids()
         assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
         # A full hit still recomputes the last token, to get its logits.
-        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
+        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0)
         n = min(len(tokens) - hit.num_tokens, budget)
         # The watermark only holds back admissions next to running requests.
         watermark = self.watermark_pages if self.running else 0
