@@ -71,9 +71,9 @@ from model.kv_cache import KVCache
 from serving.backend_policy import BackendPolicy
 from serving.engine_config import EngineConfig, batch_bucket, page_bucket
 from serving import token_counts
-from serving.logits_processors import process_logits
+from serving.logits_processors import sample_processed
 from serving.logprobs import StepOutput, prompt_logprobs, token_logprobs
-from serving.sampling import SamplingArrays, sample
+from serving.sampling import SamplingArrays
 from serving.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow
 
@@ -110,7 +110,7 @@ def _write_slots(slot_tokens: jax.Array, slot_ids: jax.Array, real: jax.Array,
 def _select(logits: jax.Array, positions: jax.Array, s: SamplingArrays, counts: jax.Array,
             seen: jax.Array, slot_ids: jax.Array, argmax_block) -> StepOutput:
     """Raw logits [R, V] -> processed -> sampled tokens, with log probabilities of the raw ones."""
-    tokens = sample(process_logits(logits, s, counts, seen, slot_ids), positions, s, argmax_block)
+    tokens = sample_processed(logits, positions, s, counts, seen, slot_ids, argmax_block)
     return token_logprobs(logits, tokens, s.num_logprobs)
 
 

@@ -64,8 +64,8 @@ from serving.engine_client import (
     TokenEvent,
     TokenLogprobs,
 )
-from serving.logprobs import PromptLogprobs, StepOutput
 from serving.kv_cache_manager import KVCacheManager
+from serving.logprobs import PromptLogprobs, StepOutput
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.step_plan import StepPlan
 

@@ -25,11 +25,12 @@ multiplied by it.
 
 The counts come from the engine's per-slot device state
 (``serving.token_counts``): ``output_counts [slots, V]`` and ``prompt_seen
-[slots, V]``; the batch's rows are gathered from them only inside the penalty
-branch, which ``lax.cond`` skips when no row of the batch has a penalty. The
-bias and the suppression are scatters of at most ``R * MAX_LOGIT_BIAS`` and
-``R * MAX_SUPPRESS_IDS`` elements (ids -1 are dropped), cheap enough to run
-every step without a branch.
+[slots, V]``; the batch's rows are gathered from them only inside the
+processing branch, and the whole processing is skipped by ``lax.cond`` when no row of the
+batch has a bias, a suppressed id or a penalty (:func:`sample_processed`), so
+a plain batch pays a few reductions over the [R, L] settings only. The bias and
+the suppression are scatters of at most ``R * MAX_LOGIT_BIAS`` and
+``R * MAX_SUPPRESS_IDS`` elements (ids -1 are dropped).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.sampling import SamplingArrays
+from serving.sampling import SamplingArrays, sample
 
 
 def apply_logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
@@ -99,15 +100,29 @@ def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_seen: ja
     return jnp.where(on[:, None], penalised, x)
 
 
+def needs_processing(s: SamplingArrays) -> jax.Array:
+    """[] bool: some row of the batch has a logit bias, a suppressed id or a penalty."""
+    used = jnp.bool_(False)
+    if s.bias_ids is not None:
+        used |= jnp.any(s.bias_ids >= 0)
+    if s.suppress_ids is not None:
+        used |= jnp.any(s.suppress_ids >= 0)
+    if s.repetition_penalty is not None:
+        used |= jnp.any((s.repetition_penalty != 1.0) | (s.frequency_penalty != 0.0)
+                        | (s.presence_penalty != 0.0))
+    return used
+
+
 def process_logits(logits: jax.Array, s: SamplingArrays, output_counts: jax.Array | None = None,
                    prompt_seen: jax.Array | None = None, slot_ids: jax.Array | None = None) -> jax.Array:
-    """Every processor before the structured-output mask, in vLLM's order.
+    """Every processor before the structured-output mask, in vLLM's order (unconditionally:
+    see :func:`sample_processed` for the form that skips them).
 
     Args:
       logits: [R, V] float32 raw logits.
       s: the rows' settings; fields that are None are off for every row.
       output_counts: [slots, V] int32 the engine's per-slot generated-token counts
-        (needed when ``s`` has penalties).
+        (None: no penalties).
       prompt_seen: [slots, V] bool the per-slot prompt-token presence.
       slot_ids: [R] int32 each row's slot (padding rows may hold ``slots``: clamped,
         their settings are neutral).
@@ -119,14 +134,36 @@ def process_logits(logits: jax.Array, s: SamplingArrays, output_counts: jax.Arra
         logits = apply_logit_bias(logits, s.bias_ids, s.bias_values)
     if s.suppress_ids is not None:
         logits = suppress_tokens(logits, s.suppress_ids)
-    if s.repetition_penalty is None or output_counts is None:
-        return logits
-    any_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.frequency_penalty != 0.0)
-                          | (s.presence_penalty != 0.0))
-
-    def penalised(x):
+    if s.repetition_penalty is not None and output_counts is not None:
         slots = jnp.minimum(slot_ids, output_counts.shape[0] - 1)
-        return apply_penalties(x, output_counts[slots], prompt_seen[slots], s.repetition_penalty,
-                               s.frequency_penalty, s.presence_penalty)
+        logits = apply_penalties(logits, output_counts[slots], prompt_seen[slots], s.repetition_penalty,
+                                 s.frequency_penalty, s.presence_penalty)
+    return logits
 
-    return jax.lax.cond(any_penalty, penalised, lambda x: x, logits)
+
+def sample_processed(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
+                     output_counts: jax.Array | None = None, prompt_seen: jax.Array | None = None,
+                     slot_ids: jax.Array | None = None, argmax_block: int | None = None) -> jax.Array:
+    """Processes the logits (:func:`process_logits`) and samples (``serving.sampling.sample``).
+
+    When no row of the batch uses a processor (:func:`needs_processing`), the
+    processing is skipped by ``lax.cond``. Both branches return only the [R]
+    tokens: a branch that returned the [R, V] logits cost a copy of them (7-10
+    ms per step at R = 8, V = 262144 on CPU, against 0.5 ms for the whole plain
+    sampling).
+
+    Args: as :func:`process_logits`, plus ``positions`` [R] int32 and ``argmax_block``
+      (see ``serving.sampling.sample``).
+
+    Returns:
+      [R] int32 token ids.
+    """
+
+    def plain(_):
+        return sample(logits, positions, s, argmax_block)
+
+    def processed(_):
+        return sample(process_logits(logits, s, output_counts, prompt_seen, slot_ids), positions, s,
+                      argmax_block)
+
+    return jax.lax.cond(needs_processing(s), processed, plain, None)
