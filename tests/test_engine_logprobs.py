@@ -174,3 +174,26 @@ def test_bad_sampling_is_rejected_naming_the_field(loop, bad, match):
 
     with pytest.raises(RequestRejectedError, match=match):
         asyncio.run(submit())
+
+
+def test_prompt_logprobs_batch_targets_and_lockstep_treedef():
+    """The host packs each prompt token's successor (the next chunk's first token at a chunk's
+    end, -1 past the prompt), and a follower rebuilds the variant's batch from its leaves."""
+    import jax
+
+    from serving.engine_config import EngineConfig
+    from serving.step_batch import PromptLogprobsBatch, batch_treedef
+    from serving.step_plan import PrefillRow, SamplingSettings
+
+    cfg = EngineConfig(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
+                       max_prefill_seqs=2)
+    wants = SamplingSettings(prompt_logprobs=2)
+    rows = [PrefillRow("a", 0, 0, (5, 6, 7), (1,), False, wants, prompt_len=6, next_prompt_id=8),
+            PrefillRow("b", 1, 2, (9, 10, 11), (2,), True, wants, prompt_len=4)]  # 11: an output token
+    assert all(r.wants_prompt_logprobs for r in rows)
+    batch = PromptLogprobsBatch.from_rows(rows, cfg)
+    assert batch.next_ids[:6].tolist() == [6, 7, 8, 10, -1, -1] and (batch.next_ids[6:] == -1).all()
+    assert batch.prompt_lens[:2].tolist() == [6, 4]
+    leaves = jax.tree.leaves(batch)
+    rebuilt = jax.tree.unflatten(batch_treedef("prefill_logprobs"), leaves)
+    assert type(rebuilt) is PromptLogprobsBatch and rebuilt.shape_key == batch.shape_key
