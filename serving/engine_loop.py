@@ -167,7 +167,8 @@ class EngineLoop:
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             max_tokens=s.max_tokens, stop_token_ids=() if s.ignore_eos else tuple(s.stop_token_ids),
             priority=PRIORITIES[request.priority], salt=request.cache_salt,
-            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed))
+            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed),
+            parent_id=request.parent_id)
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
         with self._lock:
             if self._draining.is_set():
