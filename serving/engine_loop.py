@@ -153,6 +153,10 @@ class EngineLoop:
         not yet taken in) fill the open slots first, so a burst of up to
         ``max_waiting`` + open-slot-count requests at an idle loop is accepted.
 
+        A request with ``parent_id`` (one of ``n`` choices) submitted while its
+        parent is known joins the parent's family: the scheduler forks it from
+        the computed prompt (``serving.scheduler``) instead of computing it again.
+
         Raises:
           RequestRejectedError: the request can never be served (too long for
             the context window or the KV cache, empty, bad ids, unknown priority).

@@ -69,7 +69,8 @@ member (the *source*) instead of computing it::
     cancelled, or never known), the child is admitted as an ordinary request
     (prefix cache and all) and becomes the source for its siblings;
   * a preempted child (or parent) is an ordinary waiting request again: a
-    child re-forks if a source exists, else it is recomputed.
+    child re-forks if a source exists and the prefix cache holds less of
+    it, else it is recomputed (from its prefix-cache hit).
 
 Generated tokens are "in flight" between dispatch and read-back (the engine
 pipelines steps). Preemption needs every token id of its victim, so when it
@@ -371,15 +372,16 @@ class Scheduler:
         assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
         # The watermark only holds back admissions next to running requests.
         watermark = self.watermark_pages if self.running else 0
-        if source is not None:
+        # A full hit still recomputes the last token, to get its logits.
+        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
+        if source is not None and hit.num_tokens < len(req.prompt_ids) - 1:
+            # (a preempted child's own cached pages may reach further: then the hit serves it)
             start = len(req.prompt_ids) - 1  # the last prompt token is computed again, for its logits
             n = min(len(tokens) - start, budget)
             copies = self.kv.fork(req.request_id, source.request_id, start, start + n, watermark)
             if copies is None:
                 return None
         else:
-            # A full hit still recomputes the last token, to get its logits.
-            hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
             start, copies = hit.num_tokens, ()
             n = min(len(tokens) - start, budget)
             if not self.kv.allocate_pages(req.request_id, start + n, prefix=hit, watermark=watermark):

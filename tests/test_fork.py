@@ -311,3 +311,33 @@ def test_pool_pressure_preempts_children_and_they_fork_again():
         preempted_children += sum(r.num_preemptions for r in reqs if r.parent_id is not None)
         forks += sum(1 for r in reqs if r.parent_id is not None and r.cached_tokens == len(r.prompt_ids) - 1)
     assert preempted_children > 0 and forks > 0
+
+
+@pytest.mark.parametrize("steps, refork", [(3, True), (12, False)])
+def test_a_preempted_child_forks_again_unless_its_own_cached_pages_reach_further(steps, refork):
+    """Preempted after 3 tokens, a child re-forks (start P - 1); after 12, its own full pages
+    in the prefix cache hold more than the prompt, so the hit serves it instead."""
+    sched = make(seqs=2)
+    engine = FakeEngine(sched.kv, sched.num_slots)
+    prompt = prompt_of(10, 8)
+    parent, child = family("f", prompt, 2, max_tokens=30, seed=3)
+    sched.add(parent)
+    sched.add(child)
+    pending = []
+    for _ in range(steps):
+        plan = sched.schedule()
+        results = engine.run(plan)
+        for rid, tok in pending:
+            sched.on_token(parent if rid == "f0" else child, tok)
+        pending = results
+    for rid, tok in pending:
+        sched.on_token(parent if rid == "f0" else child, tok)
+    sched._preempt(child, StepPlan())
+    sched.check_invariants()
+    (row,) = [r for r in sched.schedule().prefill if r.request_id == "f1"]
+    sched.check_invariants()
+    if refork:
+        assert row.start == len(prompt) - 1 and row.page_copy is not None
+    else:
+        assert row.start > len(prompt) and row.start % 4 == 0 and row.page_copy is None
+    assert row.samples  # it reaches the child's last known token
