@@ -14,6 +14,10 @@ the project's architecture notes)::
     PrefillBatch, DecodeBatch: serving.step_batch (shapes and buckets there and in
                   serving.engine_config)
 
+The prefill step first copies the batch's pages for forked requests (``n``
+choices sharing one prompt: ``PrefillBatch.copy_src``/``copy_dst``), so the
+copy is ordered after every earlier step's writes and before this step's.
+
 Both are pure and jitted once per shape bucket, with ``state`` donated by name
 (``donate_argnames``), so the cache is updated in place. What depends on the
 platform is fixed when the engine is built, by its :class:`BackendPolicy`
@@ -94,7 +98,8 @@ def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: Devic
                   batch: PrefillBatch):
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
-    logits, kv_cache = model(batch.tokens, batch.positions, state.kv_cache, md, batch.logits_indices,
+    kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
+    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, batch.logits_indices,
                              compute=compute)
     next_tokens = sample(logits, batch.kv_lens, batch.sampling, argmax_block)
     slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, next_tokens)

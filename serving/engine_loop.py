@@ -153,6 +153,10 @@ class EngineLoop:
         not yet taken in) fill the open slots first, so a burst of up to
         ``max_waiting`` + open-slot-count requests at an idle loop is accepted.
 
+        A request with ``parent_id`` (one of ``n`` choices) submitted while its
+        parent is known joins the parent's family: the scheduler forks it from
+        the computed prompt (``serving.scheduler``) instead of computing it again.
+
         Raises:
           RequestRejectedError: the request can never be served (too long for
             the context window or the KV cache, empty, bad ids, unknown priority).
@@ -167,7 +171,8 @@ class EngineLoop:
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             max_tokens=s.max_tokens, stop_token_ids=() if s.ignore_eos else tuple(s.stop_token_ids),
             priority=PRIORITIES[request.priority], salt=request.cache_salt,
-            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed))
+            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed),
+            parent_id=request.parent_id)
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
         with self._lock:
             if self._draining.is_set():

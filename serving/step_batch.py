@@ -12,6 +12,8 @@ T, B and P are buckets)::
               page_table [S, P]  num_seqs []       rows past num_seqs are padding (kv_lens 0)
               logits_indices [S]  slot_ids [S]     the token whose logits sample, the slot it goes to
               sampling [S]
+              copy_src [S]  copy_dst [S]           pages copied before the model call (forked
+                                                   requests' partial pages; unused: 0 onto 0)
     decode    slot_ids [B]  positions [B]          padding rows: slot max_slots (dropped), length 0
               page_table [B, P]  lengths [B]       lengths = position + 1
               sampling [B]
@@ -58,6 +60,8 @@ class PrefillBatch:
       logits_indices: [S] int32 the token of each row whose logits are sampled (its last).
       slot_ids: [S] int32 the slot each row's sampled token is written to.
       sampling: [S] per-row sampling settings.
+      copy_src, copy_dst: [S] int32 page copies run before the model call
+        (``PrefillRow.page_copy``; at most one per row); unused entries are 0, 0.
     """
 
     tokens: jax.Array
@@ -69,6 +73,8 @@ class PrefillBatch:
     logits_indices: jax.Array
     slot_ids: jax.Array
     sampling: SamplingArrays
+    copy_src: jax.Array
+    copy_dst: jax.Array
 
     kind: ClassVar[str] = "prefill"
 
@@ -94,6 +100,8 @@ class PrefillBatch:
         page_table = np.zeros((S, P), np.int32)
         logits_indices = np.zeros(S, np.int32)
         slot_ids = np.zeros(S, np.int32)
+        copy_src = np.zeros(S, np.int32)
+        copy_dst = np.zeros(S, np.int32)
         off = 0
         for i, r in enumerate(rows):
             n = len(r.token_ids)
@@ -105,10 +113,12 @@ class PrefillBatch:
             page_table[i, :used] = r.page_ids[:used]
             logits_indices[i] = off + n - 1
             slot_ids[i] = r.slot
+            if r.page_copy is not None:
+                copy_src[i], copy_dst[i] = r.page_copy.src, r.page_copy.dst
             off += n
         cu[len(rows)] = off
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
-                   slot_ids, SamplingArrays.from_rows([r.sampling for r in rows], S))
+                   slot_ids, SamplingArrays.from_rows([r.sampling for r in rows], S), copy_src, copy_dst)
 
     @property
     def shape_key(self) -> tuple:

@@ -14,11 +14,15 @@ facts from it: which slot, which positions, which token ids, which pages::
 
 Positions are absolute (0 = the first prompt token). ``page_ids`` lists the
 sequence's pages in order and covers at least every position the row writes.
+A forked request's first prefill row (``page_copy``) also has one page copied
+into its pages before the step writes anything (``serving.kv_cache_manager``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from serving.kv_cache_manager import PageCopy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,8 @@ class PrefillRow:
       page_ids: the sequence's pages in order, covering positions < start + len(token_ids).
       samples: whether the step samples a token after this row (it ends the known tokens).
       sampling: the request's sampling settings (used when ``samples``).
+      page_copy: a forked request's first row: the page the engine copies
+        (every layer's K and V) before the step's model call; None otherwise.
     """
 
     request_id: str
@@ -63,6 +69,7 @@ class PrefillRow:
     page_ids: tuple[int, ...]
     samples: bool
     sampling: SamplingSettings = GREEDY
+    page_copy: PageCopy | None = None
 
     @property
     def end(self) -> int:
