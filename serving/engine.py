@@ -24,6 +24,10 @@ then ``serving.sampling.sample``; log probabilities come from the raw logits.
     PrefillBatch, DecodeBatch: serving.step_batch (shapes and buckets there and in
                   serving.engine_config)
 
+The prefill step first copies the batch's pages for forked requests (``n``
+choices sharing one prompt: ``PrefillBatch.copy_src``/``copy_dst``), so the
+copy is ordered after every earlier step's writes and before this step's.
+
 Both are pure and jitted once per shape bucket, with ``state`` donated by name
 (``donate_argnames``), so the cache is updated in place. What depends on the
 platform is fixed when the engine is built, by its :class:`BackendPolicy`
@@ -119,7 +123,8 @@ def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: Dev
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
     indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
-    logits, kv_cache = model(batch.tokens, batch.positions, state.kv_cache, md, indices, compute=compute)
+    kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
+    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute)
     row_logits = logits[batch.logits_indices] if all_logits else logits
     starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
     counts, seen = token_counts.count_prefill(

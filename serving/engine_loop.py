@@ -170,6 +170,10 @@ class EngineLoop:
         not yet taken in) fill the open slots first, so a burst of up to
         ``max_waiting`` + open-slot-count requests at an idle loop is accepted.
 
+        A request with ``parent_id`` (one of ``n`` choices) submitted while its
+        parent is known joins the parent's family: the scheduler forks it from
+        the computed prompt (``serving.scheduler``) instead of computing it again.
+
         Raises:
           RequestRejectedError: the request can never be served (too long for
             the context window or the KV cache, empty, bad ids, unknown priority).
@@ -186,7 +190,8 @@ class EngineLoop:
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             max_tokens=s.max_tokens, stop_token_ids=stop_ids,
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
-            prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties)
+            prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
+            parent_id=request.parent_id)
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
         if s.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * n

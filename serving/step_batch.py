@@ -14,6 +14,8 @@ T, B and P are buckets)::
               sampling [S]  prompt_lens [S]        (token counts: positions >= prompt_lens are output)
               next_ids [T]                         each token's successor in its prompt, -1 = none
                                                    (read by the prompt-logprobs variant only)
+              copy_src [S]  copy_dst [S]           pages copied before the model call (forked
+                                                   requests' partial pages; unused: 0 onto 0)
     decode    slot_ids [B]  positions [B]          padding rows: slot max_slots (dropped), length 0
               page_table [B, P]  lengths [B]       lengths = position + 1
               sampling [B]
@@ -62,6 +64,8 @@ class PrefillBatch:
       sampling: [S] per-row sampling settings.
       prompt_lens: [S] int32 each row's prompt length.
       next_ids: [T] int32 the prompt token that follows each token (-1: none known).
+      copy_src, copy_dst: [S] int32 page copies run before the model call
+        (``PrefillRow.page_copy``; at most one per row); unused entries are 0, 0.
     """
 
     tokens: jax.Array
@@ -75,6 +79,8 @@ class PrefillBatch:
     sampling: SamplingArrays
     prompt_lens: jax.Array
     next_ids: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
 
     kind: ClassVar[str] = "prefill"
 
@@ -102,6 +108,8 @@ class PrefillBatch:
         slot_ids = np.zeros(S, np.int32)
         prompt_lens = np.zeros(S, np.int32)
         next_ids = np.full(T, -1, np.int32)
+        copy_src = np.zeros(S, np.int32)
+        copy_dst = np.zeros(S, np.int32)
         off = 0
         for i, r in enumerate(rows):
             n = len(r.token_ids)
@@ -118,11 +126,13 @@ class PrefillBatch:
             page_table[i, :used] = r.page_ids[:used]
             logits_indices[i] = off + n - 1
             slot_ids[i] = r.slot
+            if r.page_copy is not None:
+                copy_src[i], copy_dst[i] = r.page_copy.src, r.page_copy.dst
             off += n
         cu[len(rows)] = off
         sampling = SamplingArrays.from_rows([r.sampling for r in rows], S, [r.num_generated for r in rows])
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
-                   slot_ids, sampling, prompt_lens, next_ids)
+                   slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst)
 
     @property
     def shape_key(self) -> tuple:

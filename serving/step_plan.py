@@ -14,11 +14,15 @@ facts from it: which slot, which positions, which token ids, which pages::
 
 Positions are absolute (0 = the first prompt token). ``page_ids`` lists the
 sequence's pages in order and covers at least every position the row writes.
+A forked request's first prefill row (``page_copy``) also has one page copied
+into its pages before the step writes anything (``serving.kv_cache_manager``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from serving.kv_cache_manager import PageCopy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,8 @@ class PrefillRow:
         (``min_tokens`` is unmet while it is below ``sampling.min_tokens``).
       next_prompt_id: the prompt token right after this chunk, -1 if the chunk reaches
         the prompt's end (prompt log probabilities score it from the chunk's last logits).
+      page_copy: a forked request's first row: the page the engine copies
+        (every layer's K and V) before the step's model call; None otherwise.
     """
 
     request_id: str
@@ -96,6 +102,7 @@ class PrefillRow:
     page_ids: tuple[int, ...]
     samples: bool
     sampling: SamplingSettings = GREEDY
+    page_copy: PageCopy | None = None
     prompt_len: int = 0
     num_generated: int = 0
     next_prompt_id: int = -1
