@@ -197,3 +197,27 @@ def test_prompt_logprobs_batch_targets_and_lockstep_treedef():
     leaves = jax.tree.leaves(batch)
     rebuilt = jax.tree.unflatten(batch_treedef("prefill_logprobs"), leaves)
     assert type(rebuilt) is PromptLogprobsBatch and rebuilt.shape_key == batch.shape_key
+
+
+def test_n_choices_with_penalties_equal_separate_requests(loop):
+    """Children with penalties or prompt logprobs are not forked (their slot counts and prompt
+    scores need the whole prompt computed in their slot): each equals the request run alone."""
+    from serving.engine_client import EngineRequest, SamplingParams
+
+    p = prompt(19, 6)
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=0.6),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=0.6,
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)]
+    family = [EngineRequest(f"pen-fam-{i}", p, s, parent_id=None if i == 0 else "pen-fam-0")
+              for i, s in enumerate(params)]
+
+    async def main():
+        return await asyncio.gather(*(collect(loop, r) for r in family))
+
+    together = asyncio.run(main())
+    for i, s in enumerate(params):
+        alone, events = run(loop, EngineRequest(f"pen-alone-{i}", p, s))
+        assert together[i][0] == alone
+        assert together[i][1][-1].cached_tokens == 0
+    assert together[2][1][0].prompt_logprobs == events[0].prompt_logprobs
