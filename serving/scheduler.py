@@ -123,6 +123,10 @@ class SchedRequest:
         the slot (so a decode row can feed it). False after admission: a
         recomputed request's tokens all come from the host.
       num_preemptions: times it was preempted.
+      prefix_cache: False: never take prefix-cache hits, every token is computed
+        in the request's slot (prompt log probabilities and the penalties' token
+        counts need that), nor is it forked from its parent (``parent_id``); its
+        full pages are still offered to the cache.
       parent_id: the family root this request was forked from or waits for
         (see the module docstring); None for an ordinary request.
     """
@@ -144,6 +148,7 @@ class SchedRequest:
     arrival: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    prefix_cache: bool = True
     parent_id: str | None = None
 
     @property
@@ -282,7 +287,8 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             plan.decode.append(DecodeRow(req.request_id, req.slot, req.num_computed,
-                                         self.kv.page_ids(req.request_id), req.sampling))
+                                         self.kv.page_ids(req.request_id), req.sampling,
+                                         num_generated=req.num_generated))
             budget -= 1
         # 2. Prompt / recompute chunks of running requests, then admissions.
         prefill_budget = min(budget, self.max_prefill_tokens)
@@ -308,7 +314,7 @@ class Scheduler:
                     or len(plan.prefill) >= self.max_prefill_seqs):
                 break
             source = None
-            if req.parent_id is not None:
+            if req.parent_id is not None and req.prefix_cache:  # (else computed alone)
                 source, family_runs = self._fork_source(req, admitted)
                 if source is None and (family_runs or req.parent_id in self._live):
                     kept += family_runs
@@ -332,9 +338,12 @@ class Scheduler:
         """Appends the row for req's next n tokens (its pages already cover them); returns n."""
         start = req.num_computed
         tokens = req.token_ids()[start:start + n]
+        prompt_len = len(req.prompt_ids)
         plan.prefill.append(PrefillRow(req.request_id, req.slot, start, tuple(tokens),
                                        self.kv.page_ids(req.request_id),
                                        samples=start + n == req.num_tokens, sampling=req.sampling,
+                                       prompt_len=prompt_len, num_generated=req.num_generated,
+                                       next_prompt_id=req.prompt_ids[start + n] if start + n < prompt_len else -1,
                                        page_copy=page_copy))
         return n
 
@@ -373,7 +382,7 @@ class Scheduler:
         # The watermark only holds back admissions next to running requests.
         watermark = self.watermark_pages if self.running else 0
         # A full hit still recomputes the last token, to get its logits.
-        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
+        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0)
         if source is not None and hit.num_tokens < len(req.prompt_ids) - 1:
             # (a preempted child's own cached pages may reach further: then the hit serves it)
             start = len(req.prompt_ids) - 1  # the last prompt token is computed again, for its logits
