@@ -181,6 +181,7 @@ class TextGeneration:
             self._events = aiter(self.engine.submit(self.request))
             self._submitted = True
             self._first = await anext(self._events)
+            self.prompt_logprobs = self._first.prompt_logprobs
         except StopAsyncIteration:
             self._done = True
             raise GenerationError(

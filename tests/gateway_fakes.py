@@ -143,7 +143,8 @@ class FakeEngine:
     (default: the bytes of ``text``). Tokens are streamed in events of
     ``chunk`` ids, ``delay`` seconds apart. Generation ends with "stop" after a
     stop token, "length" at ``max_tokens``; when the script runs out an EOS is
-    generated. ``fail_after`` ends with "error" after that many tokens.
+    generated. ``fail_after`` ends with "error" after that many tokens (only
+    requests whose id ends with one of ``fail_only``, when given).
     With ``sampling.logprobs`` every event carries :func:`fake_logprobs` of its
     tokens; with ``sampling.prompt_logprobs`` the first event carries
     :func:`fake_prompt_logprobs`; ``max_tokens`` 0 (with prompt logprobs)
@@ -163,6 +164,7 @@ class FakeEngine:
     delay: float = 0.0
     cached_tokens: int = 0
     fail_after: int | None = None
+    fail_only: tuple[str, ...] = ()
     overloaded: bool = False
     reject: bool = False
     ready: bool = True
@@ -241,7 +243,8 @@ class FakeEngine:
                 pending.append(tok)
                 done += 1
                 self.first_token.set()
-                if self.fail_after is not None and done >= self.fail_after:
+                fails = not self.fail_only or request.request_id.endswith(self.fail_only)
+                if self.fail_after is not None and fails and done >= self.fail_after:
                     finish, error = "error", "device fell over"
                 elif tok in stops and not sp.ignore_eos:
                     finish = "stop"

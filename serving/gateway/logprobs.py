@@ -58,13 +58,17 @@ class CompletionChoiceRenderer:
       texts: token spellings for the model.
       echo_text: the prompt as returned with ``echo`` (None: no echo).
       prompt_ids: the prompt's token ids (for the echoed entries).
+      prompt_source: the output pipeline that asked for the prompt's logprobs
+        (the prompt's first choice; default `output`).
       logprobs: whether the client asked for ``logprobs``.
       as_ids: ``return_tokens_as_token_ids``.
     """
 
     def __init__(self, output: TextGeneration, texts: TokenTexts, *, echo_text: str | None,
-                 prompt_ids: Sequence[int], logprobs: bool, as_ids: bool) -> None:
+                 prompt_ids: Sequence[int], logprobs: bool, as_ids: bool,
+                 prompt_source: TextGeneration | None = None) -> None:
         self.output = output
+        self.prompt_source = prompt_source or output
         self.texts = texts
         self.echo_text = echo_text
         self.prompt_ids = prompt_ids
@@ -93,7 +97,7 @@ class CompletionChoiceRenderer:
         return text, out
 
     def _add_prompt(self, out: CompletionLogprobs) -> None:
-        prompt = self.output.prompt_logprobs
+        prompt = self.prompt_source.prompt_logprobs
         if prompt is None or len(prompt) != len(self.prompt_ids):
             raise EngineFailure("The engine returned no log probabilities for the prompt.")
         offsets = TextOffsets(0)

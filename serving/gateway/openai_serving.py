@@ -211,10 +211,11 @@ class OpenAIServing:
         gen, slots = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
                                        max_tokens, req.choices_per_prompt, "prompt", texts)
         texts_of = TokenTexts(served.tokenizer)
+        firsts = {slot.prompt: o for o, slot in reversed(list(zip(gen.outputs, slots)))}
         renderers = [CompletionChoiceRenderer(
             o, texts_of, echo_text=echo_texts[slot.prompt], prompt_ids=prompt_ids[slot.prompt],
-            logprobs=req.logprobs is not None, as_ids=req.return_tokens_as_token_ids)
-            for o, slot in zip(gen.outputs, slots)]
+            logprobs=req.logprobs is not None, as_ids=req.return_tokens_as_token_ids,
+            prompt_source=firsts[slot.prompt]) for o, slot in zip(gen.outputs, slots)]
         created = int(time.time())
         if req.stream:
             return self._stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))

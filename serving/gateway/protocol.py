@@ -319,9 +319,9 @@ class CompletionRequest(_SamplingRequest):
             raise PydanticCustomError(
                 "best_of_below_n", f"'best_of' ({best_of}) must be at least 'n' ({self.n}).",
                 {"field": "best_of"})
-        if best_of > 1 and self.stream:
+        if best_of > self.n and self.stream:
             raise PydanticCustomError(
-                "best_of_with_stream", "'best_of' > 1 cannot be used with 'stream' (as in OpenAI's API).",
+                "best_of_with_stream", "'best_of' above 'n' cannot be used with 'stream' (as in OpenAI's API).",
                 {"field": "best_of"})
         total = len(self.prompt) * max(best_of, self.n)
         if total > MAX_ENGINE_REQUESTS:
