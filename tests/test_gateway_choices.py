@@ -179,6 +179,12 @@ async def test_one_ledger_row_with_the_summed_usage(tmp_path, engine):
                 usage["prompt_tokens"], usage["completion_tokens"]) == (6, 12)
             total = await c.get("/v1/usage")
             assert total.json()["totals"]["requests"] == 1
+            # The prompt alone (echo, max_tokens 0) bills the prompt: its logprobs came back.
+            r = await c.post("/v1/completions", headers={"X-Request-ID": "fan-2"}, json={
+                "model": MODEL, "prompt": "abc", "echo": True, "max_tokens": 0})
+            row = services.ledger.get("fan-2")
+            assert (row["status"], row["finish_reason"]) == ("ok", "length")
+            assert (row["prompt_tokens"], row["completion_tokens"]) == (4, 0)
     finally:
         services.close()
 

@@ -57,6 +57,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "min_tokens"),  # default max_tokens 16
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),

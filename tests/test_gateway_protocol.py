@@ -383,3 +383,22 @@ def _refs(node):
     elif isinstance(node, list):
         for v in node:
             yield from _refs(v)
+
+
+async def test_sampling_fields_reach_the_engine(client, engine):
+    r = await client.post("/v1/chat/completions", json={
+        **ROUTES["/v1/chat/completions"], "presence_penalty": 0.5, "frequency_penalty": -1.25,
+        "repetition_penalty": 1.3, "logit_bias": {"72": -100, "3": 2.5}, "min_p": 0.05,
+        "min_tokens": 2, "max_tokens": 9, "stop_token_ids": [80, 1], "top_k": 5})
+    assert r.status_code == 200, r.text
+    sp = engine.submitted[0].sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.25, 1.3)
+    assert sp.logit_bias == ((72, -100.0), (3, 2.5))
+    assert (sp.min_p, sp.min_tokens, sp.max_tokens, sp.top_k) == (0.05, 2, 9, 5)
+    # The chat stop ids, then the request's own (no duplicates).
+    assert sp.stop_token_ids == (*FakeTokenizer().chat_stop_token_ids, 80)
+    assert (sp.logprobs, sp.prompt_logprobs) == (None, None)
+    r = await client.post("/v1/completions", json=COMPLETION)
+    sp = engine.submitted[1].sampling
+    assert (sp.presence_penalty, sp.repetition_penalty, sp.logit_bias, sp.min_p, sp.min_tokens) == (
+        0.0, 1.0, (), 0.0, 0)

@@ -80,7 +80,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # --------------------------------------------------------------- helpers
 
 
-async def _read_json(request: Request) -> Any:
+async def read_json(request: Request) -> Any:
     """The parsed JSON body of a request that says it is JSON.
 
     Raises:
@@ -196,7 +196,7 @@ class OpenAIServing:
           ClientDisconnected: the client went away.
         """
         arrival = time.time()
-        req = CompletionRequest.model_validate(await _read_json(request))
+        req = CompletionRequest.model_validate(await read_json(request))
         served = self.model(req.model, principal)
         need_text = bool(self.services.policies.input_policies) or req.echo
         prompt_ids, texts, echo_texts = [], [], []
@@ -385,7 +385,7 @@ class OpenAIServing:
           that leave no room for a completion when ``max_tokens`` is not given.
         """
         arrival = time.time()
-        req = ChatCompletionRequest.model_validate(await _read_json(request))
+        req = ChatCompletionRequest.model_validate(await read_json(request))
         served = self.model(req.model, principal)
         try:
             prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template() for m in req.messages])

@@ -53,9 +53,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 
     Raises:
       OpenAIError: 400 naming ``logit_bias`` or ``stop_token_ids`` for a token
-        id outside ``[0, tok.vocab_size)``.
+        id outside ``[0, tok.vocab_size)``; 400 naming ``min_tokens`` when it
+        exceeds `max_tokens` (the default one: an explicit one is refused by
+        the request model).
     """
     vocab = tok.vocab_size
+    if req.min_tokens and req.min_tokens > max_tokens:
+        raise OpenAIError(f"'min_tokens' ({req.min_tokens}) must not exceed the completion's "
+                          f"max_tokens ({max_tokens}).", param="min_tokens")
     chat = isinstance(req, ChatCompletionRequest)
     bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
     _check_ids((i for i, _ in bias), vocab, "logit_bias")

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.gateway.api_keys import Principal
 from serving.gateway.errors import OpenAIError, model_not_found
-from serving.gateway.openai_serving import OpenAIServing, _read_json
+from serving.gateway.openai_serving import OpenAIServing, read_json
 from serving.gateway.openapi import error_responses, json_request_body
 from serving.gateway.prompts import check_prompt_chars
 from serving.gateway.protocol import ChatMessage, Text, _Request
@@ -127,7 +127,7 @@ def install_tokenizer_routes(app: FastAPI, serving: OpenAIServing, principal) ->
     @app.post("/tokenize", openapi_extra=json_request_body(TokenizeRequest),
               response_model=TokenizeResponse, responses=error_responses(400, 401, 403, 404, 413, 415))
     async def tokenize(request: Request, caller: Principal = Depends(principal)) -> Response:
-        req = TokenizeRequest.model_validate(await _read_json(request))
+        req = TokenizeRequest.model_validate(await read_json(request))
         served = pick(req.model, caller)
         tok = served.tokenizer
         if req.prompt is not None:
@@ -144,7 +144,7 @@ def install_tokenizer_routes(app: FastAPI, serving: OpenAIServing, principal) ->
     @app.post("/detokenize", openapi_extra=json_request_body(DetokenizeRequest),
               response_model=DetokenizeResponse, responses=error_responses(400, 401, 403, 404, 413, 415))
     async def detokenize(request: Request, caller: Principal = Depends(principal)) -> Response:
-        req = DetokenizeRequest.model_validate(await _read_json(request))
+        req = DetokenizeRequest.model_validate(await read_json(request))
         served = pick(req.model, caller)
         vocab = served.tokenizer.vocab_size
         bad = next((t for t in req.tokens if t >= vocab), None)
