@@ -69,7 +69,7 @@ from serving.gateway.sampling_params import sampling_params
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
 from serving.gateway.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
-from serving.gateway.token_text import TokenTexts
+from serving.gateway.token_text import token_texts
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -210,7 +210,7 @@ class OpenAIServing:
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
         gen, slots = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
                                        max_tokens, req.choices_per_prompt, "prompt", texts)
-        texts_of = TokenTexts(served.tokenizer)
+        texts_of = token_texts(served.tokenizer)
         firsts = {slot.prompt: o for o, slot in reversed(list(zip(gen.outputs, slots)))}
         renderers = [CompletionChoiceRenderer(
             o, texts_of, echo_text=echo_texts[slot.prompt], prompt_ids=prompt_ids[slot.prompt],
@@ -402,7 +402,7 @@ class OpenAIServing:
         texts = [m.content for m in req.messages if isinstance(m.content, str)]
         gen, slots = await self._start(request, principal, arrival, served, "chatcmpl", [prompt_ids],
                                        req, max_tokens, req.n, "messages", texts)
-        texts_of = TokenTexts(served.tokenizer)
+        texts_of = token_texts(served.tokenizer)
         renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
                                         as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
                      for o in gen.outputs]

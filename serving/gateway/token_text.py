@@ -121,6 +121,13 @@ class TokenTexts:
         return text.encode()
 
 
+@functools.lru_cache(maxsize=16)
+def token_texts(tokenizer: TextTokenizer) -> TokenTexts:
+    """The shared :class:`TokenTexts` of `tokenizer` (one per served tokenizer, so its
+    per-id cache lasts across requests; used on the event loop only)."""
+    return TokenTexts(tokenizer)
+
+
 class TextOffsets:
     """Running ``text_offset`` of one choice: where each next token starts, in characters.
 
