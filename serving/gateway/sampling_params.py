@@ -91,4 +91,6 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         min_tokens=req.min_tokens or 0,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        # The structured-output fields' parsed constraint (their own module), when present.
+        structured_output=getattr(req, "structured_output", None),
     )
