@@ -63,6 +63,7 @@ from serving.engine_config import EngineConfig, batch_bucket, page_bucket
 from serving.sampling import sample
 from serving.step_batch import DecodeBatch, PrefillBatch, batch_treedef
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow
+from serving.token_bitmask import mask_words, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class Engine:
             "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
         }
         self._treedefs = {kind: batch_treedef(kind) for kind in self._steps}
+        self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
@@ -176,8 +178,11 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------------
 
-    def prefill(self, rows: Sequence[PrefillRow]) -> jax.Array:
+    def prefill(self, rows: Sequence[PrefillRow], token_mask: np.ndarray | None = None) -> jax.Array:
         """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows.
+
+        `token_mask`: [len(rows), ceil(vocab / 32)] int32 structured-output
+        bitmask of the rows (``serving.token_bitmask``), or None: unconstrained.
 
         Returns:
           next_tokens: [S] int32 device array (not yet synced); element i is the
@@ -186,10 +191,13 @@ class Engine:
         Raises:
           ValueError: too many rows or tokens for one step.
         """
-        return self.run(PrefillBatch.from_rows(rows, self.cfg))
+        mask = pad_rows(token_mask, self.cfg.max_prefill_seqs, self.mask_words)
+        return self.run(PrefillBatch.from_rows(rows, self.cfg, mask))
 
-    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
+    def decode(self, rows: Sequence[DecodeRow], token_mask: np.ndarray | None = None) -> jax.Array:
         """Dispatches one decode step over the given plan rows (running slots).
+
+        `token_mask`: as for :meth:`prefill`.
 
         Returns:
           next_tokens: [B] int32 device array (not yet synced); element i belongs to rows[i].
@@ -197,7 +205,8 @@ class Engine:
         Raises:
           ValueError: no rows or more than ``max_slots``.
         """
-        return self.run(DecodeBatch.from_rows(rows, self.cfg))
+        mask = pad_rows(token_mask, batch_bucket(max(len(rows), 1), self.cfg), self.mask_words)
+        return self.run(DecodeBatch.from_rows(rows, self.cfg, mask))
 
     def run(self, batch: StepBatch) -> jax.Array:
         """Runs one step on a host-built batch; returns its next_tokens (device array).

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.step_plan import SamplingSettings
+from serving.token_bitmask import apply_token_bitmask
 
 _BISECT_STEPS = 32
 
@@ -38,24 +39,29 @@ class SamplingArrays:
       top_k: [R] int32; 0 = off.
       top_p: [R] float32; 1.0 = off.
       seed: [R] uint32.
+      token_mask: [R, ceil(vocab / 32)] int32 structured-output bitmask
+        (``serving.token_bitmask``; -1 rows unconstrained), or None: none.
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
+    token_mask: jax.Array | None = None
 
     @classmethod
-    def from_rows(cls, rows: Sequence[SamplingSettings], size: int) -> "SamplingArrays":
+    def from_rows(cls, rows: Sequence[SamplingSettings], size: int,
+                  token_mask: np.ndarray | None = None) -> "SamplingArrays":
         """Host-side builder, one row per settings record; rows past len(rows) are
-        greedy padding. Seeds are taken modulo 2**32. Returns numpy arrays."""
+        greedy padding. Seeds are taken modulo 2**32. `token_mask`: [size, W]
+        int32 (the engine pads it) or None. Returns numpy arrays."""
         t = np.zeros(size, np.float32)
         k = np.zeros(size, np.int32)
         p = np.ones(size, np.float32)
         s = np.zeros(size, np.uint32)
         for i, row in enumerate(rows):
             t[i], k[i], p[i], s[i] = row.temperature, row.top_k, row.top_p, row.seed & 0xFFFFFFFF
-        return cls(t, k, p, s)
+        return cls(t, k, p, s, token_mask)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
@@ -140,6 +146,8 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
     Returns:
       [R] int32 token ids.
     """
+    # The structured-output mask: after the logit processors, before temperature (greedy rows too).
+    logits = apply_token_bitmask(logits, s.token_mask)
     greedy = argmax_rows(logits, argmax_block)
 
     def sampled(_):

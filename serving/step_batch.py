@@ -73,8 +73,10 @@ class PrefillBatch:
     kind: ClassVar[str] = "prefill"
 
     @classmethod
-    def from_rows(cls, rows: Sequence[PrefillRow], cfg: EngineConfig) -> "PrefillBatch":
-        """Packs plan rows into numpy arrays of the step's buckets.
+    def from_rows(cls, rows: Sequence[PrefillRow], cfg: EngineConfig,
+                  token_mask: np.ndarray | None = None) -> "PrefillBatch":
+        """Packs plan rows into numpy arrays of the step's buckets (`token_mask`:
+        [S, W] int32, see ``SamplingArrays``).
 
         Raises:
           ValueError: no rows, more than ``max_prefill_seqs`` rows or more than
@@ -108,7 +110,7 @@ class PrefillBatch:
             off += n
         cu[len(rows)] = off
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
-                   slot_ids, SamplingArrays.from_rows([r.sampling for r in rows], S))
+                   slot_ids, SamplingArrays.from_rows([r.sampling for r in rows], S, token_mask))
 
     @property
     def shape_key(self) -> tuple:
@@ -155,9 +157,11 @@ class DecodeBatch:
     kind: ClassVar[str] = "decode"
 
     @classmethod
-    def from_rows(cls, rows: Sequence[DecodeRow], cfg: EngineConfig) -> "DecodeBatch":
+    def from_rows(cls, rows: Sequence[DecodeRow], cfg: EngineConfig,
+                  token_mask: np.ndarray | None = None) -> "DecodeBatch":
         """Packs plan rows into numpy arrays of the step's buckets
-        (``cfg.min_decode_batch`` resolved by the engine).
+        (``cfg.min_decode_batch`` resolved by the engine; `token_mask`: [B, W]
+        int32, see ``SamplingArrays``).
 
         Raises:
           ValueError: no rows or more than ``max_slots`` rows.
@@ -177,7 +181,7 @@ class DecodeBatch:
             used = _pages_for(r.position + 1, cfg.page_size)
             page_table[i, :used] = r.page_ids[:used]
         return cls(slot_ids, positions, page_table, lengths,
-                   SamplingArrays.from_rows([r.sampling for r in rows], B))
+                   SamplingArrays.from_rows([r.sampling for r in rows], B, token_mask))
 
     @property
     def shape_key(self) -> tuple:
@@ -209,5 +213,5 @@ def batch_treedef(kind: str):
     cls = STEP_BATCHES[kind]
     fields = [f.name for f in dataclasses.fields(cls)]
     dummy = {name: 0 for name in fields}
-    dummy["sampling"] = SamplingArrays(0, 0, 0, 0)
+    dummy["sampling"] = SamplingArrays(*(0 for _ in dataclasses.fields(SamplingArrays)))
     return jax.tree.structure(cls(**dummy))

@@ -242,8 +242,7 @@ def _table_cases():
 
 
 def test_the_table_lists_the_vllm_fields_that_change_output():
-    must = {"guided_json", "guided_choice", "guided_regex", "guided_grammar", "guided_decoding_backend",
-            "structured_outputs", "min_p", "use_beam_search", "length_penalty",
+    must = {"guided_decoding_backend", "min_p", "use_beam_search", "length_penalty",
             "include_stop_str_in_output", "repetition_penalty", "min_tokens", "stop_token_ids",
             "prompt_logprobs", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
             "skip_special_tokens", "logits_processors"}

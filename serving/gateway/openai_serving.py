@@ -63,6 +63,7 @@ from serving.gateway.rate_limit import RateLimited
 from serving.gateway.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
+from serving.gateway.structured_request import check_structured_output
 from serving.gateway.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
 from serving.tokenizer_protocol import TextTokenizer
 
@@ -179,6 +180,7 @@ class OpenAIServing:
             seed=req.seed,
             stop_token_ids=tuple(tok.chat_stop_token_ids if chat else tok.stop_token_ids),
             ignore_eos=req.ignore_eos,
+            structured_output=req.structured_output,
         )
 
     @staticmethod
@@ -257,6 +259,9 @@ class OpenAIServing:
             the engine's admission errors (503 overloaded, 400 rejected).
         """
         self._check_context(served, len(prompt_ids), max_tokens, param)
+        if req.structured_output is not None:  # an invalid schema / regex / grammar is a 400 here
+            await self.prompts.run(check_structured_output, req.structured_output,
+                                   req.structured_output_field, served.tokenizer)
         er = self._engine_request(request, served, id_prefix, prompt_ids,
                                   self._sampling(req, max_tokens, served.tokenizer),
                                   priority=req.priority,

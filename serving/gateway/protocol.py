@@ -6,8 +6,8 @@ integers are bounded (``max_tokens`` and ``top_k`` to int32, ``seed`` to
 for every field (OpenAI's rule). Strings must be valid Unicode: one holding a
 lone UTF-16 surrogate (JSON ``"\\ud800"``) is refused. Unknown fields (``user``,
 ``metadata``, ...) are ignored; fields that would change the output but are not
-implemented here (logprobs, echo, best_of > 1, tools, non-text response
-formats, penalties, n > 1, and the vLLM/OpenAI extensions listed in
+implemented here (logprobs, echo, best_of > 1, tools, penalties, n > 1,
+and the vLLM/OpenAI extensions listed in
 ``unsupported_fields.py``) fail validation with a message naming the field, so
 a client never silently gets something other than what it asked for.
 Validation errors become HTTP 400 (see ``errors.py``): an error that names its
@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from serving.gateway.structured_request import StructuredOutputFields
 from serving.gateway.unsupported_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -110,8 +111,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
+class _SamplingRequest(_Request, StructuredOutputFields):
+    """Fields shared by completions and chat completions (the structured-output
+    ones in ``structured_request.py``)."""
 
     model: Text
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -337,7 +339,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -365,15 +366,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _no_tool_choice(cls, v: Any, info) -> Any:
         if v is not None and v != "none":
             raise ValueError(f"'{info.field_name}' is not supported by this server.")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(
-                f"'response_format' type {v.get('type')!r} is not supported; only 'text' is."
-            )
         return v
 
 

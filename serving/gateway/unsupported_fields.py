@@ -11,7 +11,7 @@ Fields this server does not know and that cannot change the output (``user``,
 ``metadata``, ``request_id``, ``kv_transfer_params``, ...) are not listed: they
 are ignored, as OpenAI's API allows. Fields the protocol models declare
 themselves (``logprobs``, ``echo``, ``n``, ``best_of``, the penalties,
-``logit_bias``, ``tools``, ``response_format`` on chat, ...) are refused there.
+``logit_bias``, ``tools``, ...) are refused there.
 Implementing a field means removing it from these tables.
 """
 
@@ -51,7 +51,8 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-_GUIDED = "structured output (guided decoding) is not supported by this server."
+_GUIDED = ("this option of structured output is not supported; send the constraint in "
+           "'response_format', 'structured_outputs' or a 'guided_*' field.")
 
 SAMPLING_FIELDS: Mapping[str, Unsupported] = {
     # vLLM sampling parameters
@@ -72,22 +73,16 @@ SAMPLING_FIELDS: Mapping[str, Unsupported] = {
         (), "prompts are never truncated by this server; shorten the prompt instead."),
     "return_token_ids": Unsupported((False,), "return_token_ids is not supported by this server."),
     "vllm_xargs": Unsupported(({},), "vllm_xargs is not supported by this server."),
-    # vLLM guided decoding / structured outputs
-    "guided_json": Unsupported((), _GUIDED),
-    "guided_regex": Unsupported((), _GUIDED),
-    "guided_choice": Unsupported((), _GUIDED),
-    "guided_grammar": Unsupported((), _GUIDED),
+    # vLLM structured-output options (the constraints themselves: structured_request.py)
     "guided_decoding_backend": Unsupported((), _GUIDED),
     "guided_whitespace_pattern": Unsupported((), _GUIDED),
     "structural_tag": Unsupported((), _GUIDED),
-    "structured_outputs": Unsupported((), _GUIDED),
 }
 """Refused on both ``/v1/completions`` and ``/v1/chat/completions``."""
 
 COMPLETION_FIELDS: Mapping[str, Unsupported] = {
     **SAMPLING_FIELDS,
     "add_special_tokens": Unsupported((True,), "the BOS token is always added to a text prompt."),
-    "response_format": Unsupported(({"type": "text"},), "only the 'text' response format is supported."),
     "prompt_embeds": Unsupported((), "prompt embeddings are not supported; send text or token ids."),
 }
 """Refused on ``/v1/completions``."""
