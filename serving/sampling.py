@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.step_plan import SamplingSettings
-from serving.token_bitmask import apply_token_bitmask
+from serving.token_bitmask import apply_token_bitmask, argmax_allowed
 
 _BISECT_STEPS = 32
 
@@ -146,13 +146,13 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
     Returns:
       [R] int32 token ids.
     """
-    # The structured-output mask: after the logit processors, before temperature (greedy rows too).
-    logits = apply_token_bitmask(logits, s.token_mask)
-    greedy = argmax_rows(logits, argmax_block)
+    # The structured-output mask (serving.token_bitmask): after the logit processors, before
+    # temperature, greedy rows too; in each branch, where it is cheapest.
+    greedy = argmax_allowed(logits, s.token_mask, lambda x: argmax_rows(x, argmax_block))
 
     def sampled(_):
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-        scaled = logits / temp[:, None]
+        scaled = apply_token_bitmask(logits, s.token_mask) / temp[:, None]
         vocab = logits.shape[-1]
         use_k = (s.top_k > 0) & (s.top_k < vocab)
         scaled_keys = _ordered_keys(scaled)
