@@ -60,7 +60,6 @@ from serving.engine_client import (
 from serving.kv_cache_manager import KVCacheManager
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.step_plan import SamplingSettings, StepPlan
-from serving.structured_output import StructuredOutputError, grammars_for
 from serving.tokenizer_protocol import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,11 @@ class EngineLoop:
             max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}
-        self.grammars = None if tokenizer is None else grammars_for(tokenizer)
+        self.grammars = None
+        if tokenizer is not None:  # llguidance is imported only here: an engine without it still runs
+            from serving.structured_output import grammars_for
+
+            self.grammars = grammars_for(tokenizer)
         self._constrained: set[_Sequence] = set()  # live requests with a matcher
         # Admission accounting, under _lock (see submit()): the token counts of the
         # requests not yet admitted, in the order they will be admitted (the
@@ -261,6 +264,8 @@ class EngineLoop:
             return None
         if self.grammars is None:
             raise RequestRejectedError("structured output needs the engine's tokenizer")
+        from serving.structured_output import StructuredOutputError
+
         try:
             return self.grammars.matcher(so)
         except StructuredOutputError as e:

@@ -88,7 +88,8 @@ async def test_more_than_one_constraint_is_a_400(client, engine, body, param):
 ])
 async def test_invalid_constraint_is_a_400_naming_the_field(client, engine, body, param):
     for path, base in (("/v1/completions", PROMPT), ("/v1/chat/completions", CHAT)):
-        r = await client.post(path, json={**base, **body})
+        r = await client.post(path, content=json.dumps({**base, **body}),  # ASCII: lone surrogates escaped
+                              headers={"content-type": "application/json"})
         assert_openai_error(r, 400, param=param)
     assert not engine.submitted
     await assert_still_serving(client)
