@@ -214,3 +214,26 @@ def test_invalid_constraint_or_no_tokenizer_is_rejected_at_submit(loop, tiny_tok
     bare.grammars = None
     with pytest.raises(RequestRejectedError, match="tokenizer"):
         bare._matcher(_req("x", tiny_tokenizer, StructuredOutput("regex", "a")))
+
+
+def test_gateway_over_the_engine_loop_returns_constrained_text(loop, tiny_tokenizer):
+    """The whole path: the gateway parses and compiles the constraint, the engine enforces it."""
+    import httpx
+
+    from serving.gateway.app import ServedModel, create_app
+
+    app = create_app({"tiny": ServedModel("tiny", loop, tiny_tokenizer, loop.max_model_len)})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            ok = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "pick"}], "max_tokens": 30,
+                "seed": 1, "guided_choice": ["left", "right"]})
+            bad = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "guided_regex": "(("})
+            return ok, bad
+
+    ok, bad = asyncio.run(main())
+    assert ok.status_code == 200, ok.text
+    choice = ok.json()["choices"][0]
+    assert choice["message"]["content"] in ("left", "right") and choice["finish_reason"] == "stop"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
