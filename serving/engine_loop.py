@@ -98,8 +98,9 @@ class EngineLoop:
       max_queued_events: most events of one request waiting for its consumer;
         one more cancels the request (see the module docstring). None: no bound.
       tokenizer: the served tokenizer, for structured output (llguidance's
-        view of it is built once here; about 2 s for Gemma). None: requests
-        with ``structured_output`` are rejected.
+        view of it is built at the first constrained request, or shared with
+        the gateway that checked it: about 2 s for Gemma). None: requests with
+        ``structured_output`` are rejected.
 
     Raises:
       ValueError: `max_queued_events` below 2 (a token event and the final one).
@@ -123,11 +124,7 @@ class EngineLoop:
             max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}
-        self.grammars = None
-        if tokenizer is not None:  # llguidance is imported only here: an engine without it still runs
-            from serving.structured_output import grammars_for
-
-            self.grammars = grammars_for(tokenizer)
+        self.tokenizer = tokenizer
         self._constrained: set[_Sequence] = set()  # live requests with a matcher
         # Admission accounting, under _lock (see submit()): the token counts of the
         # requests not yet admitted, in the order they will be admitted (the
@@ -262,12 +259,13 @@ class EngineLoop:
         so = request.sampling.structured_output
         if so is None:
             return None
-        if self.grammars is None:
+        if self.tokenizer is None:
             raise RequestRejectedError("structured output needs the engine's tokenizer")
-        from serving.structured_output import StructuredOutputError
+        # llguidance is imported only here: an engine without it still runs.
+        from serving.structured_output import StructuredOutputError, grammars_for
 
         try:
-            return self.grammars.matcher(so)
+            return grammars_for(self.tokenizer).matcher(so)
         except StructuredOutputError as e:
             raise RequestRejectedError(f"invalid structured output ({so.kind}): {e}") from None
 
@@ -430,7 +428,9 @@ class EngineLoop:
                     if s and seq.matcher is not None]
         if not matchers:
             return None
-        mask = self.grammars.fill(matchers, len(seqs), self.engine.model_cfg.vocab_size)
+        from serving.structured_output import grammars_for
+
+        mask = grammars_for(self.tokenizer).fill(matchers, len(seqs), self.engine.model_cfg.vocab_size)
         for m, i in matchers:
             if m.is_error():
                 failed.append((seqs[i], f"structured output failed: {m.get_error()}"))

@@ -211,7 +211,7 @@ def test_invalid_constraint_or_no_tokenizer_is_rejected_at_submit(loop, tiny_tok
     with pytest.raises(RequestRejectedError, match="regex"):
         asyncio.run(submit(loop, StructuredOutput("regex", "a(b")))
     bare = EngineLoop.__new__(EngineLoop)
-    bare.grammars = None
+    bare.tokenizer = None
     with pytest.raises(RequestRejectedError, match="tokenizer"):
         bare._matcher(_req("x", tiny_tokenizer, StructuredOutput("regex", "a")))
 
