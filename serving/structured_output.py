@@ -76,14 +76,26 @@ def grammar_of(so: StructuredOutput) -> str:
 
     Raises:
       StructuredOutputError: an unknown kind, a ``choice`` value that is not a
-        non-empty JSON list of strings, or a ``json_schema`` that is not JSON.
+        non-empty JSON list of strings, a ``json_schema`` that is not JSON (or
+        is ``false``), or what llguidance refuses while building the grammar.
     """
+    try:
+        return _grammar_of(so)
+    except ValueError as e:  # llguidance's own refusals (StructuredOutputError is one too)
+        raise StructuredOutputError(str(e)) from None
+
+
+def _grammar_of(so: StructuredOutput) -> str:
     kind, value = so.kind, so.value
     if kind == "json_schema":
         try:
-            json.loads(value)
+            schema = json.loads(value)
         except ValueError as e:
             raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+        if schema is False:
+            raise StructuredOutputError("the JSON schema false accepts nothing")
+        if schema is True:  # any JSON value
+            value = "{}"
         return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
@@ -99,10 +111,7 @@ def grammar_of(so: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in choices))
     if kind == "grammar":
-        try:
-            return llguidance.grammar_from("grammar", value)
-        except ValueError as e:
-            raise StructuredOutputError(str(e)) from None
+        return llguidance.grammar_from("grammar", value)
     raise StructuredOutputError(f"unknown structured output kind {kind!r}; expected one of {STRUCTURED_KINDS}")
 
 

@@ -76,6 +76,7 @@ async def test_more_than_one_constraint_is_a_400(client, engine, body, param):
         "name": "x", "strict": True, "schema": {"type": "object", "dependentRequired": {"a": ["b"]}}}}},
      "response_format.json_schema.schema"),
     ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": False}, "guided_json"),
     ({"guided_json": {"type": "string", "minLength": 5, "maxLength": 2}}, "guided_json"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"guided_regex": "a\ud800"}, "guided_regex"),

@@ -134,6 +134,8 @@ def test_fill_masks_ids_past_the_tokenizer_and_leaves_other_rows_open(grammars):
 @pytest.mark.parametrize("so", [
     StructuredOutput("json_schema", '{"type": "foo"}'),
     StructuredOutput("json_schema", "{not json"),
+    StructuredOutput("json_schema", "false"),
+    StructuredOutput("json_schema", "[1, 2]"),
     StructuredOutput("regex", "a(b"),
     StructuredOutput("choice", "[]"),
     StructuredOutput("grammar", "start: nowhere"),
