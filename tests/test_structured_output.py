@@ -43,7 +43,7 @@ def _bits(allowed: np.ndarray) -> np.ndarray:
 
 def _arrays(rows, temperature, mask=None):
     return SamplingArrays(np.full(rows, temperature, np.float32), np.zeros(rows, np.int32),
-                          np.ones(rows, np.float32), np.arange(rows, dtype=np.uint32), mask)
+                          np.ones(rows, np.float32), np.arange(rows, dtype=np.uint32), token_mask=mask)
 
 
 def test_bitmask_sets_forbidden_logits_to_minus_inf_and_leaves_the_rest_bitwise():
