@@ -146,7 +146,7 @@ class Engine:
             self.state = DeviceState(KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_stored),
                                      jnp.zeros((cfg.max_slots,), jnp.int32))
             out_shardings = None
-            compute = self.policy.compute()
+            compute = self.policy.compute(dtype=model.dtype)
         else:
             from sharding.placement import kv_cache_sharding, place_params, replicated, sharded_zeros
             from sharding.rules import ShardingRules
@@ -159,7 +159,7 @@ class Engine:
                 KVCache(sharded_zeros(kv_shape, kv_stored, kv_sh), sharded_zeros(kv_shape, kv_stored, kv_sh)),
                 sharded_zeros((cfg.max_slots,), jnp.int32, rep))
             out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep), rep)
-            compute = self.policy.compute(rules)
+            compute = self.policy.compute(rules, dtype=model.dtype)
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         self._steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
