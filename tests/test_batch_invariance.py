@@ -68,9 +68,10 @@ def test_policy_turns_batch_invariance_on_for_low_precision_only():
     assert INVARIANT.batch_invariant and INVARIANT.attention.batch_invariant
     f32 = policy.compute(dtype=jnp.float32)  # float32 serving computes as it always has
     assert not f32.batch_invariant and not f32.attention.batch_invariant
-    assert f32 == dataclasses.replace(INVARIANT, batch_invariant=False,
-                                      attention=dataclasses.replace(INVARIANT.attention, batch_invariant=False))
-    assert not BackendPolicy.for_platform("cpu", batch_invariant=False).compute(dtype=jnp.bfloat16).batch_invariant
+    plain_attention = dataclasses.replace(INVARIANT.attention, batch_invariant=False)
+    assert f32 == dataclasses.replace(INVARIANT, batch_invariant=False, attention=plain_attention)
+    off = BackendPolicy.for_platform("cpu", batch_invariant=False)
+    assert not off.compute(dtype=jnp.bfloat16).batch_invariant
     assert not BackendPolicy.for_platform("cpu", attention_impl="pallas").batch_invariant
     with pytest.raises(ValueError, match="xla"):
         BackendPolicy.for_platform("cpu", attention_impl="pallas", batch_invariant=True)

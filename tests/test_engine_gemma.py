@@ -117,7 +117,7 @@ def test_bfloat16_preempted_crowd_equals_each_request_alone(loop_bf16, golden, g
     (prompt and generated tokens in one chunk). Every request's ids equal its run alone."""
     kv, sched = loop_bf16.kv, loop_bf16.scheduler
     assert kv.num_free == CFG.num_pages - 1  # idle: the loop's thread touches pages only while planning
-    text = golden["prompts"][[p["name"] for p in golden["prompts"]].index("long_repeated_sliding_window")]["ids"]
+    text = next(p["ids"] for p in golden["prompts"] if p["name"] == "long_repeated_sliding_window")
     cuts = [text[:1] + text[1 + 11 * i:12 + 11 * i + i % 3] for i in range(15)]
     story = gemma_tokenizer.encode("Once upon a time in a small village", add_bos=True)
 
@@ -141,4 +141,4 @@ def test_bfloat16_preempted_crowd_equals_each_request_alone(loop_bf16, golden, g
     preemptions = [events[-1].num_preemptions for _, events in runs]
     assert sum(preemptions) > 0, "the load did not preempt"
     for i, ((together, _), single) in enumerate(zip(runs, alone)):
-        assert together == single, f"request {i} (preempted {preemptions[i]}x): crowd {together}, alone {single}"
+        assert together == single, f"request {i} (preempted {preemptions[i]}x): {together} vs alone {single}"
