@@ -19,12 +19,13 @@ dimensions of the array; and since a complete pairwise tree adds trailing zeros
 only to zeros, appending zeros to a row never changes its sum (attention's key
 axis grows with the page-table bucket of the step, which follows the longest
 sequence in it, and differs between prefill and decode). This is the
-batch-invariant reduction of Thinking Machines' "Defeating Nondeterminism in
-LLM Inference" (He et al., 2025) in its simplest form: a per-row order that no
-batch dimension can change.
+batch-invariant reduction of "Defeating Nondeterminism in LLM Inference"
+(Horace He, Thinking Machines Lab, 2025) in its simplest form: a per-row order
+that no batch dimension can change.
 
 Cost: log2 of the padded width elementwise passes over halving arrays (about
-twice the data of one pass); used only where the backend policy asks for batch invariance.
+twice the data of one pass); used only where the backend policy asks for
+batch invariance.
 """
 
 from __future__ import annotations
