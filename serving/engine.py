@@ -197,7 +197,7 @@ class Engine:
                                      jnp.zeros((cfg.max_slots,), jnp.int32),
                                      *token_counts.zeros(cfg.max_slots, model.cfg.vocab_size))
             out_shardings = None
-            compute = self.policy.compute()
+            compute = self.policy.compute(dtype=model.dtype)
         else:
             from sharding.placement import kv_cache_sharding, place_params, replicated, sharded_zeros
             from sharding.rules import ShardingRules
@@ -212,7 +212,7 @@ class Engine:
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.int32, rep),
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.bool_, rep))
             out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
-            compute = self.policy.compute(rules)
+            compute = self.policy.compute(rules, dtype=model.dtype)
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         self._steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
