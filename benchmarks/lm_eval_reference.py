@@ -80,8 +80,8 @@ class ReferenceScorer:
         self._forward = jax.jit(self._forward_impl)
 
     def _forward_impl(self, state, tokens: jax.Array, n: jax.Array):
-        """tokens [T] int32 (T a multiple of PAGE_SIZE, ids past ``n`` padding) -> per position t < T-1:
-        (log p(tokens[t+1]) [T-1] float32, max log p [T-1] float32)."""
+        """tokens [T] int32 (T a multiple of PAGE_SIZE, ids past ``n`` padding) -> (log p(tokens[t+1])
+        [T-1] float32 and max log p [T-1] float32 at positions t < T-1, argmax id [T] int32)."""
         model = nnx.merge(self._graphdef, state)
         T = tokens.shape[0]
         num_pages = T // PAGE_SIZE
@@ -94,9 +94,22 @@ class ReferenceScorer:
             mode="prefill")
         cache = KVCache.zeros(self._cfg, num_pages + 1, PAGE_SIZE, jnp.float32)
         logits, _ = model(tokens, positions, cache, md, positions)
-        logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)
-        token_logp = jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
-        return token_logp, logp.max(axis=-1)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        token_logp = jnp.take_along_axis(logp[:-1], tokens[1:, None], axis=-1)[:, 0]
+        return token_logp, logp[:-1].max(axis=-1), jnp.argmax(logp, axis=-1).astype(jnp.int32)
+
+    def _run(self, ids: list[int]):
+        n = len(ids)
+        T = (n // LENGTH_BUCKET + 1) * LENGTH_BUCKET  # room for the position after the last token
+        tokens = np.zeros(T, np.int32)
+        tokens[:n] = ids
+        with jax.default_matmul_precision("highest"):
+            out = self._forward(self._state, jnp.asarray(tokens), jnp.int32(n))
+        return [np.asarray(a) for a in out]
+
+    def next_token(self, ids: list[int]) -> int:
+        """The greedy (argmax) next token after ``ids``."""
+        return int(self._run(ids)[2][len(ids) - 1])
 
     def score(self, ids: list[int], ctxlen: int) -> Score:
         """The score of ``ids[ctxlen:]`` given ``ids[:ctxlen]``.
@@ -107,11 +120,7 @@ class ReferenceScorer:
         n = len(ids)
         if not 1 <= ctxlen < n:
             raise ValueError(f"ctxlen {ctxlen} must be in [1, {n})")
-        T = -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
-        tokens = np.zeros(T, np.int32)
-        tokens[:n] = ids
-        with jax.default_matmul_precision("highest"):
-            token_logp, max_logp = self._forward(self._state, jnp.asarray(tokens), jnp.int32(n))
+        token_logp, max_logp, _ = self._run(ids)
         token_logp = np.asarray(token_logp, np.float64)[ctxlen - 1:n - 1]
         gaps = np.asarray(max_logp, np.float64)[ctxlen - 1:n - 1] - token_logp
         return Score(float(token_logp.sum()), bool((gaps <= 0).all()), float(max(gaps.max(), 0.0)))
