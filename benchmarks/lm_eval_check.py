@@ -21,8 +21,11 @@ What it does:
    the continuation), and compares: each loglikelihood within ``--tolerance`` (absolute, nats),
    each ``is_greedy`` equal unless the reference's greediest miss is within the tolerance of a tie.
 
-Prints lm-eval's own table, then per task the largest and mean difference and the greedy
-agreement; exits 1 if a loglikelihood or greedy flag disagrees, or lm-eval fails.
+Prints lm-eval's own table, the server's request and prompt-token counters (``/metrics``), then
+per task the largest and mean difference, the greedy agreement and the multiple-choice accuracy
+from both; exits 1 if a loglikelihood or greedy flag disagrees, if the server did not get the
+expected number of requests (the multiple-choice ones ``--batch-size`` prompts per request), or
+lm-eval fails.
 """
 
 from __future__ import annotations
@@ -126,6 +129,17 @@ def run_lm_eval(lm_eval: str, url: str, model_id: str, batch_size: int, out: Pat
     return p.stdout
 
 
+def server_counters(url: str) -> dict[str, float]:
+    """The gateway's request and prompt-token counters (``/metrics``), summed over their labels."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for name in ("xlaserve:requests_total", "xlaserve:prompt_tokens_total",
+                     "xlaserve:cached_prompt_tokens_total"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def read_samples(out: Path) -> list[Logged]:
     """The loglikelihoods in lm-eval's ``samples_<task>_*.jsonl`` files under ``out``."""
     logged = []
@@ -166,7 +180,7 @@ def compare(logged: list[Logged], model_name: str, tolerance: float) -> tuple[li
         ours_by_doc: dict[int, list[float]] = {}
         for r in rows:
             if r.context is None:
-                ids = tok.encode(r.continuation)
+                ids = getattr(tok, "encode_markup", tok.encode)(r.continuation)
                 ids, ctxlen = [tok.bos_id, *ids], 1
             else:
                 ctx, cont = encode_pair(tok, r.context, r.continuation)
@@ -225,10 +239,21 @@ def main(argv: list[str] | None = None) -> int:
         t_served = time.perf_counter()
         table = run_lm_eval(args.lm_eval, url, model_id, args.batch_size, out)
         t_eval = time.perf_counter() - t_served
+        counters = server_counters(url)
     print(table)
     logged = read_samples(out / "lm_eval")
     lines, ok = compare(logged, args.model, args.tolerance)
+    # lm-eval sends the multiple-choice loglikelihoods --batch_size prompts per request, and each
+    # perplexity text (one window) in a request of its own.
+    n_mc = sum(r.task == "xlaserve_mc" for r in logged)
+    expected = -(-n_mc // args.batch_size) + sum(r.task == "xlaserve_ppl" for r in logged)
+    requests = int(counters.get("xlaserve:requests_total", 0))
+    ok = ok and requests == expected
     print(f"server up in {t_served - t0:.0f} s; lm-eval ran {t_eval:.0f} s")
+    print(f"server: {requests} completions requests (expected {expected}: {n_mc} multiple-choice "
+          f"loglikelihoods {args.batch_size} per request, one per perplexity text), "
+          f"{int(counters.get('xlaserve:prompt_tokens_total', 0))} prompt tokens, "
+          f"{int(counters.get('xlaserve:cached_prompt_tokens_total', 0))} of them prefix-cache hits")
     print("\n".join(lines))
     print("PASS" if ok else "FAIL", f"(output in {out})")
     return 0 if ok else 1

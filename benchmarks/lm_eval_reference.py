@@ -9,8 +9,9 @@ log-probability of each next token.
 The token ids are the ones lm-eval sends with ``tokenizer_backend=remote`` (read from lm-eval
 0.4.13: ``TemplateLM._encode_pair``, ``TemplateAPI.tok_encode``, ``utils.get_rolling_token_windows``):
 
-* Every text is encoded WITHOUT a BOS (the remote backend always sends ``add_special_tokens:
-  false`` and ignores ``add_bos_token``).
+* Every text is encoded as xlaserve's ``POST /tokenize`` with ``add_special_tokens: false`` encodes
+  it (the remote backend always sends that and ignores ``add_bos_token``): no BOS added, and
+  special-token spellings in the text (``<bos>``) read as their ids (``encode_markup``).
 * A context's trailing whitespace moves to the continuation; ``whole = encode(context +
   continuation)``, ``context_ids = encode(context)``, ``continuation_ids = whole[len(context_ids):]``.
 * A perplexity (``loglikelihood_rolling``) text short enough for one window is scored after one
@@ -46,8 +47,9 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
     if n_spaces:
         continuation = context[-n_spaces:] + continuation
         context = context[:-n_spaces]
-    whole = tok.encode(context + continuation)
-    context_ids = tok.encode(context)
+    encode = getattr(tok, "encode_markup", tok.encode)  # as /tokenize reads special-token spellings
+    whole = encode(context + continuation)
+    context_ids = encode(context)
     return context_ids, whole[len(context_ids):]
 
 
