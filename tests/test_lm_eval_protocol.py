@@ -119,6 +119,19 @@ async def test_lm_eval_loglikelihoods_equal_a_direct_forward_pass(loop, scorer, 
                 assert c["logprobs"]["token_logprobs"][0] is None
             scores += _parse_logprobs(body, [ctxlen for _, ctxlen in batch])
 
+        # The generated token's entry is there when it is a stop id too (here EOS, forced by a
+        # bias: logprobs are the raw logits' log-softmax, so the prompt's sum does not move).
+        ids, ctxlen = requests[0]
+        r = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True, "logit_bias": {str(tiny_tokenizer.eos_id): 100}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1
+        (logprob, is_greedy), = _parse_logprobs(r.json(), [ctxlen])
+        assert abs(logprob - scores[0][0]) <= TOLERANCE and is_greedy == scores[0][1]
+
     greedy_seen = []
     for (ids, ctxlen), (logprob, is_greedy) in zip(requests, scores, strict=True):
         ref = scorer.score(ids, ctxlen)
