@@ -38,6 +38,17 @@ class KVCache:
     def shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
         return (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> "KVCache":
+        """The cache with page ``src[i]`` copied onto page ``dst[i]`` in every layer, K and V.
+
+        Args:
+          src, dst: [C] int32 page ids; the copies read the cache as it was
+            (none reads another's destination). Unused entries copy the
+            null page 0 onto itself.
+        """
+        return KVCache(self.k.at[:, :, dst].set(self.k[:, :, src]),
+                       self.v.at[:, :, dst].set(self.v[:, :, src]))
+
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
         """An all-zero cache; ``dtype`` is the stored dtype (float32, bfloat16, or uint16 bits)."""

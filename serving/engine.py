@@ -6,13 +6,27 @@ and executes the steps that the engine loop (``serving.engine_loop``) plans
 with the scheduler. The step contract (the current form of the one drawn in
 the project's architecture notes)::
 
-    prefill_step(params, state: DeviceState, batch: PrefillBatch) -> (state, next_tokens [S])
-    decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, next_tokens [B])
+    prefill_step(params, state: DeviceState, batch: PrefillBatch) -> (state, StepOutput [S])
+    prefill_logprobs_step(params, state, batch: PromptLogprobsBatch)
+                                                    -> (state, (StepOutput [S], PromptLogprobs [T]))
+    decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, StepOutput [B])
 
     DeviceState   kv_cache: KVCache    k, v [layers, kv_heads, num_pages, page_size, head_dim]
                   slot_tokens [slots]  int32: each slot's last sampled token
+                  output_counts, prompt_seen [slots, V]: token counts for the penalties
+                                       (serving.token_counts)
+    StepOutput    tokens [R], the sampled tokens' log probabilities and top ids
+                  (serving.logprobs; computed only when a row asks)
+
+Each step turns its rows' raw float32 logits into tokens in vLLM's order:
+logit processors (``serving.logits_processors``: bias, min_tokens, penalties),
+then ``serving.sampling.sample``; log probabilities come from the raw logits.
     PrefillBatch, DecodeBatch: serving.step_batch (shapes and buckets there and in
                   serving.engine_config)
+
+The prefill step first copies the batch's pages for forked requests (``n``
+choices sharing one prompt: ``PrefillBatch.copy_src``/``copy_dst``), so the
+copy is ordered after every earlier step's writes and before this step's.
 
 Both are pure and jitted once per shape bucket, with ``state`` donated by name
 (``donate_argnames``), so the cache is updated in place. What depends on the
@@ -60,8 +74,11 @@ from model.compute import Compute
 from model.kv_cache import KVCache
 from serving.backend_policy import BackendPolicy
 from serving.engine_config import EngineConfig, batch_bucket, page_bucket
-from serving.sampling import sample
-from serving.step_batch import DecodeBatch, PrefillBatch, batch_treedef
+from serving import token_counts
+from serving.logits_processors import sample_processed
+from serving.logprobs import StepOutput, prompt_logprobs, token_logprobs
+from serving.sampling import SamplingArrays
+from serving.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow
 
 log = logging.getLogger(__name__)
@@ -77,10 +94,14 @@ class DeviceState:
     Attributes:
       kv_cache: the paged KV cache of all layers, in the policy's storage dtype.
       slot_tokens: [max_slots] int32, each slot's last sampled token.
+      output_counts: [max_slots, V] int32 generated-token counts per slot (``serving.token_counts``).
+      prompt_seen: [max_slots, V] bool prompt tokens per slot.
     """
 
     kv_cache: KVCache
     slot_tokens: jax.Array
+    output_counts: jax.Array
+    prompt_seen: jax.Array
 
 
 def _write_slots(slot_tokens: jax.Array, slot_ids: jax.Array, real: jax.Array,
@@ -90,15 +111,41 @@ def _write_slots(slot_tokens: jax.Array, slot_ids: jax.Array, real: jax.Array,
     return slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(tokens, mode="drop")
 
 
-def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                  batch: PrefillBatch):
+def _select(logits: jax.Array, positions: jax.Array, s: SamplingArrays, counts: jax.Array,
+            seen: jax.Array, slot_ids: jax.Array, argmax_block) -> StepOutput:
+    """Raw logits [R, V] -> processed -> sampled tokens, with log probabilities of the raw ones."""
+    tokens = sample_processed(logits, positions, s, counts, seen, slot_ids, argmax_block)
+    return token_logprobs(logits, tokens, s.num_logprobs)
+
+
+def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                    batch: PrefillBatch, all_logits: bool):
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
-    logits, kv_cache = model(batch.tokens, batch.positions, state.kv_cache, md, batch.logits_indices,
-                             compute=compute)
-    next_tokens = sample(logits, batch.kv_lens, batch.sampling, argmax_block)
-    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, next_tokens)
-    return DeviceState(kv_cache, slot_tokens), next_tokens
+    indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
+    kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
+    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute)
+    row_logits = logits[batch.logits_indices] if all_logits else logits
+    starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
+    counts, seen = token_counts.count_prefill(
+        state.output_counts, state.prompt_seen, batch.tokens, batch.positions, batch.token_rows,
+        batch.real_tokens, batch.slot_ids, batch.prompt_lens, batch.real_rows & (starts == 0))
+    out = _select(row_logits, batch.kv_lens, batch.sampling, counts, seen, batch.slot_ids, argmax_block)
+    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
+    return DeviceState(kv_cache, slot_tokens, counts, seen), out, logits
+
+
+def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                  batch: PrefillBatch):
+    state, out, _ = _prefill_common(graphdef, compute, argmax_block, params, state, batch, False)
+    return state, out
+
+
+def _prefill_logprobs_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                           batch: PromptLogprobsBatch):
+    """A prefill that also scores every token's successor (logits at all T tokens)."""
+    state, out, logits = _prefill_common(graphdef, compute, argmax_block, params, state, batch, True)
+    return state, (out, prompt_logprobs(logits, batch.next_ids))
 
 
 def _decode_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
@@ -109,9 +156,11 @@ def _decode_step(graphdef, compute: Compute, argmax_block, params, state: Device
     md = batch.attention_metadata(state.kv_cache.page_size)
     logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
                              jnp.arange(rows, dtype=jnp.int32), compute=compute)
-    next_tokens = sample(logits, batch.lengths, batch.sampling, argmax_block)
-    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, next_tokens)
-    return DeviceState(kv_cache, slot_tokens), next_tokens
+    counts = token_counts.count_decode(state.output_counts, batch.slot_ids, batch.real_rows, tokens)
+    out = _select(logits, batch.lengths, batch.sampling, counts, state.prompt_seen, batch.slot_ids,
+                  argmax_block)
+    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
+    return DeviceState(kv_cache, slot_tokens, counts, state.prompt_seen), out
 
 
 class Engine:
@@ -144,7 +193,8 @@ class Engine:
         if mesh is None:
             self.params = self.policy.store_params(params)
             self.state = DeviceState(KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_stored),
-                                     jnp.zeros((cfg.max_slots,), jnp.int32))
+                                     jnp.zeros((cfg.max_slots,), jnp.int32),
+                                     *token_counts.zeros(cfg.max_slots, model.cfg.vocab_size))
             out_shardings = None
             compute = self.policy.compute()
         else:
@@ -157,12 +207,16 @@ class Engine:
             rep = replicated(mesh)
             self.state = DeviceState(
                 KVCache(sharded_zeros(kv_shape, kv_stored, kv_sh), sharded_zeros(kv_shape, kv_stored, kv_sh)),
-                sharded_zeros((cfg.max_slots,), jnp.int32, rep))
-            out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep), rep)
+                sharded_zeros((cfg.max_slots,), jnp.int32, rep),
+                sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.int32, rep),
+                sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.bool_, rep))
+            out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
             compute = self.policy.compute(rules)
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         self._steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
+            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute,
+                                                      self.policy.argmax_block)),
             "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
         }
         self._treedefs = {kind: batch_treedef(kind) for kind in self._steps}
@@ -176,31 +230,36 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------------
 
-    def prefill(self, rows: Sequence[PrefillRow]) -> jax.Array:
-        """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows.
+    def prefill(self, rows: Sequence[PrefillRow]):
+        """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows (as the
+        prompt-logprobs variant when a row has prompt tokens to score).
 
         Returns:
-          next_tokens: [S] int32 device array (not yet synced); element i is the
-          token sampled after rows[i] (meaningful only when rows[i].samples).
+          a :class:`~serving.logprobs.StepOutput` of [S] device arrays (not yet
+          synced); row i is the token sampled after rows[i] (meaningful only when
+          rows[i].samples). The variant returns ``(StepOutput, PromptLogprobs)``,
+          the latter [T] in the batch's token order (rows back to back).
 
         Raises:
           ValueError: too many rows or tokens for one step.
         """
-        return self.run(PrefillBatch.from_rows(rows, self.cfg))
+        cls = PromptLogprobsBatch if any(r.wants_prompt_logprobs for r in rows) else PrefillBatch
+        return self.run(cls.from_rows(rows, self.cfg))
 
-    def decode(self, rows: Sequence[DecodeRow]) -> jax.Array:
+    def decode(self, rows: Sequence[DecodeRow]) -> StepOutput:
         """Dispatches one decode step over the given plan rows (running slots).
 
         Returns:
-          next_tokens: [B] int32 device array (not yet synced); element i belongs to rows[i].
+          a :class:`~serving.logprobs.StepOutput` of [B] device arrays (not yet
+          synced); row i belongs to rows[i].
 
         Raises:
           ValueError: no rows or more than ``max_slots``.
         """
         return self.run(DecodeBatch.from_rows(rows, self.cfg))
 
-    def run(self, batch: StepBatch) -> jax.Array:
-        """Runs one step on a host-built batch; returns its next_tokens (device array).
+    def run(self, batch: StepBatch):
+        """Runs one step on a host-built batch; returns its output (device arrays).
 
         With a lockstep, process 0 publishes the batch first so that the other
         processes run the same step.
@@ -213,7 +272,7 @@ class Engine:
         """A follower process's step: the batch the leader published, rebuilt from its leaves."""
         self._dispatch(jax.tree.unflatten(self._treedefs[kind], leaves))
 
-    def _dispatch(self, batch: StepBatch) -> jax.Array:
+    def _dispatch(self, batch: StepBatch):
         if self._sync_each_step and self._in_flight is not None:
             # On a multi-device CPU mesh every device's share of a collective runs on one
             # shared thread pool; with many multi-device steps queued, the participants of
@@ -229,14 +288,14 @@ class Engine:
         t0 = time.perf_counter()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
-            self.state, next_tokens = self._steps[batch.kind](self.params, self.state, batch)
+            self.state, out = self._steps[batch.kind](self.params, self.state, batch)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
             # persistent-cache hit); dispatch of later calls is asynchronous.
             self.compile_times[key] = time.perf_counter() - t0
             log.info("compiled %s in %.2f s", key, self.compile_times[key])
-        self._in_flight = next_tokens
-        return next_tokens
+        self._in_flight = out
+        return out
 
     def warmup(self) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:

@@ -14,6 +14,18 @@ One background thread owns the :class:`~serving.engine.Engine` and the
      (JetStream's pipelining). A request that finished in step n may still
      have a token computed in step n+1; it is discarded.
 
+Log probabilities (``TokenEvent.logprobs``): a step returns a small output
+pytree (``serving.logprobs.StepOutput``); the loop reads its log-probability
+arrays back only when a row of the step asked, and cuts each row's top list
+to the k it asked for. Prompt log probabilities (echo): the request's prompt
+chunks run the engine's prompt-logprobs prefill variant, whose per-token
+results are collected at read-back and delivered whole on the request's first
+event; the last prompt position is scored by the first generated token's
+``logprobs`` entry. Such a request, and one with penalties, takes no
+prefix-cache hit (``SchedRequest.prefix_cache``). ``max_tokens`` 0 (only
+with prompt log probabilities) finishes with "length" and no token once the
+prompt is computed (the token the step sampled is dropped).
+
 An exception in a step fails the requests in that step, not the server.
 The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device or
 scheduler state: it hands requests to the thread through a queue and
@@ -42,6 +54,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from serving import sampling_request
 from serving.engine import Engine
 from serving.engine_client import (
     EngineOverloadedError,
@@ -49,10 +62,12 @@ from serving.engine_client import (
     EngineRequest,
     RequestRejectedError,
     TokenEvent,
+    TokenLogprobs,
 )
 from serving.kv_cache_manager import KVCacheManager
+from serving.logprobs import PromptLogprobs, StepOutput
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
-from serving.step_plan import SamplingSettings, StepPlan
+from serving.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +87,8 @@ class _Sequence:
     first_token_time: float | None = None
     scheduled_time: float | None = None
     overflowed: bool = False  # the consumer fell max_queued_events behind (event-loop side only)
+    prompt_logprobs: list | None = None  # [prompt_len] entries collected from prefill chunks
+    first_event_sent: bool = False
 
 
 class EngineLoop:
@@ -153,6 +170,10 @@ class EngineLoop:
         not yet taken in) fill the open slots first, so a burst of up to
         ``max_waiting`` + open-slot-count requests at an idle loop is accepted.
 
+        A request with ``parent_id`` (one of ``n`` choices) submitted while its
+        parent is known joins the parent's family: the scheduler forks it from
+        the computed prompt (``serving.scheduler``) instead of computing it again.
+
         Raises:
           RequestRejectedError: the request can never be served (too long for
             the context window or the KV cache, empty, bad ids, unknown priority).
@@ -163,12 +184,17 @@ class EngineLoop:
         n = len(request.prompt_ids)
         s = request.sampling
         seed = random.getrandbits(32) if s.seed is None else int(s.seed) & 0xFFFFFFFF
+        stop_ids = () if s.ignore_eos else tuple(s.stop_token_ids)
+        settings = sampling_request.settings(s, seed, self.engine.model_cfg.vocab_size, stop_ids)
         sched = SchedRequest(
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
-            max_tokens=s.max_tokens, stop_token_ids=() if s.ignore_eos else tuple(s.stop_token_ids),
-            priority=PRIORITIES[request.priority], salt=request.cache_salt,
-            sampling=SamplingSettings(float(s.temperature), int(s.top_k), float(s.top_p), seed))
+            max_tokens=s.max_tokens, stop_token_ids=stop_ids,
+            priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
+            prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
+            parent_id=request.parent_id)
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
+        if s.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * n
         with self._lock:
             if self._draining.is_set():
                 raise EngineOverloadedError("the server is shutting down")
@@ -237,8 +263,8 @@ class EngineLoop:
         s = request.sampling
         if n == 0:
             raise RequestRejectedError("the prompt is empty")
-        if s.max_tokens < 1:
-            raise RequestRejectedError("max_tokens must be >= 1")
+        vocab = self.engine.model_cfg.vocab_size
+        sampling_request.validate(s, vocab, () if s.ignore_eos else tuple(s.stop_token_ids))
         if n + s.max_tokens > cfg.max_model_len:
             raise RequestRejectedError(
                 f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) exceeds the context "
@@ -250,7 +276,6 @@ class EngineLoop:
                 f"but the cache has {cfg.num_pages - 1}; lower max_tokens")
         if request.priority not in PRIORITIES:
             raise RequestRejectedError(f"priority must be one of {sorted(PRIORITIES)}")
-        vocab = self.engine.model_cfg.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
@@ -258,13 +283,18 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------
 
     def _emit(self, seq: _Sequence, ids: tuple[int, ...], reason: str | None = None,
-              error: str | None = None) -> None:
+              error: str | None = None, logprobs: tuple[TokenLogprobs, ...] | None = None) -> None:
         r = seq.sched
+        prompt_lp = None
+        if seq.prompt_logprobs is not None and not seq.first_event_sent and (ids or reason):
+            prompt_lp = tuple(seq.prompt_logprobs)
+        seq.first_event_sent = seq.first_event_sent or bool(ids) or reason is not None
         ev = TokenEvent(
             request_id=seq.req.request_id, token_ids=ids, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
-            scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error)
+            scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error,
+            logprobs=logprobs, prompt_logprobs=prompt_lp)
         try:
             seq.loop.call_soon_threadsafe(self._deliver, seq, ev)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
@@ -289,13 +319,13 @@ class EngineLoop:
         seq.events.put_nowait(ev)
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None,
-                ids: tuple[int, ...] = ()) -> None:
+                ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprobs, ...] | None = None) -> None:
         """Ends a request: frees its slot and pages, sends the final event (with ``ids``)."""
         if seq.sched.status is Status.FINISHED:
             return
         self.scheduler.finish(seq.sched, reason)
         self._by_id.pop(seq.req.request_id, None)
-        self._emit(seq, ids, reason, error)
+        self._emit(seq, ids, reason, error, logprobs)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -341,8 +371,8 @@ class EngineLoop:
         self._drain_inbox(block=idle)
         plan = sched.schedule()
         if plan.needs_sync:  # preemption needs every token id: read back first
-            for out, owners in pending:
-                self._process(out, owners)
+            for step in pending:
+                self._process(*step)
             pending = []
             plan = sched.schedule()
         now = time.time()
@@ -364,12 +394,13 @@ class EngineLoop:
             self.on_step(plan)
         dispatched = [d for d in (self._dispatch_prefill(plan), self._dispatch_decode(plan)) if d]
         # Read back the previous turn's tokens while this turn's steps run.
-        for out, owners in pending:
-            self._process(out, owners)
+        for step in pending:
+            self._process(*step)
         return dispatched
 
     def _dispatch_prefill(self, plan: StepPlan):
-        """Dispatches the plan's prefill rows; returns (tokens, [(seq, i)]) for rows that sample."""
+        """Dispatches the plan's prefill rows; returns (output, [(seq, i)] for rows that sample,
+        [(seq, first token's index, row)] for rows whose prompt tokens are scored)."""
         if not plan.prefill:
             return None
         seqs = [self._by_id[row.request_id] for row in plan.prefill]
@@ -380,7 +411,10 @@ class EngineLoop:
             for seq in seqs:
                 self._finish(seq, "error", f"prefill failed: {e}")
             return None
-        return out, [(seq, i) for i, (row, seq) in enumerate(zip(plan.prefill, seqs)) if row.samples]
+        offsets = np.cumsum([0] + [len(row.token_ids) for row in plan.prefill])
+        scored = [(seq, int(offsets[i]), row) for i, (row, seq) in enumerate(zip(plan.prefill, seqs))
+                  if row.wants_prompt_logprobs]
+        return out, [(seq, i) for i, (row, seq) in enumerate(zip(plan.prefill, seqs)) if row.samples], scored
 
     def _dispatch_decode(self, plan: StepPlan):
         """Dispatches one decode step over the plan's decode rows.
@@ -400,12 +434,21 @@ class EngineLoop:
             return None
         return out, [(seq, i) for i, seq in enumerate(seqs)]
 
-    def _process(self, out, owners: list[tuple[_Sequence, int]]) -> None:
+    def _process(self, out, owners: list[tuple[_Sequence, int]], scored=()) -> None:
+        """Reads back one step's output: streams its tokens (with log probabilities where
+        asked) and collects its scored prompt tokens."""
         try:
-            tokens = np.asarray(out)
+            prompt_out = None
+            if isinstance(out, tuple):
+                out, prompt_out = out
+            tokens = np.asarray(out.tokens)
+            wanted = [seq.sched.sampling.logprobs >= 0 for seq, _ in owners]
+            lp = _HostLogprobs(out) if any(wanted) else None
+            if scored:
+                self._collect_prompt_logprobs(prompt_out, scored)
         except Exception as e:
             log.exception("step failed")
-            for seq, _ in owners:
+            for seq in [seq for seq, _ in owners] + [seq for seq, _, _ in scored]:
                 self._finish(seq, "error", f"step failed: {e}")
             return
         now = time.time()
@@ -413,10 +456,42 @@ class EngineLoop:
             if seq.sched.status is Status.FINISHED:
                 continue  # finished or cancelled while this step was in flight
             tok = int(tokens[i])
+            if seq.req.sampling.max_tokens == 0:  # prompt scoring only: no token
+                self._finish(seq, "length")
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            k = seq.sched.sampling.logprobs
+            entry = (lp.entry(i, tok, k),) if k >= 0 else None
             reason = self.scheduler.on_token(seq.sched, tok)
             if reason is None:
-                self._emit(seq, (tok,))
+                self._emit(seq, (tok,), logprobs=entry)
             else:
-                self._finish(seq, reason, ids=(tok,))
+                self._finish(seq, reason, ids=(tok,), logprobs=entry)
+
+    @staticmethod
+    def _collect_prompt_logprobs(prompt_out: PromptLogprobs, scored) -> None:
+        """Stores each scored row's entries at the positions of the tokens they score."""
+        host = _HostLogprobs(prompt_out)
+        for seq, offset, row in scored:
+            if seq.sched.status is Status.FINISHED or seq.first_event_sent:
+                continue
+            k = seq.sched.sampling.prompt_logprobs
+            prompt = seq.sched.prompt_ids
+            for j in range(min(row.end, row.prompt_len - 1) - row.start):
+                pos = row.start + j + 1  # the token scored by the logits at position pos - 1
+                seq.prompt_logprobs[pos] = host.entry(offset + j, prompt[pos], k)
+
+
+class _HostLogprobs:
+    """A step's log-probability arrays read back to the host (only when a row asked)."""
+
+    def __init__(self, out: StepOutput | PromptLogprobs):
+        self.logprob = np.asarray(out.logprob)
+        self.top_ids = np.asarray(out.top_ids)
+        self.top_logprobs = np.asarray(out.top_logprobs)
+
+    def entry(self, i: int, token: int, k: int) -> TokenLogprobs:
+        """Row i's entry for ``token`` with its k most likely alternatives."""
+        top = tuple(zip(self.top_ids[i, :k].tolist(), self.top_logprobs[i, :k].tolist()))
+        return TokenLogprobs(token, float(self.logprob[i]), top)

@@ -19,10 +19,21 @@ before them*. A new request looks up its longest cached prefix
 is allocated (:meth:`allocate_pages`). The salt (a tenant id) scopes sharing,
 so one tenant cannot probe another's prompts through cache timing.
 
+Forking (``n`` choices of one prompt): :meth:`fork` makes a new request
+start from another's computed prefix. The child takes references on the
+parent's full pages before the fork point (as a prefix hit does, cached or
+not) and gets a fresh page for the partial page the fork point falls in; the
+engine copies the parent's partial page into it (a :class:`PageCopy`) before
+the child writes there::
+
+    parent:  |   page 7   |   page 3    |  page 12   |      fork at 37 tokens (page_size 16)
+    child:   |   page 7   |   page 3    |  page 20   |      7, 3 shared (ref count 2); 12 -> 20 copied
+
 The caller (the scheduler) says what each request needs, in tokens:
-:meth:`allocate_pages` (all or nothing), :meth:`cache_pages` once tokens are
-computed and their ids known on the host, :meth:`free` when the request ends
-or is preempted; it reads a request's page-table row with :meth:`page_ids`.
+:meth:`allocate_pages` (all or nothing), :meth:`fork` (all or nothing),
+:meth:`cache_pages` once tokens are computed and their ids known on the host,
+:meth:`free` when the request ends or is preempted; it reads a request's
+page-table row with :meth:`page_ids`.
 
 Invariants (checked by :meth:`check_invariants`, relied on by the scheduler):
   * every page id 1..num_pages-1 is either in the free queue (ref count 0) or
@@ -31,8 +42,12 @@ Invariants (checked by :meth:`check_invariants`, relied on by the scheduler):
   * a cached page (in the hash maps) holds exactly the tokens its key names;
     the two hash maps agree; a request's leading pages that are cached are
     cached under the request's own keys for them;
-  * only full pages are cached, and only cached pages are shared, so a
-    request only ever writes into pages it holds alone.
+  * only full pages are cached, and only a request's leading pages offered
+    to the cache (full and computed) are shared, by prefix hits or forks, so
+    a request only ever writes into pages it holds alone. A forked child's
+    shared pages are its parent's offered pages, with the parent's keys (so
+    they may be shared without being in the hash maps: caching off, or a
+    duplicate kept private); freeing either side leaves the other's intact.
 Freed pages keep their cached content and sit in the free queue in LRU order
 (least recently freed first); eviction takes from its head only when a page
 is needed.
@@ -72,6 +87,19 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit()
+
+
+@dataclasses.dataclass(frozen=True)
+class PageCopy:
+    """A page the engine must copy (every layer's K and V) before the step writes.
+
+    Attributes:
+      src: the page read (a parent's partial page).
+      dst: the page written (the forked child's fresh page; the child holds it alone).
+    """
+
+    src: int
+    dst: int
 
 
 @dataclasses.dataclass
@@ -219,6 +247,59 @@ class KVCacheManager:
             self._ref_count[p] = 1
             held.pages.append(p)
         return True
+
+    def fork(self, request_id: str, parent_id: str, num_computed: int, num_tokens: int,
+             watermark: int = 0) -> tuple[PageCopy, ...] | None:
+        """Starts a new request from the parent's first ``num_computed`` computed tokens.
+
+        The child holds the parent's first ``num_computed // page_size`` pages
+        (references, as a prefix hit takes; with the parent's keys for them)
+        and fresh pages covering the rest of its first ``num_tokens`` tokens.
+        When ``num_computed`` ends inside a page, the parent's page there is
+        to be copied into the child's first fresh page: the returned copy
+        must run on device before anything writes the child's pages (the
+        child then writes its tokens from ``num_computed`` on over the copy;
+        what the copy brings beyond them is overwritten before it is read).
+
+        Args:
+          request_id: the child (holds no pages yet).
+          parent_id: the request whose K/V the child takes over (holds pages;
+            its first ``num_computed`` tokens computed, its full pages among them
+            offered to the cache).
+          num_computed: tokens taken over, 0 .. the tokens of the parent's pages.
+          num_tokens: tokens the child's pages must cover (> num_computed).
+          watermark: free pages that must remain after the fresh pages are taken.
+
+        Returns:
+          the page copies for the engine (empty when ``num_computed`` ends on a
+          page boundary), or None if the fresh pages would leave fewer than
+          ``watermark`` free (nothing was taken).
+
+        Raises:
+          ValueError: the child already holds pages, the parent holds too
+            few (or has not offered the shared pages), or num_tokens <= num_computed.
+        """
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} already holds pages; a fork is for a new request")
+        parent = self._held.get(parent_id)
+        shared = num_computed // self.page_size
+        if parent is None or parent.num_cached < shared or len(parent.pages) < self.pages_for(num_computed):
+            raise ValueError(f"parent {parent_id!r} does not hold {num_computed} computed tokens "
+                             f"in offered pages")
+        if num_tokens <= num_computed:
+            raise ValueError(f"num_tokens ({num_tokens}) must exceed num_computed ({num_computed})")
+        need = self.pages_for(num_tokens) - shared
+        if need + watermark > len(self._free):
+            return None
+        held = self._held[request_id] = _Held(
+            keys=parent.keys[:shared] if self.enable_prefix_caching else [], num_cached=shared)
+        for p in parent.pages[:shared]:
+            self._ref_count[p] += 1  # held by the parent: not in the free queue
+            held.pages.append(p)
+        self.allocate_pages(request_id, num_tokens)  # the fresh pages (fits: checked above)
+        if num_computed % self.page_size == 0:
+            return ()
+        return (PageCopy(parent.pages[shared], held.pages[shared]),)
 
     def free(self, request_id: str) -> None:
         """Drops the request's pages; pages nobody holds any more join the free queue's tail.

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 import anyio
 
 from serving.detokenizer import IncrementalDetokenizer
-from serving.engine_client import EngineClient, EngineRequest, TokenEvent
+from serving.engine_client import EngineClient, EngineRequest, TokenEvent, TokenLogprobs
 from serving.tokenizer_protocol import TextTokenizer
 
 logger = logging.getLogger("xlaserve.output")
@@ -109,6 +109,12 @@ class TextGeneration:
       completion_tokens: tokens generated so far (stop tokens included; when a
         stop string or the filter ends the text, the tokens up to that point).
       cached_tokens: prompt tokens the engine served from its prefix cache.
+      token_ids: the generated ids consumed so far (stop tokens included; as
+        ``completion_tokens``), in order.
+      logprobs: the engine's ``TokenLogprobs`` of ``token_ids`` (when the
+        request asked for ``logprobs``; shorter if the engine sent none).
+      prompt_logprobs: the engine's prompt log probabilities (first entry
+        None), once an event carried them.
     """
 
     def __init__(
@@ -127,6 +133,9 @@ class TextGeneration:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
         self._detok = IncrementalDetokenizer(tokenizer, stop)
         self._stop_ids = frozenset(request.sampling.stop_token_ids)
         self._events: AsyncIterator[TokenEvent] | None = None
@@ -172,6 +181,7 @@ class TextGeneration:
             self._events = aiter(self.engine.submit(self.request))
             self._submitted = True
             self._first = await anext(self._events)
+            self.prompt_logprobs = self._first.prompt_logprobs
         except StopAsyncIteration:
             self._done = True
             raise GenerationError(
@@ -226,10 +236,15 @@ class TextGeneration:
                 if self.on_event is not None:
                     self.on_event(event)
                 self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+                if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+                    self.prompt_logprobs = event.prompt_logprobs
                 blocked = False
-                for tid in event.token_ids:
+                for pos, tid in enumerate(event.token_ids):
                     # One id at a time, so completion_tokens stops where the text does.
                     self.completion_tokens += 1
+                    self.token_ids.append(tid)
+                    if event.logprobs is not None and pos < len(event.logprobs):
+                        self.logprobs.append(event.logprobs[pos])
                     if tid in self._stop_ids:
                         continue  # the one place stop tokens leave the text
                     out, blocked = self._filter(self._detok.add((tid,)))

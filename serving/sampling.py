@@ -1,4 +1,4 @@
-"""Token sampling on device, per row: greedy, temperature, top-k, top-p.
+"""Token sampling on device, per row: greedy, temperature, top-k, top-p, min-p.
 
 Every row has its own settings, and its random stream is keyed by
 ``(seed, position)`` (``fold_in(PRNGKey(seed), position)``), so a row's sample
@@ -10,7 +10,11 @@ each finds its logit threshold by bisection (32 halvings of the uint32 space of
 order-preserving float32 keys, i.e. exact up to float32 ties whatever the value
 range), which is O(vocab) per halving instead of a sort. When every row is
 greedy the sampling branch is skipped entirely (``lax.cond``), so a greedy
-batch pays only an argmax. How the argmax runs (``jnp.argmax`` or in blocks,
+batch pays only an argmax. min-p keeps a token when its probability is at least
+``min_p`` times the most likely one's, i.e. when its scaled logit is at least
+``max + log(min_p)`` (vLLM's min_p, after top-k and top-p: renormalising does
+not change a ratio of probabilities). Logit processing before sampling (bias,
+min_tokens, penalties) is ``serving.logits_processors``'s. How the argmax runs (``jnp.argmax`` or in blocks,
 :func:`argmax_rows`) is the backend policy's choice (``argmax_block``).
 """
 
@@ -23,9 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.engine_client import MAX_LOGIT_BIAS
 from serving.step_plan import SamplingSettings
 
 _BISECT_STEPS = 32
+
+MAX_SUPPRESS_IDS = 32
+"""Most stop ids (EOS included) one row can mask while its ``min_tokens`` is unmet."""
 
 
 @jax.tree_util.register_dataclass
@@ -33,29 +41,88 @@ _BISECT_STEPS = 32
 class SamplingArrays:
     """Per-row sampling settings, as device arrays.
 
+    Every field has a fixed shape (``L = MAX_LOGIT_BIAS``, ``M = MAX_SUPPRESS_IDS``,
+    id padding -1), so no request mix compiles a new program. The fields after
+    ``seed`` may be None (statically off for every row: the unit tests' form);
+    the engine always passes them all.
+
     Attributes:
       temperature: [R] float32; 0 = greedy.
       top_k: [R] int32; 0 = off.
       top_p: [R] float32; 1.0 = off.
       seed: [R] uint32.
+      min_p: [R] float32; 0.0 = off.
+      presence_penalty: [R] float32; 0.0 = off.
+      frequency_penalty: [R] float32; 0.0 = off.
+      repetition_penalty: [R] float32; 1.0 = off.
+      bias_ids: [R, L] int32 token ids whose logits get ``bias_values`` added; -1 = none.
+      bias_values: [R, L] float32.
+      suppress_ids: [R, M] int32 ids masked to -inf this step (the stop ids while the
+        row's ``min_tokens`` is unmet, decided on the host); -1 = none.
+      num_logprobs: [R] int32 alternatives wanted with the sampled token's log
+        probability; -1 = no log probabilities for the row.
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
+    min_p: jax.Array | None = None
+    presence_penalty: jax.Array | None = None
+    frequency_penalty: jax.Array | None = None
+    repetition_penalty: jax.Array | None = None
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
+    suppress_ids: jax.Array | None = None
+    num_logprobs: jax.Array | None = None
 
     @classmethod
-    def from_rows(cls, rows: Sequence[SamplingSettings], size: int) -> "SamplingArrays":
+    def from_rows(cls, rows: Sequence[SamplingSettings], size: int,
+                  num_generated: Sequence[int] | None = None) -> "SamplingArrays":
         """Host-side builder, one row per settings record; rows past len(rows) are
-        greedy padding. Seeds are taken modulo 2**32. Returns numpy arrays."""
+        greedy padding. Seeds are taken modulo 2**32. Returns numpy arrays.
+
+        Args:
+          rows: the rows' settings.
+          size: R, the batch bucket.
+          num_generated: per row, tokens generated before the one sampled now
+            (None: 0 each); a row's ``suppress_ids`` apply while it is below
+            ``min_tokens``.
+
+        Raises:
+          ValueError: more than MAX_LOGIT_BIAS bias pairs or MAX_SUPPRESS_IDS
+            suppressed ids in a row (the engine loop rejects such requests first).
+        """
         t = np.zeros(size, np.float32)
         k = np.zeros(size, np.int32)
         p = np.ones(size, np.float32)
         s = np.zeros(size, np.uint32)
+        min_p = np.zeros(size, np.float32)
+        presence = np.zeros(size, np.float32)
+        frequency = np.zeros(size, np.float32)
+        repetition = np.ones(size, np.float32)
+        bias_ids = np.full((size, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((size, MAX_LOGIT_BIAS), np.float32)
+        suppress = np.full((size, MAX_SUPPRESS_IDS), -1, np.int32)
+        logprobs = np.full(size, -1, np.int32)
         for i, row in enumerate(rows):
             t[i], k[i], p[i], s[i] = row.temperature, row.top_k, row.top_p, row.seed & 0xFFFFFFFF
-        return cls(t, k, p, s)
+            min_p[i], logprobs[i] = row.min_p, row.logprobs
+            presence[i], frequency[i] = row.presence_penalty, row.frequency_penalty
+            repetition[i] = row.repetition_penalty
+            if row.logit_bias:
+                if len(row.logit_bias) > MAX_LOGIT_BIAS:
+                    raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries per row")
+                ids, values = zip(*row.logit_bias)
+                bias_ids[i, :len(ids)] = ids
+                bias_values[i, :len(ids)] = values
+            generated = 0 if num_generated is None else num_generated[i]
+            if row.suppress_ids and generated < row.min_tokens:
+                if len(row.suppress_ids) > MAX_SUPPRESS_IDS:
+                    raise ValueError(f"at most {MAX_SUPPRESS_IDS} suppressed ids per row")
+                suppress[i, :len(row.suppress_ids)] = row.suppress_ids
+        return cls(t, k, p, s, min_p, presence, frequency, repetition, bias_ids, bias_values,
+                   suppress, logprobs)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
@@ -132,7 +199,7 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
     """Samples one token per row.
 
     Args:
-      logits: [R, vocab] float32.
+      logits: [R, vocab] float32, already processed (``serving.logits_processors``).
       positions: [R] int32, the position the sampled token will occupy (keys the random stream).
       s: per-row settings.
       argmax_block: see :func:`argmax_rows` (None: ``jnp.argmax``); the same token either way.
@@ -155,6 +222,9 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
         prob_keys = _ordered_keys(probs)
         pth = _threshold_for_mass(probs, prob_keys, s.top_p)
         scaled = jnp.where(use_p[:, None] & (prob_keys < pth[:, None]), -jnp.inf, scaled)
+        if s.min_p is not None:  # p / p_max >= min_p  <=>  scaled >= max + log(min_p)
+            floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.where(s.min_p > 0, s.min_p, 1.0))
+            scaled = jnp.where((s.min_p > 0)[:, None] & (scaled < floor[:, None]), -jnp.inf, scaled)
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(
             s.seed, positions
         )

@@ -43,6 +43,35 @@ while planning, each right after its request's pages are reserved:
 Planning then commits the plan: computed counts advance, sampled tokens are
 in flight, newly full pages are offered to the prefix cache.
 
+Forked choices (``n`` choices of one prompt): a request with a ``parent_id``
+(a *child*; the parent and its children are a *family*, all with the same
+prompt and salt) is admitted by forking the prompt's K/V from a running family
+member (the *source*) instead of computing it::
+
+    parent:  | prompt[0 .. P-2] | prompt[P-1] | out ...       computed by its own prefill
+    child:   |  shared / copied | prompt[P-1] | its out ...   one 1-token prefill row
+                                  ^ samples the child's first token with its own seed
+
+  * the source is a running family member (the parent first) whose computed
+    count reached P - 1 in an earlier step (not admitted in this pass, so
+    its pages hold written K/V, and no page is copied from a page that is
+    itself a copy destination in the same step). The child takes references
+    on its full pages below P - 1 and a copy of the partial one
+    (``PrefillRow.page_copy``, run on device before the step's model call,
+    so the source may even be preempted later in the same pass); it starts
+    at computed = P - 1, so the prompt's other tokens are never computed
+    again, and reports them as ``cached_tokens``;
+  * while a running family member is still computing the prompt, the child
+    waits and keeps a slot: requests behind it in the queue are admitted
+    only into the slots beyond those kept, so the choices start together;
+    while the parent itself waits, the child waits behind it without a slot;
+  * with no running family member and the parent gone (finished,
+    cancelled, or never known), the child is admitted as an ordinary request
+    (prefix cache and all) and becomes the source for its siblings;
+  * a preempted child (or parent) is an ordinary waiting request again: a
+    child re-forks if a source exists and the prefix cache holds less of
+    it, else it is recomputed (from its prefix-cache hit).
+
 Generated tokens are "in flight" between dispatch and read-back (the engine
 pipelines steps). Preemption needs every token id of its victim, so when it
 would be needed while tokens are in flight, :meth:`schedule` asks the caller
@@ -50,7 +79,8 @@ to read them back first (``StepPlan.needs_sync``).
 
 Invariants (checked by :meth:`Scheduler.check_invariants` with the manager's):
 running requests hold distinct slots and pages covering their computed
-tokens; waiting and finished requests hold no slot and no pages.
+tokens; waiting and finished requests hold no slot and no pages; a child's
+parent id names a live family root or one that has gone (never another child).
 """
 
 from __future__ import annotations
@@ -59,7 +89,7 @@ import dataclasses
 import enum
 import itertools
 
-from serving.kv_cache_manager import KVCacheManager
+from serving.kv_cache_manager import KVCacheManager, PageCopy
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
 INTERACTIVE, BATCH = 0, 1
@@ -93,6 +123,12 @@ class SchedRequest:
         the slot (so a decode row can feed it). False after admission: a
         recomputed request's tokens all come from the host.
       num_preemptions: times it was preempted.
+      prefix_cache: False: never take prefix-cache hits, every token is computed
+        in the request's slot (prompt log probabilities and the penalties' token
+        counts need that), nor is it forked from its parent (``parent_id``); its
+        full pages are still offered to the cache.
+      parent_id: the family root this request was forked from or waits for
+        (see the module docstring); None for an ordinary request.
     """
 
     request_id: str
@@ -112,6 +148,8 @@ class SchedRequest:
     arrival: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    prefix_cache: bool = True
+    parent_id: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +195,7 @@ class Scheduler:
         self.waiting: list[SchedRequest] = []
         self.running: list[SchedRequest] = []
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._live: dict[str, SchedRequest] = {}  # waiting and running requests by id
         self._arrivals = itertools.count()
         self._head_waits_for_pages = False  # the last schedule() could not admit the queue's head
 
@@ -173,9 +212,21 @@ class Scheduler:
         return self.kv.pages_for(num_tokens)
 
     def add(self, req: SchedRequest) -> None:
-        """Queues a new request (validated by the caller to fit the pool alone)."""
+        """Queues a new request (validated by the caller to fit the pool alone).
+
+        A ``parent_id`` naming a live request with the same prompt and salt
+        makes req a child of that request's family (of its root, if the parent
+        is a child itself); otherwise it is cleared and req is ordinary.
+        """
+        parent = self._live.get(req.parent_id) if req.parent_id is not None else None
+        if (parent is None or parent.prompt_ids != req.prompt_ids or parent.salt != req.salt
+                or len(req.prompt_ids) < 2):  # a 1-token prompt has nothing to share
+            req.parent_id = None
+        else:
+            req.parent_id = parent.parent_id or parent.request_id  # the family's root
         req.arrival = next(self._arrivals)
         req.status = Status.WAITING
+        self._live[req.request_id] = req
         self.waiting.append(req)
 
     def finish(self, req: SchedRequest, reason: str) -> None:
@@ -189,6 +240,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        self._live.pop(req.request_id, None)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
@@ -235,7 +287,8 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             plan.decode.append(DecodeRow(req.request_id, req.slot, req.num_computed,
-                                         self.kv.page_ids(req.request_id), req.sampling))
+                                         self.kv.page_ids(req.request_id), req.sampling,
+                                         num_generated=req.num_generated))
             budget -= 1
         # 2. Prompt / recompute chunks of running requests, then admissions.
         prefill_budget = min(budget, self.max_prefill_tokens)
@@ -254,14 +307,25 @@ class Scheduler:
             prefill_budget -= self._add_chunk(plan, req, n)
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         self._head_waits_for_pages = False
-        while (self.waiting and self._free_slots and prefill_budget > 0
-               and len(plan.prefill) < self.max_prefill_seqs):
-            req = self.waiting[0]
-            if not self._admit(req, prefill_budget):
+        kept = 0  # slots kept for children ahead in the queue waiting for a running family member
+        admitted: set[str] = set()  # admitted in this pass: not fork sources before the next
+        for req in list(self.waiting):
+            if (len(self._free_slots) <= kept or prefill_budget == 0
+                    or len(plan.prefill) >= self.max_prefill_seqs):
+                break
+            source = None
+            if req.parent_id is not None and req.prefix_cache:  # (else computed alone)
+                source, family_runs = self._fork_source(req, admitted)
+                if source is None and (family_runs or req.parent_id in self._live):
+                    kept += family_runs
+                    continue  # waits for its family's prompt (see the module docstring)
+            copies = self._admit(req, prefill_budget, source)
+            if copies is None:
                 self._head_waits_for_pages = True
                 break  # head of line waits (lower priorities wait behind it)
+            admitted.add(req.request_id)
             n = min(req.num_tokens - req.num_computed, prefill_budget)
-            prefill_budget -= self._add_chunk(plan, req, n)
+            prefill_budget -= self._add_chunk(plan, req, n, copies[0] if copies else None)
         assert plan.num_tokens <= self.token_budget
         return self._commit(plan)
 
@@ -270,13 +334,17 @@ class Scheduler:
         (each will need them for its next tokens anyway); preemptions stand."""
         return StepPlan(preempted=plan.preempted, needs_sync=True)
 
-    def _add_chunk(self, plan: StepPlan, req: SchedRequest, n: int) -> int:
+    def _add_chunk(self, plan: StepPlan, req: SchedRequest, n: int, page_copy: PageCopy | None = None) -> int:
         """Appends the row for req's next n tokens (its pages already cover them); returns n."""
         start = req.num_computed
         tokens = req.token_ids()[start:start + n]
+        prompt_len = len(req.prompt_ids)
         plan.prefill.append(PrefillRow(req.request_id, req.slot, start, tuple(tokens),
                                        self.kv.page_ids(req.request_id),
-                                       samples=start + n == req.num_tokens, sampling=req.sampling))
+                                       samples=start + n == req.num_tokens, sampling=req.sampling,
+                                       prompt_len=prompt_len, num_generated=req.num_generated,
+                                       next_prompt_id=req.prompt_ids[start + n] if start + n < prompt_len else -1,
+                                       page_copy=page_copy))
         return n
 
     def _commit(self, plan: StepPlan) -> StepPlan:
@@ -295,26 +363,48 @@ class Scheduler:
             self._cache_full_pages(req)
         return plan
 
-    def _admit(self, req: SchedRequest, budget: int) -> bool:
+    def _fork_source(self, req: SchedRequest, admitted: set[str]) -> tuple[SchedRequest | None, bool]:
+        """A child's fork source (the root first) and whether any family member runs."""
+        family = [r for r in self.running if (r.request_id == req.parent_id or r.parent_id == req.parent_id)
+                  and r.prompt_ids == req.prompt_ids and r.salt == req.salt]
+        # Not one admitted in this pass: its pages may be a copy destination of this very step.
+        ready = [r for r in family
+                 if r.request_id not in admitted and r.num_computed >= len(req.prompt_ids) - 1]
+        source = next((r for r in ready if r.parent_id is None), ready[0] if ready else None)
+        return source, bool(family)
+
+    def _admit(self, req: SchedRequest, budget: int,
+               source: SchedRequest | None = None) -> tuple[PageCopy, ...] | None:
+        """Gives req a slot and pages for its next chunk: from a prefix hit, or forked from
+        ``source``'s prompt. Returns the page copies the chunk's row carries (None: no room)."""
         tokens = req.token_ids()
         assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
-        # A full hit still recomputes the last token, to get its logits.
-        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1)
-        n = min(len(tokens) - hit.num_tokens, budget)
         # The watermark only holds back admissions next to running requests.
         watermark = self.watermark_pages if self.running else 0
-        if not self.kv.allocate_pages(req.request_id, hit.num_tokens + n, prefix=hit, watermark=watermark):
-            return False
+        # A full hit still recomputes the last token, to get its logits.
+        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0)
+        if source is not None and hit.num_tokens < len(req.prompt_ids) - 1:
+            # (a preempted child's own cached pages may reach further: then the hit serves it)
+            start = len(req.prompt_ids) - 1  # the last prompt token is computed again, for its logits
+            n = min(len(tokens) - start, budget)
+            copies = self.kv.fork(req.request_id, source.request_id, start, start + n, watermark)
+            if copies is None:
+                return None
+        else:
+            start, copies = hit.num_tokens, ()
+            n = min(len(tokens) - start, budget)
+            if not self.kv.allocate_pages(req.request_id, start + n, prefix=hit, watermark=watermark):
+                return None
         self.waiting.remove(req)
-        req.num_computed = hit.num_tokens
+        req.num_computed = start
         if req.cached_tokens is None:
-            req.cached_tokens = min(hit.num_tokens, len(req.prompt_ids))
+            req.cached_tokens = min(start, len(req.prompt_ids))
             self.kv.record_lookup(len(req.prompt_ids), req.cached_tokens)
         req.slot = self._free_slots.pop()
         req.token_on_device = False
         req.status = Status.RUNNING
         self.running.append(req)
-        return True
+        return copies
 
     def _reserve_pages(self, req: SchedRequest, num_tokens: int, plan: StepPlan) -> bool:
         """Makes req hold pages for its first num_tokens tokens, preempting others if needed.
@@ -372,3 +462,8 @@ class Scheduler:
             assert r.request_id not in running, f"request {r.request_id!r} both waits and runs"
         for r in self.running:
             assert len(self.kv.page_ids(r.request_id)) * self.kv.page_size >= r.num_computed
+        live = self.waiting + self.running
+        assert self._live == {r.request_id: r for r in live}, "the live table differs from the queues"
+        for r in live:
+            root = self._live.get(r.parent_id) if r.parent_id is not None else None
+            assert root is None or root.parent_id is None, f"request {r.request_id!r}: parent is a child"

@@ -11,7 +11,11 @@ T, B and P are buckets)::
               cu_q_lens [S + 1]  kv_lens [S]       row i owns tokens cu_q_lens[i]:cu_q_lens[i + 1]
               page_table [S, P]  num_seqs []       rows past num_seqs are padding (kv_lens 0)
               logits_indices [S]  slot_ids [S]     the token whose logits sample, the slot it goes to
-              sampling [S]
+              sampling [S]  prompt_lens [S]        (token counts: positions >= prompt_lens are output)
+              next_ids [T]                         each token's successor in its prompt, -1 = none
+                                                   (read by the prompt-logprobs variant only)
+              copy_src [S]  copy_dst [S]           pages copied before the model call (forked
+                                                   requests' partial pages; unused: 0 onto 0)
     decode    slot_ids [B]  positions [B]          padding rows: slot max_slots (dropped), length 0
               page_table [B, P]  lengths [B]       lengths = position + 1
               sampling [B]
@@ -58,6 +62,10 @@ class PrefillBatch:
       logits_indices: [S] int32 the token of each row whose logits are sampled (its last).
       slot_ids: [S] int32 the slot each row's sampled token is written to.
       sampling: [S] per-row sampling settings.
+      prompt_lens: [S] int32 each row's prompt length.
+      next_ids: [T] int32 the prompt token that follows each token (-1: none known).
+      copy_src, copy_dst: [S] int32 page copies run before the model call
+        (``PrefillRow.page_copy``; at most one per row); unused entries are 0, 0.
     """
 
     tokens: jax.Array
@@ -69,6 +77,10 @@ class PrefillBatch:
     logits_indices: jax.Array
     slot_ids: jax.Array
     sampling: SamplingArrays
+    prompt_lens: jax.Array
+    next_ids: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
 
     kind: ClassVar[str] = "prefill"
 
@@ -94,10 +106,19 @@ class PrefillBatch:
         page_table = np.zeros((S, P), np.int32)
         logits_indices = np.zeros(S, np.int32)
         slot_ids = np.zeros(S, np.int32)
+        prompt_lens = np.zeros(S, np.int32)
+        next_ids = np.full(T, -1, np.int32)
+        copy_src = np.zeros(S, np.int32)
+        copy_dst = np.zeros(S, np.int32)
         off = 0
         for i, r in enumerate(rows):
             n = len(r.token_ids)
             tokens[off:off + n] = r.token_ids
+            prompt_lens[i] = r.prompt_len
+            if r.wants_prompt_logprobs:  # token at p is followed by prompt[p + 1] while p + 1 < prompt_len
+                k = min(r.end, r.prompt_len) - r.start  # chunk tokens inside the prompt
+                next_ids[off:off + k - 1] = r.token_ids[1:k]
+                next_ids[off + k - 1] = r.next_prompt_id if r.end < r.prompt_len else -1
             positions[off:off + n] = np.arange(r.start, r.end)
             cu[i] = off
             kv_lens[i] = r.end
@@ -105,31 +126,58 @@ class PrefillBatch:
             page_table[i, :used] = r.page_ids[:used]
             logits_indices[i] = off + n - 1
             slot_ids[i] = r.slot
+            if r.page_copy is not None:
+                copy_src[i], copy_dst[i] = r.page_copy.src, r.page_copy.dst
             off += n
         cu[len(rows)] = off
+        sampling = SamplingArrays.from_rows([r.sampling for r in rows], S, [r.num_generated for r in rows])
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
-                   slot_ids, SamplingArrays.from_rows([r.sampling for r in rows], S))
+                   slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst)
 
     @property
     def shape_key(self) -> tuple:
-        """("prefill", T, P): which compiled program runs this batch."""
+        """(kind, T, P): which compiled program runs this batch."""
         return (self.kind, self.tokens.shape[0], self.page_table.shape[1])
 
     def attention_metadata(self, page_size: int) -> AttentionMetadata:
         """The model's attention metadata (traced; inside the step)."""
-        T = self.tokens.shape[0]
-        seq = jnp.searchsorted(self.cu_q_lens[1:], jnp.arange(T), side="right")
-        seq = jnp.minimum(seq, self.page_table.shape[0] - 1)
-        real = jnp.arange(T) < self.cu_q_lens[self.num_seqs]
+        seq, real = self.token_rows, self.real_tokens
         return AttentionMetadata(
             slot_mapping=_slot_mapping(self.page_table, seq, self.positions, real, page_size),
             page_table=self.page_table, kv_lens=self.kv_lens, cu_q_lens=self.cu_q_lens,
             num_seqs=self.num_seqs, mode="prefill")
 
     @property
+    def token_rows(self) -> jax.Array:
+        """[T] int32: the row each token belongs to (traced; padding tokens: the last row)."""
+        T = self.tokens.shape[0]
+        seq = jnp.searchsorted(self.cu_q_lens[1:], jnp.arange(T), side="right")
+        return jnp.minimum(seq, self.page_table.shape[0] - 1)
+
+    @property
+    def real_tokens(self) -> jax.Array:
+        """[T] bool: tokens that are not padding."""
+        return jnp.arange(self.tokens.shape[0]) < self.cu_q_lens[self.num_seqs]
+
+    @property
     def real_rows(self) -> jax.Array:
         """[S] bool: rows that are not padding."""
         return jnp.arange(self.slot_ids.shape[0]) < self.num_seqs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobsBatch(PrefillBatch):
+    """A prefill step that also scores every prompt token (echo / ``prompt_logprobs``).
+
+    The same fields as :class:`PrefillBatch`; its own jitted step computes the
+    logits at all T tokens (``[T, V]`` float32: 256 MiB for Gemma 3 at T = 256)
+    and returns the log probability of each token's ``next_ids`` successor.
+    The engine runs a prefill as this kind when a row has prompt tokens to score
+    (``PrefillRow.wants_prompt_logprobs``).
+    """
+
+    kind: ClassVar[str] = "prefill_logprobs"
 
 
 @jax.tree_util.register_dataclass
@@ -177,7 +225,7 @@ class DecodeBatch:
             used = _pages_for(r.position + 1, cfg.page_size)
             page_table[i, :used] = r.page_ids[:used]
         return cls(slot_ids, positions, page_table, lengths,
-                   SamplingArrays.from_rows([r.sampling for r in rows], B))
+                   SamplingArrays.from_rows([r.sampling for r in rows], B, [r.num_generated for r in rows]))
 
     @property
     def shape_key(self) -> tuple:
@@ -200,14 +248,14 @@ class DecodeBatch:
         return self.lengths > 0
 
 
-STEP_BATCHES = {cls.kind: cls for cls in (PrefillBatch, DecodeBatch)}
+STEP_BATCHES = {cls.kind: cls for cls in (PrefillBatch, PromptLogprobsBatch, DecodeBatch)}
 
 
 def batch_treedef(kind: str):
-    """The pytree structure of a ``kind`` ("prefill" or "decode") batch, to rebuild one from
-    its leaves (the multi-host lockstep sends leaves)."""
+    """The pytree structure of a ``kind`` ("prefill", "prefill_logprobs" or "decode") batch,
+    to rebuild one from its leaves (the multi-host lockstep sends leaves)."""
     cls = STEP_BATCHES[kind]
     fields = [f.name for f in dataclasses.fields(cls)]
     dummy = {name: 0 for name in fields}
-    dummy["sampling"] = SamplingArrays(0, 0, 0, 0)
+    dummy["sampling"] = SamplingArrays(*[0] * len(dataclasses.fields(SamplingArrays)))
     return jax.tree.structure(cls(**dummy))

@@ -14,11 +14,15 @@ facts from it: which slot, which positions, which token ids, which pages::
 
 Positions are absolute (0 = the first prompt token). ``page_ids`` lists the
 sequence's pages in order and covers at least every position the row writes.
+A forked request's first prefill row (``page_copy``) also has one page copied
+into its pages before the step writes anything (``serving.kv_cache_manager``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from serving.kv_cache_manager import PageCopy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +35,39 @@ class SamplingSettings:
       top_p: nucleus mass in (0, 1]; 1.0 = off.
       seed: the request's seed, taken modulo 2**32; the random stream is keyed by
         (seed, position), so a sample never depends on batch neighbours.
+      min_p: drop tokens below min_p times the most likely one's probability; 0.0 = off.
+      presence_penalty, frequency_penalty: OpenAI's penalties; 0.0 = off.
+      repetition_penalty: vLLM's (CTRL's) penalty over prompt and output tokens; 1.0 = off.
+      logit_bias: (token id, bias) pairs, at most ``serving.engine_client.MAX_LOGIT_BIAS``.
+      min_tokens: the ``suppress_ids`` cannot be sampled while fewer tokens were generated.
+      suppress_ids: the stop ids (EOS included) masked while ``min_tokens`` is unmet,
+        at most ``serving.sampling.MAX_SUPPRESS_IDS``.
+      logprobs: -1 = off; k in 0..MAX_LOGPROBS: the sampled token's log probability and the
+        k most likely alternatives.
+      prompt_logprobs: -1 = off; k: every prompt token's log probability (and top k).
+      (Applied on device in vLLM's order: ``serving.logits_processors``.)
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    suppress_ids: tuple[int, ...] = ()
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a penalty reads the slot's token counts (so every token must be computed
+        in this slot: no prefix-cache hit)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 GREEDY = SamplingSettings()
@@ -54,6 +85,14 @@ class PrefillRow:
       page_ids: the sequence's pages in order, covering positions < start + len(token_ids).
       samples: whether the step samples a token after this row (it ends the known tokens).
       sampling: the request's sampling settings (used when ``samples``).
+      prompt_len: the request's prompt length: tokens at positions >= it are generated
+        ones (recomputed after a preemption), counted as output for the penalties.
+      num_generated: tokens the request generated before the one this row samples
+        (``min_tokens`` is unmet while it is below ``sampling.min_tokens``).
+      next_prompt_id: the prompt token right after this chunk, -1 if the chunk reaches
+        the prompt's end (prompt log probabilities score it from the chunk's last logits).
+      page_copy: a forked request's first row: the page the engine copies
+        (every layer's K and V) before the step's model call; None otherwise.
     """
 
     request_id: str
@@ -63,6 +102,15 @@ class PrefillRow:
     page_ids: tuple[int, ...]
     samples: bool
     sampling: SamplingSettings = GREEDY
+    page_copy: PageCopy | None = None
+    prompt_len: int = 0
+    num_generated: int = 0
+    next_prompt_id: int = -1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The row has prompt tokens to score (its request asked for prompt logprobs)."""
+        return self.sampling.prompt_logprobs >= 0 and self.start < self.prompt_len - 1
 
     @property
     def end(self) -> int:
@@ -80,6 +128,8 @@ class DecodeRow:
       position: the input token's position (= tokens in the cache before this step).
       page_ids: the sequence's pages in order, covering positions <= position.
       sampling: the request's sampling settings.
+      num_generated: tokens the request generated before the one this row samples,
+        counting those in flight (see ``PrefillRow``).
     """
 
     request_id: str
@@ -87,6 +137,7 @@ class DecodeRow:
     position: int
     page_ids: tuple[int, ...]
     sampling: SamplingSettings = GREEDY
+    num_generated: int = 0
 
 
 @dataclasses.dataclass

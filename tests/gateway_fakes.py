@@ -14,6 +14,7 @@ from serving.engine_client import (
     EngineRequest,
     RequestRejectedError,
     TokenEvent,
+    TokenLogprobs,
 )
 
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
@@ -21,6 +22,8 @@ BYTE_OFFSET = 3  # id = 3 + one UTF-8 byte
 START_OF_TURN_ID = BYTE_OFFSET + 256  # 259
 END_OF_TURN_ID = START_OF_TURN_ID + 1  # 260
 VOCAB_SIZE = END_OF_TURN_ID + 1
+_CONTROL = {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>", START_OF_TURN_ID: "<start_of_turn>",
+            END_OF_TURN_ID: "<end_of_turn>"}
 
 
 class FakeTokenizer:
@@ -29,12 +32,18 @@ class FakeTokenizer:
     Every UTF-8 byte is its own token (id = 3 + byte), so a multi-byte
     character always spans several tokens, as with SentencePiece byte fallback.
     Ids 0 (pad), 1 (eos), 2 (bos), 259 (<start_of_turn>), 260 (<end_of_turn>)
-    are control tokens that decode to "".
+    are control tokens that decode to ""; ``encode_markup`` turns their
+    spellings into their ids. Pieces (``id_to_piece``) are the character of an
+    ASCII byte, ``<0xNN>`` for the others (SentencePiece's byte fallback).
     """
 
     bos_id = BOS_ID
     eos_id = EOS_ID
+    pad_id = PAD_ID
     vocab_size = VOCAB_SIZE
+    add_bos = True
+    chat_template_source = "{{ messages }}"
+    special_tokens = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -47,6 +56,29 @@ class FakeTokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = [BYTE_OFFSET + b for b in text.encode("utf-8")]
         return [BOS_ID, *ids] if add_bos else ids
+
+    def encode_markup(self, text: str) -> list[int]:
+        ids: list[int] = []
+        rest = text
+        while rest:
+            at = min(((rest.find(s), s) for s in _CONTROL.values() if s in rest), default=None)
+            if at is None:
+                return ids + self.encode(rest)
+            ids += self.encode(rest[:at[0]])
+            ids.append(next(i for i, s in _CONTROL.items() if s == at[1]))
+            rest = rest[at[0] + len(at[1]):]
+        return ids
+
+    def id_to_piece(self, i: int) -> str:
+        if not 0 <= i < VOCAB_SIZE:
+            raise ValueError(f"token id {i} is outside [0, {VOCAB_SIZE})")
+        if i in _CONTROL:
+            return _CONTROL[i]
+        b = i - BYTE_OFFSET
+        return chr(b) if b < 0x80 else f"<0x{b:02X}>"
+
+    def is_control(self, i: int) -> bool:
+        return i in _CONTROL
 
     def decode(self, ids: Sequence[int]) -> str:
         out = bytearray()
@@ -88,6 +120,21 @@ class FakeTokenizer:
 Responder = Callable[[EngineRequest], Sequence[int]]
 
 
+def fake_logprobs(token_id: int, position: int, k: int) -> TokenLogprobs:
+    """The fake engine's deterministic log probabilities of `token_id` at `position`
+    (0-based in prompt + output): its logprob is ``-0.25 - ((token_id + position) % 7) / 8``,
+    and the top-k are ids ``(token_id + 1 + i) % VOCAB_SIZE`` with logprob ``-0.125 - i / 4``
+    (sorted, most likely first)."""
+    logprob = -0.25 - ((token_id + position) % 7) / 8
+    top = tuple(((token_id + 1 + i) % VOCAB_SIZE, -0.125 - i / 4) for i in range(k))
+    return TokenLogprobs(token_id, logprob, top)
+
+
+def fake_prompt_logprobs(prompt_ids: Sequence[int], k: int) -> tuple[TokenLogprobs | None, ...]:
+    """What the fake engine reports as ``prompt_logprobs`` (None for the first token)."""
+    return (None, *(fake_logprobs(t, p, k) for p, t in enumerate(prompt_ids) if p > 0))
+
+
 @dataclasses.dataclass
 class FakeEngine:
     """A scripted ``EngineClient``.
@@ -96,7 +143,12 @@ class FakeEngine:
     (default: the bytes of ``text``). Tokens are streamed in events of
     ``chunk`` ids, ``delay`` seconds apart. Generation ends with "stop" after a
     stop token, "length" at ``max_tokens``; when the script runs out an EOS is
-    generated. ``fail_after`` ends with "error" after that many tokens.
+    generated. ``fail_after`` ends with "error" after that many tokens (only
+    requests whose id ends with one of ``fail_only``, when given).
+    With ``sampling.logprobs`` every event carries :func:`fake_logprobs` of its
+    tokens; with ``sampling.prompt_logprobs`` the first event carries
+    :func:`fake_prompt_logprobs`; ``max_tokens`` 0 (with prompt logprobs)
+    answers one event with no token, finish "length".
 
     Flags: ``overloaded`` / ``reject`` make ``submit`` raise
     ``EngineOverloadedError`` / ``RequestRejectedError``; ``ready`` is what
@@ -112,6 +164,7 @@ class FakeEngine:
     delay: float = 0.0
     cached_tokens: int = 0
     fail_after: int | None = None
+    fail_only: tuple[str, ...] = ()
     overloaded: bool = False
     reject: bool = False
     ready: bool = True
@@ -159,7 +212,25 @@ class FakeEngine:
         pending: list[int] = []
         finish = None
         error = None
+        prompt_lp = (None if sp.prompt_logprobs is None
+                     else fake_prompt_logprobs(request.prompt_ids, sp.prompt_logprobs))
+
+        def event(ids: tuple[int, ...], **kw) -> TokenEvent:
+            nonlocal prompt_lp
+            start = n_prompt + done - len(ids)
+            lps = (None if sp.logprobs is None
+                   else tuple(fake_logprobs(t, start + i, sp.logprobs) for i, t in enumerate(ids)))
+            ev = TokenEvent(request.request_id, ids, prompt_tokens=n_prompt,
+                            cached_tokens=self.cached_tokens, completion_tokens=done, logprobs=lps,
+                            prompt_logprobs=prompt_lp, **kw)
+            prompt_lp = None
+            return ev
+
         try:
+            if sp.max_tokens == 0:
+                await asyncio.sleep(0)
+                yield event((), finish_reason="length")
+                return
             while finish is None:
                 if self.delay:
                     await asyncio.sleep(self.delay)
@@ -172,7 +243,8 @@ class FakeEngine:
                 pending.append(tok)
                 done += 1
                 self.first_token.set()
-                if self.fail_after is not None and done >= self.fail_after:
+                fails = not self.fail_only or request.request_id.endswith(self.fail_only)
+                if self.fail_after is not None and fails and done >= self.fail_after:
                     finish, error = "error", "device fell over"
                 elif tok in stops and not sp.ignore_eos:
                     finish = "stop"
@@ -180,15 +252,7 @@ class FakeEngine:
                     finish = "length"
                 if finish is None and len(pending) < self.chunk:
                     continue
-                yield TokenEvent(
-                    request.request_id,
-                    tuple(pending),
-                    finish_reason=finish,
-                    prompt_tokens=n_prompt,
-                    cached_tokens=self.cached_tokens,
-                    completion_tokens=done,
-                    error=error,
-                )
+                yield event(tuple(pending), finish_reason=finish, error=error)
                 pending = []
             if finish == "cancelled":
                 yield TokenEvent(

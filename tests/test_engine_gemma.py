@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import jax.numpy as jnp
 import pytest
 
@@ -10,7 +12,7 @@ from serving.backend_policy import BackendPolicy
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.engine_loop import EngineLoop
-from tests.engine_helpers import agree_until_near_tie, generate, request
+from tests.engine_helpers import agree_until_near_tie, collect, generate, request
 
 pytestmark = pytest.mark.gemma
 
@@ -104,3 +106,30 @@ def test_golden_greedy_with_pallas_decode_kernel(gemma_params, golden):
         loop.stop()
     for p, ids in zip(prompts, outs):
         agree_until_near_tie(ids, p)
+
+
+def test_golden_top5_logprobs_via_prompt_logprobs_and_the_first_token(loop_f32, golden):
+    """Top-5 log probabilities at every recorded position equal ``top5_logits - logsumexp``
+    (5e-3, by token id): earlier positions through prompt logprobs (echo), the last through
+    the first generated token's entry. All 8 prompts: the prompt-logprobs prefill compiles for
+    the token buckets 16, 32 and 256 (the 712-token prompt in chunks of 256)."""
+    prompts = golden["prompts"]
+    reqs = [request(p["ids"], max_tokens=1, ignore_eos=True, logprobs=5, prompt_logprobs=5) for p in prompts]
+
+    async def main():
+        return await asyncio.gather(*(collect(loop_f32, r) for r in reqs))
+
+    for p, (ids, events) in zip(prompts, asyncio.run(main())):
+        first = events[0]
+        assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == p["num_tokens"]
+        for rec in p["positions"]:
+            entry = first.logprobs[0] if rec["is_last"] else first.prompt_logprobs[rec["pos"] + 1]
+            ours = dict(entry.top)
+            lse = rec["logit_stats"]["logsumexp"]
+            for j, (tok, logit) in enumerate(zip(rec["top5_ids"], rec["top5_logits"])):
+                if tok in ours:
+                    assert abs(ours[tok] - (logit - lse)) < 5e-3, (p["name"], rec["pos"], tok)
+                else:  # only the 5th may swap with a near-tied 6th
+                    assert j == 4 and logit - (min(ours.values()) + lse) < 1e-2, (p["name"], rec["pos"])
+            if not rec["is_last"]:
+                assert entry.token_id == p["ids"][rec["pos"] + 1]

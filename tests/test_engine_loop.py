@@ -11,7 +11,7 @@ from flax import nnx
 from model.config import ModelConfig
 from model.gemma3 import Gemma3
 from serving.engine import Engine, EngineConfig
-from serving.engine_client import EngineOverloadedError, RequestRejectedError
+from serving.engine_client import EngineOverloadedError, EngineRequest, RequestRejectedError, SamplingParams
 from serving.engine_loop import EngineLoop
 from serving.config_files import read_config
 from tests.engine_helpers import collect, generate, request
@@ -299,3 +299,67 @@ def test_kv_capacity_is_what_a_request_can_hold_alone():
     asyncio.run(submit(36))  # 20 + 36 = 56: accepted (it queues: the loop is not started)
     with pytest.raises(RequestRejectedError, match="KV-cache pages"):
         asyncio.run(submit(37))
+
+
+def choices(prompt_ids, n: int, seed: int, max_tokens: int, parent_max_tokens=None, salt=None,
+            family: bool = True) -> list[EngineRequest]:
+    """``n`` seeded choices of one prompt as the gateway submits them (the first is the parent;
+    seeds seed + index), or, with ``family`` False, the same as unrelated requests."""
+    first = request(prompt_ids)
+    return [EngineRequest(
+        f"{first.request_id}-{i}", list(prompt_ids),
+        SamplingParams(max_tokens=parent_max_tokens if i == 0 and parent_max_tokens else max_tokens,
+                       temperature=1.0, seed=seed + i, ignore_eos=True),
+        cache_salt=salt if family else f"alone-{i}",
+        parent_id=f"{first.request_id}-0" if family and i else None) for i in range(n)]
+
+
+@pytest.mark.parametrize("length, parent_max_tokens", [(13, None), (17, None), (13, 1)])
+def test_n_choices_compute_the_prompt_once_and_equal_separate_requests(loop, length, parent_max_tokens):
+    """3 choices with seeds s, s+1, s+2 give the tokens of 3 separate requests with those seeds;
+    the plans compute the prompt once (one full row, then one 1-token row per child) and the
+    children report the shared tokens as cached. 13 tokens: the children's last prompt token
+    shares a page with 4 computed ones (copied); 17: it starts a page (nothing copied). A parent
+    with max_tokens 1 is gone one step after its prompt: the second child forks from the first."""
+    p = prompt(length, length + 50 * (parent_max_tokens or 0))  # no prefix hit from another case
+    fam = choices(p, 3, seed=100 + length, max_tokens=6, parent_max_tokens=parent_max_tokens)
+    plans = []
+    loop.on_step = plans.append
+
+    async def main():
+        return await asyncio.gather(*(collect(loop, r) for r in fam))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        loop.on_step = None
+    alone = generate(loop, choices(p, 3, seed=100 + length, max_tokens=6, parent_max_tokens=parent_max_tokens,
+                                   family=False))
+    assert [ids for ids, _ in results] == alone
+    assert len({tuple(ids) for ids in alone}) == 3  # the seeds differ
+    ids = [r.request_id for r in fam]
+    rows = [row for plan in plans for row in plan.prefill if row.request_id in ids]
+    assert [(row.request_id, row.start, len(row.token_ids)) for row in rows] == [
+        (ids[0], 0, length), (ids[1], length - 1, 1), (ids[2], length - 1, 1)]
+    assert [row.page_copy is not None for row in rows] == [False] + [(length - 1) % 8 != 0] * 2
+    assert [events[-1].cached_tokens for _, events in results] == [0, length - 1, length - 1]
+    assert all_pages_free(loop)
+
+
+def test_n_choices_under_pool_pressure_match_running_alone(jax_cache):
+    """Two families of 3 in the 12-page pool of the preemption test: children are preempted
+    and recomputed (or forked again), and every choice still equals its request run alone."""
+    fams = lambda family: [r for f in range(2) for r in choices(
+        prompt(20, f), 3, seed=10 * f, max_tokens=30, family=family)]
+    reqs = fams(True)
+    crowded, plans = run_with(lambda: reqs, num_pages=13, max_model_len=96)
+    children = {r.request_id for r in reqs if r.parent_id}
+    assert any(children & set(p.preempted) for p in plans)
+    assert sum(1 for p in plans for row in p.prefill if row.page_copy is not None) >= 2
+    lp = make_loop(num_pages=13, max_model_len=96)
+    lp.start(warmup=False)
+    try:
+        alone = [generate(lp, [r])[0] for r in fams(False)]  # one at a time, salts apart
+    finally:
+        lp.stop()
+    assert crowded == alone

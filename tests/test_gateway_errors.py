@@ -42,21 +42,44 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": [1]}, "echo"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ("/v1/completions", {"prompt": ["x"] * 20, "n": 100}, "n"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "min_tokens"),  # default max_tokens 16
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    ("/v1/completions", {"prompt": "x", "top_k": 3_000_000_000}, "top_k"),
     ("/v1/completions", {"prompt": "x", "stream": "yes please"}, "stream"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["one", 5]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -85,8 +108,8 @@ async def test_missing_model_and_n_message(client):
     r = await client.post("/v1/completions", json={"prompt": "x"})
     err = assert_openai_error(r, 400, param="model")
     assert "model" in err["message"]
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
-    assert "n=1" in assert_openai_error(r, 400)["message"]
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 200})
+    assert "'n'" in assert_openai_error(r, 400, param="n")["message"]
 
 
 async def test_unknown_model_404(client):

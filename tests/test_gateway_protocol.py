@@ -99,7 +99,7 @@ async def test_integers_out_of_range_are_400(client, engine, path, field, value)
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/completions", "best_of", 10**20), ("/v1/completions", "logprobs", 6),
+    ("/v1/completions", "best_of", 10**20), ("/v1/completions", "logprobs", 21),
     ("/v1/chat/completions", "top_logprobs", 21)])
 async def test_refused_integers_out_of_range_are_400(client, path, field, value):
     assert_openai_error(await client.post(path, json={**ROUTES[path], field: value}), 400, param=field)
@@ -114,10 +114,13 @@ async def test_top_k_of_the_whole_vocabulary_disables_it(client, engine, top_k, 
 
 
 async def test_seed_range_reaches_the_engine(client, engine):
-    for seed in (-(2**63), 2**64 - 1):
+    """seed is an int64, as vLLM checks it."""
+    for seed in (-(2**63), 2**63 - 1):
         r = await client.post("/v1/completions", json={**COMPLETION, "seed": seed})
         assert r.status_code == 200, r.text
-    assert [r.sampling.seed for r in engine.submitted] == [-(2**63), 2**64 - 1]
+    assert [r.sampling.seed for r in engine.submitted] == [-(2**63), 2**63 - 1]
+    assert_openai_error(await client.post("/v1/completions", json={**COMPLETION, "seed": 2**63}),
+                        400, param="seed")
 
 
 async def test_largest_max_tokens_gets_the_context_error(client):
@@ -243,11 +246,13 @@ def _table_cases():
 
 def test_the_table_lists_the_vllm_fields_that_change_output():
     must = {"guided_json", "guided_choice", "guided_regex", "guided_grammar", "guided_decoding_backend",
-            "structured_outputs", "min_p", "use_beam_search", "length_penalty",
-            "include_stop_str_in_output", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "prompt_logprobs", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
-            "skip_special_tokens", "logits_processors"}
+            "structured_outputs", "use_beam_search", "length_penalty",
+            "include_stop_str_in_output", "prompt_logprobs", "bad_words", "allowed_token_ids",
+            "truncate_prompt_tokens", "skip_special_tokens", "logits_processors"}
     assert must <= set(SAMPLING_FIELDS)
+    # Implemented now: fields of the request models, off the refusal tables.
+    implemented = {"min_p", "repetition_penalty", "min_tokens", "stop_token_ids"}
+    assert implemented <= set(CompletionRequest.model_fields) & set(ChatCompletionRequest.model_fields)
     assert SAMPLING_FIELDS.keys() <= COMPLETION_FIELDS.keys() & CHAT_FIELDS.keys()
     # A field the models implement is never in the tables (it would be refused twice).
     for model, table in ((CompletionRequest, COMPLETION_FIELDS), (ChatCompletionRequest, CHAT_FIELDS)):
@@ -267,11 +272,13 @@ async def test_unsupported_field_is_400_naming_it_unless_neutral(client, engine,
 
 
 async def test_neutral_means_equal_not_truthy_alike(client):
-    for name, value in [("skip_special_tokens", 1), ("use_beam_search", 0), ("min_p", False),
-                        ("repetition_penalty", True), ("min_p", "0")]:
+    for name, value in [("skip_special_tokens", 1), ("use_beam_search", 0),
+                        ("include_stop_str_in_output", 0), ("length_penalty", True),
+                        ("length_penalty", "1")]:
         r = await client.post("/v1/completions", json={**COMPLETION, name: value})
         assert_openai_error(r, 400, param=name)
-    r = await client.post("/v1/completions", json={**COMPLETION, "min_p": 0.0, "repetition_penalty": 1.0})
+    r = await client.post("/v1/completions", json={**COMPLETION, "use_beam_search": False,
+                                                   "length_penalty": 1.0})
     assert r.status_code == 200
 
 
@@ -376,3 +383,22 @@ def _refs(node):
     elif isinstance(node, list):
         for v in node:
             yield from _refs(v)
+
+
+async def test_sampling_fields_reach_the_engine(client, engine):
+    r = await client.post("/v1/chat/completions", json={
+        **ROUTES["/v1/chat/completions"], "presence_penalty": 0.5, "frequency_penalty": -1.25,
+        "repetition_penalty": 1.3, "logit_bias": {"72": -100, "3": 2.5}, "min_p": 0.05,
+        "min_tokens": 2, "max_tokens": 9, "stop_token_ids": [80, 1], "top_k": 5})
+    assert r.status_code == 200, r.text
+    sp = engine.submitted[0].sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.25, 1.3)
+    assert sp.logit_bias == ((72, -100.0), (3, 2.5))
+    assert (sp.min_p, sp.min_tokens, sp.max_tokens, sp.top_k) == (0.05, 2, 9, 5)
+    # The chat stop ids, then the request's own (no duplicates).
+    assert sp.stop_token_ids == (*FakeTokenizer().chat_stop_token_ids, 80)
+    assert (sp.logprobs, sp.prompt_logprobs) == (None, None)
+    r = await client.post("/v1/completions", json=COMPLETION)
+    sp = engine.submitted[1].sampling
+    assert (sp.presence_penalty, sp.repetition_penalty, sp.logit_bias, sp.min_p, sp.min_tokens) == (
+        0.0, 1.0, (), 0.0, 0)

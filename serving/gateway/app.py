@@ -8,12 +8,15 @@ Routes:
   GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status (the caller's
     tenant; admin keys see every tenant, or one with ``tenant=``),
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
+  GET /tokenizer_info, POST /tokenize, POST /detokenize (vLLM's tokenizer
+    routes at the root, as lm-evaluation-harness's remote tokenizer calls
+    them; see ``tokenizer_routes.py``),
   GET /metrics (Prometheus text format), GET /health (200 when every engine
   is ready, else 503),
   GET /openapi.json (request and response schemas of every route, errors
   included; see ``openapi.py``).
 
-``/v1`` routes need ``Authorization: Bearer KEY`` once keys exist (see
+``/v1`` and tokenizer routes need ``Authorization: Bearer KEY`` once keys exist (see
 ``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
 it sent one: visible ASCII, at most 256 characters; otherwise a fresh id),
 which is also in every log line of the request, and, for callers with rate
@@ -68,6 +71,7 @@ from serving.gateway.request_scope import (
 )
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
+from serving.gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, install_tokenizer_routes
 
 __all__ = ["ServedModel", "GatewayServices", "GatewayLimits", "create_app", "RequestIdMiddleware"]
 
@@ -202,7 +206,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     async def chat_completions(request: Request, caller: Principal = Depends(principal)) -> Response:
         return await serving.create_chat_completion(request, caller)
 
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest],
+    install_tokenizer_routes(app, serving, principal)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
                     stream_models=[CompletionResponse, ChatCompletionChunk])
 
     def card(name: str) -> ModelCard:

@@ -10,7 +10,9 @@ The gateway's request path, as far as metering sees it::
                                  tokens, timings and cost; updates the metrics; emits spans
 
 Tokens billed are the tokens used: the prompt counts once it reached prefill
-(a first token came back), completion tokens as generated. A request
+(a first token, or the prompt's log probabilities, came back), completion
+tokens as generated. An HTTP request with several completions (prompts times
+choices) is one row: its prompts counted once each, all completions summed. A request
 rejected (rate limit, policy, engine) or cancelled while queued is recorded
 with zero tokens; what it asked for is in its trace.
 
@@ -64,6 +66,7 @@ class RequestMeter:
     itls: list[float] = dataclasses.field(default_factory=list)
     events: list[dict] = dataclasses.field(default_factory=list)
     finished: bool = False
+    prefilled: bool = False
 
     def note(self, event: str, **fields: Any) -> None:
         """Appends a timestamped event to the request's trace."""
@@ -76,6 +79,8 @@ class RequestMeter:
             self.scheduled_time = ev.scheduled_time
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         self.num_preemptions = max(self.num_preemptions, ev.num_preemptions)
+        if ev.token_ids or ev.prompt_logprobs is not None:
+            self.prefilled = True
         if ev.token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -86,7 +91,8 @@ class RequestMeter:
             self.last_token_time = now
 
     async def finish(self, status: str, finish_reason: str | None = None,
-                     completion_tokens: int = 0, error: str | None = None) -> None:
+                     completion_tokens: int = 0, error: str | None = None,
+                     cached_tokens: int | None = None) -> None:
         """Completes the request's record: ledger row, rate-limit settlement, metrics, spans.
 
         Args:
@@ -94,10 +100,15 @@ class RequestMeter:
           finish_reason: "stop", "length", "content_filter", or None.
           completion_tokens: tokens generated (also for cancelled and failed requests).
           error: what went wrong, for the trace.
+          cached_tokens: prompt tokens served from the prefix cache, when the
+            caller summed them over several prompts (None: the largest an
+            event reported).
         """
         if self.finished:
             return
         self.finished = True
+        if cached_tokens is not None:
+            self.cached_tokens = cached_tokens
         await self.metering._finish(self, status, finish_reason, completion_tokens, error)
 
 
@@ -157,9 +168,9 @@ class Metering:
     async def _finish(self, m: RequestMeter, status: str, finish_reason: str | None,
                       completion_tokens: int, error: str | None) -> None:
         end = time.time()
-        # Prompt tokens count once the prompt reached prefill (a first token came
-        # back); a request rejected or cancelled before that used none.
-        prompt_tokens = m.prompt_tokens if m.first_token_time is not None else 0
+        # Prompt tokens count once the prompt reached prefill (a first token or the
+        # prompt's logprobs came back); a request rejected or cancelled before that used none.
+        prompt_tokens = m.prompt_tokens if m.prefilled else 0
         cached_tokens = m.cached_tokens if prompt_tokens else 0
         used = prompt_tokens + completion_tokens
         if m.admission is not None:

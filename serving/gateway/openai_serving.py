@@ -1,13 +1,16 @@
 """OpenAI completions and chat completions on top of an :class:`EngineClient`.
 
-Per request: validate -> check the prompt's length (``max_prompt_chars``) ->
+Per request: validate -> check each prompt's length (``max_prompt_chars``) ->
 tokenize (``encode(prompt, add_bos=True)`` or the chat template, in a worker
-thread: ``prompts.py``) -> check the context window -> rate limits and metering -> input
-policy -> submit -> text from the output pipeline
+thread: ``prompts.py``) -> check the context window (per prompt) -> the
+engine's settings (``sampling_params.py``) -> one engine request per (prompt,
+choice) (``choices.py``) -> rate limits and metering (once) -> input policy ->
+submit -> text from the output pipelines
 (:class:`~serving.gateway.generation.MeteredGeneration` over
 :class:`~serving.output_processor.TextGeneration`: stop tokens, stop strings,
-the output policy, cancel on stop) -> JSON or SSE. A client that disconnects,
-while streaming or not, cancels its engine request.
+the output policy, cancel on stop), log probabilities (``logprobs.py``) ->
+JSON or SSE. A client that disconnects, while streaming or not, cancels its
+engine requests.
 
 The first engine event is awaited before the response starts, so admission
 errors (overloaded: 503, rejected: 400) get a proper HTTP status even when
@@ -30,8 +33,8 @@ from typing import Any, AsyncIterator, Mapping
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.engine_client import EngineRequest, SamplingParams
 from serving.gateway.api_keys import ANONYMOUS, Principal
+from serving.gateway.choices import Slot, fan_out, pick_best
 from serving.gateway.disconnect import until_disconnect
 from serving.gateway.errors import (
     SERVER_ERROR,
@@ -44,6 +47,7 @@ from serving.gateway.errors import (
 )
 from serving.gateway.generation import MeteredGeneration
 from serving.gateway.limits import GatewayLimits
+from serving.gateway.logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
 from serving.gateway.policy import PolicyViolation
 from serving.gateway.prompts import PromptWorkers
 from serving.gateway.protocol import (
@@ -61,10 +65,11 @@ from serving.gateway.protocol import (
 )
 from serving.gateway.rate_limit import RateLimited
 from serving.gateway.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
+from serving.gateway.sampling_params import sampling_params
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
 from serving.gateway.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
-from serving.tokenizer_protocol import TextTokenizer
+from serving.gateway.token_text import token_texts
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -75,7 +80,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # --------------------------------------------------------------- helpers
 
 
-async def _read_json(request: Request) -> Any:
+async def read_json(request: Request) -> Any:
     """The parsed JSON body of a request that says it is JSON.
 
     Raises:
@@ -165,55 +170,23 @@ class OpenAIServing:
             raise context_length_exceeded(served.max_model_len, prompt_tokens, max_tokens, where=where)
 
     @staticmethod
-    def _sampling(
-        req: CompletionRequest | ChatCompletionRequest, max_tokens: int, tok: TextTokenizer
-    ) -> SamplingParams:
-        # 0 disables top-k, and so does any k that keeps the whole vocabulary.
-        top_k = req.top_k if req.top_k is not None and 0 < req.top_k < tok.vocab_size else 0
-        chat = isinstance(req, ChatCompletionRequest)
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_k=top_k,
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            seed=req.seed,
-            stop_token_ids=tuple(tok.chat_stop_token_ids if chat else tok.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-        )
-
-    @staticmethod
-    def _engine_request(
-        request: Request,
-        served: ServedModel,
-        prefix: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        priority: str = "interactive",
-        cache_salt: str | None = None,
-    ) -> EngineRequest:
+    def _response_id(request: Request, prefix: str) -> str:
         rid, given = request_id_of(request)
-        engine_id = f"{prefix}-{uuid.uuid4().hex if given else rid}"
-        logger.info(
-            "request %s (X-Request-ID %s): model=%s prompt_tokens=%d max_tokens=%d",
-            engine_id, rid, served.name, len(prompt_ids), sampling.max_tokens,
-        )
-        return EngineRequest(
-            request_id=engine_id, prompt_ids=prompt_ids, sampling=sampling, arrival_time=time.time(),
-            priority=priority, cache_salt=cache_salt,
-        )
+        return f"{prefix}-{uuid.uuid4().hex if given else rid}"
 
-    def _log_done(self, gen: MeteredGeneration, text: str | None = None) -> None:
+    def _log_done(self, gen: MeteredGeneration, texts: list[str] | None = None) -> None:
         logger.info(
             "request %s finished: %s, prompt_tokens=%d completion_tokens=%d cached_tokens=%d",
             gen.id, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens,
         )
-        if text is not None and self.services.log_text:
-            logger.info("request %s completion: %r", gen.id, text)
+        if texts is not None and self.services.log_text:
+            logger.info("request %s completion: %r", gen.id, texts[0] if len(texts) == 1 else texts)
 
     # -------------------------------------------------------- completions
 
     async def create_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
-        """``POST /v1/completions``.
+        """``POST /v1/completions``: one or several prompts, ``n`` / ``best_of`` choices each
+        (``choices.py``), ``logprobs`` and ``echo`` (``logprobs.py``).
 
         Raises:
           OpenAIError: 400 (bad request, context overflow, content policy),
@@ -223,56 +196,79 @@ class OpenAIServing:
           ClientDisconnected: the client went away.
         """
         arrival = time.time()
-        req = CompletionRequest.model_validate(await _read_json(request))
+        req = CompletionRequest.model_validate(await read_json(request))
         served = self.model(req.model, principal)
-        prompt_ids, texts = await self.prompts.completion(
-            served.tokenizer, req.prompt, decode=bool(self.services.policies.input_policies))
+        need_text = bool(self.services.policies.input_policies) or req.echo
+        prompt_ids, texts, echo_texts = [], [], []
+        for prompt in req.prompts:
+            ids, text = await self.prompts.completion(served.tokenizer, prompt, decode=need_text)
+            prompt_ids.append(ids)
+            texts += text
+            echo_texts.append(text[0] if req.echo else None)
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-        gen = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
-                                max_tokens, "prompt", texts)
+        gen, slots = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
+                                       max_tokens, req.choices_per_prompt, "prompt", texts)
+        texts_of = token_texts(served.tokenizer)
+        firsts = {slot.prompt: o for o, slot in reversed(list(zip(gen.outputs, slots)))}
+        renderers = [CompletionChoiceRenderer(
+            o, texts_of, echo_text=echo_texts[slot.prompt], prompt_ids=prompt_ids[slot.prompt],
+            logprobs=req.logprobs is not None, as_ids=req.return_tokens_as_token_ids,
+            prompt_source=firsts[slot.prompt]) for o, slot in zip(gen.outputs, slots)]
         created = int(time.time())
         if req.stream:
-            return self._stream_response(gen, self._completion_stream(gen, req, created))
-        text = await self._collect(request, gen)
-        body = CompletionResponse(
-            id=gen.id,
-            created=created,
-            model=req.model,
-            choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason)],
-            usage=gen.usage(),
-        )
+            return self._stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))
+        outs = await self._collect(request, gen)
+        if (req.best_of or 1) > req.n:
+            picked = pick_best(gen.outputs, slots, req.n)
+        else:
+            picked = [(slot.prompt * req.n + slot.choice, k) for k, slot in enumerate(slots)]
+        choices = []
+        for index, k in picked:
+            text, logprobs = renderers[k].piece(outs[k])
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=gen.outputs[k].finish_reason))
+        body = CompletionResponse(id=gen.id, created=created, model=req.model, choices=choices,
+                                  usage=gen.usage())
         return JSONResponse(body.model_dump(mode="json"))
 
     async def _start(self, request: Request, principal: Principal, arrival: float,
-                     served: ServedModel, id_prefix: str, prompt_ids: list[int], req, max_tokens: int,
-                     param: str, texts: list[str]) -> MeteredGeneration:
-        """Context check, rate limits and metering, input policy, then submit; returns
-        once the engine has admitted the request.
+                     served: ServedModel, id_prefix: str, prompt_ids: list[list[int]], req,
+                     max_tokens: int, per_prompt: int, param: str, texts: list[str],
+                     ) -> tuple[MeteredGeneration, list[Slot]]:
+        """Context check (per prompt), rate limits and metering (once, for all
+        completions), input policy, then submit every (prompt, choice); returns
+        once the engine has admitted them all.
 
         Raises:
-          OpenAIError: 400 when the prompt plus max_tokens exceeds the context
-            window or the input policy rejects it, 429 over a rate limit, or
-            the engine's admission errors (503 overloaded, 400 rejected).
+          OpenAIError: 400 when a prompt plus max_tokens exceeds the context
+            window, a token id is outside the vocabulary, or the input policy
+            rejects it, 429 over a rate limit, or the engine's admission errors
+            (503 overloaded, 400 rejected).
         """
-        self._check_context(served, len(prompt_ids), max_tokens, param)
-        er = self._engine_request(request, served, id_prefix, prompt_ids,
-                                  self._sampling(req, max_tokens, served.tokenizer),
-                                  priority=req.priority,
-                                  cache_salt=self.services.cache_scopes.salt(principal.tenant,
-                                                                             req.cache_salt))
+        for ids in prompt_ids:
+            self._check_context(served, len(ids), max_tokens, param)
+        sampling = sampling_params(req, max_tokens, served.tokenizer)
+        response_id = self._response_id(request, id_prefix)
+        engine_requests, slots = fan_out(
+            response_id, prompt_ids, sampling, per_prompt, priority=req.priority,
+            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt))
         rid, _ = request_id_of(request)
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        logger.info("request %s (X-Request-ID %s): model=%s prompts=%d choices=%d prompt_tokens=%d "
+                    "max_tokens=%d", response_id, rid, served.name, len(prompt_ids), per_prompt,
+                    prompt_tokens, max_tokens)
         try:
             meter = self.services.metering.admit(
-                principal, er.request_id, rid, served.name, req.priority, bool(req.stream), arrival,
-                len(prompt_ids), max_tokens)
+                principal, response_id, rid, served.name, req.priority, bool(req.stream), arrival,
+                prompt_tokens, max_tokens * len(engine_requests))
         except RateLimited as e:
-            logger.info("request %s rate limited: %s %s limit", er.request_id, e.scope, e.limit)
+            logger.info("request %s rate limited: %s %s limit", response_id, e.scope, e.limit)
             raise rate_limited(e) from None
         request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
-        gen = MeteredGeneration(served, er, req.stop_strings, meter,
-                                self.services.policies.output_filter())
+        gen = MeteredGeneration(served, engine_requests, req.stop_strings, meter,
+                                self.services.policies.output_filter, response_id=response_id)
         if self.services.log_text:
             logger.info("request %s prompt: %r", gen.id, texts or prompt_ids)
         try:
@@ -285,25 +281,25 @@ class OpenAIServing:
         except BaseException as e:
             await gen.settle_exception(e)
             raise
-        return gen
+        return gen, slots
 
-    async def _collect(self, request: Request, gen: MeteredGeneration) -> str:
-        """The whole text of a non-streamed request; the engine request ends either way,
-        and the request is metered before the response is returned."""
+    async def _collect(self, request: Request, gen: MeteredGeneration) -> list[str]:
+        """Every completion's whole text (non-streamed); the engine requests end either
+        way, and the request is metered before the response is returned."""
         try:
-            text = await until_disconnect(request, gen.collect())
+            texts = await until_disconnect(request, gen.collect())
         except BaseException as e:
             await gen.settle_exception(e)
             raise
         finally:
             await gen.abort()
         await gen.settle("ok")
-        self._log_done(gen, text)
-        return text
+        self._log_done(gen, texts)
+        return texts
 
     def _stream_response(self, gen: MeteredGeneration, body: AsyncIterator[str]) -> Response:
         """The SSE response for `body`; a client that does not accept a write within
-        ``stream_write_timeout`` seconds has its engine request cancelled and is
+        ``stream_write_timeout`` seconds has its engine requests cancelled and is
         metered as cancelled, with the reason."""
 
         async def client_not_reading(timeout: float) -> None:
@@ -315,42 +311,51 @@ class OpenAIServing:
         return event_stream_response(body, write_timeout=self.limits.stream_write_timeout,
                                      on_write_timeout=client_not_reading)
 
-    def _completion_stream(
-        self, gen: MeteredGeneration, req: CompletionRequest, created: int
-    ) -> AsyncIterator[str]:
-        def chunk(text: str, finish: str | None = None, usage: Usage | None = None, choices=True):
-            c = CompletionResponse(
-                id=gen.id, created=created, model=req.model, usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [],
-            )
+    def _completion_stream(self, gen: MeteredGeneration, req: CompletionRequest, created: int,
+                           renderers: list[CompletionChoiceRenderer], slots: list[Slot],
+                           ) -> AsyncIterator[str]:
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+            c = CompletionResponse(id=gen.id, created=created, model=req.model, usage=usage,
+                                   choices=choices)
             return sse_chunk(c, req.include_usage)
 
-        return self._sse_body(
-            gen, req.include_usage, opening=None, delta=chunk,
-            closing=lambda: chunk("", gen.finish_reason),
-            usage=lambda: chunk("", usage=gen.usage(), choices=False))
+        def piece(k: int, text: str, finish: str | None = None) -> str:
+            text, logprobs = renderers[k].piece(text)
+            index = slots[k].prompt * req.n + slots[k].choice
+            return chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                           finish_reason=finish)])
 
-    async def _sse_body(self, gen: MeteredGeneration, include_usage: bool, opening, delta, closing, usage
-                        ) -> AsyncIterator[str]:
-        """The SSE body shared by completions and chat: an optional opening chunk,
-        one chunk per text delta, the finish chunk, the usage chunk if asked for,
-        then ``[DONE]``. Errors after the first byte become an SSE error event;
-        the engine request always ends (``gen.abort``) and the request is
-        metered before ``[DONE]`` (or when the client goes away)."""
-        parts: list[str] | None = [] if self.services.log_text else None
+        return self._sse_body(
+            gen, req.include_usage, opening=None, delta=piece,
+            closing=lambda k: piece(k, "", gen.outputs[k].finish_reason),
+            usage=lambda: chunk([], usage=gen.usage()))
+
+    async def _sse_body(self, gen: MeteredGeneration, include_usage: bool, opening, delta, closing,
+                        usage) -> AsyncIterator[str]:
+        """The SSE body shared by completions and chat: for each completion an
+        optional opening chunk, one chunk per text delta (completions
+        interleaved, each chunk naming its ``index``), its finish chunk; then the
+        usage chunk if asked for, then ``[DONE]``. Errors after the first byte
+        become an SSE error event; the engine requests always end
+        (``gen.abort``) and the request is metered before ``[DONE]`` (or when the
+        client goes away)."""
+        parts: list[list[str]] | None = [[] for _ in gen.outputs] if self.services.log_text else None
         try:
             if opening is not None:
-                yield opening()
+                for k in range(len(gen.outputs)):
+                    yield opening(k)
             async with contextlib.aclosing(gen.deltas()) as deltas:
-                async for text in deltas:
+                async for k, text in deltas:
+                    if text is None:
+                        yield closing(k)
+                        continue
                     if parts is not None:
-                        parts.append(text)
-                    yield delta(text)
-            yield closing()
+                        parts[k].append(text)
+                    yield delta(k, text)
             await gen.settle("ok")
             if include_usage:
                 yield usage()
-            self._log_done(gen, None if parts is None else "".join(parts))
+            self._log_done(gen, None if parts is None else ["".join(p) for p in parts])
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
             await gen.settle_exception(e)
@@ -367,7 +372,7 @@ class OpenAIServing:
     # --------------------------------------------------------------- chat
 
     async def create_chat_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
-        """``POST /v1/chat/completions``.
+        """``POST /v1/chat/completions``: ``n`` choices, ``logprobs`` / ``top_logprobs``.
 
         ``max_tokens`` defaults to the most the request can have: what the
         messages leave of the context window and of the KV cache
@@ -380,7 +385,7 @@ class OpenAIServing:
           that leave no room for a completion when ``max_tokens`` is not given.
         """
         arrival = time.time()
-        req = ChatCompletionRequest.model_validate(await _read_json(request))
+        req = ChatCompletionRequest.model_validate(await read_json(request))
         served = self.model(req.model, principal)
         try:
             prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template() for m in req.messages])
@@ -395,38 +400,45 @@ class OpenAIServing:
             if served.default_chat_max_tokens is not None:
                 max_tokens = min(max_tokens, served.default_chat_max_tokens)
         texts = [m.content for m in req.messages if isinstance(m.content, str)]
-        gen = await self._start(request, principal, arrival, served, "chatcmpl", prompt_ids, req,
-                                max_tokens, "messages", texts)
+        gen, slots = await self._start(request, principal, arrival, served, "chatcmpl", [prompt_ids],
+                                       req, max_tokens, req.n, "messages", texts)
+        texts_of = token_texts(served.tokenizer)
+        renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
+                                        as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
+                     for o in gen.outputs]
         created = int(time.time())
         if req.stream:
-            return self._stream_response(gen, self._chat_stream(gen, req, created))
-        text = await self._collect(request, gen)
+            return self._stream_response(gen, self._chat_stream(gen, req, created, renderers))
+        outs = await self._collect(request, gen)
         body = ChatCompletionResponse(
             id=gen.id,
             created=created,
             model=req.model,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=gen.finish_reason)],
+            choices=[ChatChoice(index=k, message=ChatMessageOut(content=text),
+                                logprobs=None if renderers[k] is None else renderers[k].piece(),
+                                finish_reason=gen.outputs[k].finish_reason)
+                     for k, text in enumerate(outs)],
             usage=gen.usage(),
         )
         return JSONResponse(body.model_dump(mode="json"))
 
-    def _chat_stream(
-        self, gen: MeteredGeneration, req: ChatCompletionRequest, created: int
-    ) -> AsyncIterator[str]:
-        def chunk(delta: DeltaMessage, finish: str | None = None, usage: Usage | None = None,
-                  choices=True):
-            c = ChatCompletionChunk(
-                id=gen.id, created=created, model=req.model, usage=usage,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
-            )
+    def _chat_stream(self, gen: MeteredGeneration, req: ChatCompletionRequest, created: int,
+                     renderers: list[ChatChoiceRenderer | None]) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            c = ChatCompletionChunk(id=gen.id, created=created, model=req.model, usage=usage,
+                                    choices=choices)
             return sse_chunk(c, req.include_usage)
+
+        def piece(k: int, delta: DeltaMessage, finish: str | None = None, logprobs: bool = True) -> str:
+            lp = renderers[k].piece() if logprobs and renderers[k] is not None else None
+            return chunk([ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish)])
 
         return self._sse_body(
             gen, req.include_usage,
-            opening=lambda: chunk(DeltaMessage(role="assistant", content="")),
-            delta=lambda text: chunk(DeltaMessage(content=text)),
-            closing=lambda: chunk(DeltaMessage(), gen.finish_reason),
-            usage=lambda: chunk(DeltaMessage(), usage=gen.usage(), choices=False))
+            opening=lambda k: piece(k, DeltaMessage(role="assistant", content=""), logprobs=False),
+            delta=lambda k, text: piece(k, DeltaMessage(content=text)),
+            closing=lambda k: piece(k, DeltaMessage(), gen.outputs[k].finish_reason),
+            usage=lambda: chunk([], usage=gen.usage()))
 
 
 def _internal_error() -> OpenAIError:

@@ -1,15 +1,18 @@
-"""Pydantic models for the OpenAI-compatible API (requests, responses, errors).
+"""Pydantic models of the OpenAI-compatible API's requests (responses: ``responses.py``).
 
-Requests follow OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], ...);
-integers are bounded (``max_tokens`` and ``top_k`` to int32, ``seed`` to
-[-2**63, 2**64), which the engine takes modulo 2**32). ``null`` means absent
-for every field (OpenAI's rule). Strings must be valid Unicode: one holding a
-lone UTF-16 surrogate (JSON ``"\\ud800"``) is refused. Unknown fields (``user``,
-``metadata``, ...) are ignored; fields that would change the output but are not
-implemented here (logprobs, echo, best_of > 1, tools, non-text response
-formats, penalties, n > 1, and the vLLM/OpenAI extensions listed in
-``unsupported_fields.py``) fail validation with a message naming the field, so
-a client never silently gets something other than what it asked for.
+Requests follow OpenAI's ranges (temperature in [0, 2], top_p in (0, 1],
+penalties in [-2, 2], ``logit_bias`` values in [-100, 100], ``logprobs`` and
+``top_logprobs`` in [0, 20], ...); integers are bounded (``max_tokens`` and
+``top_k`` to int32, ``seed`` to int64 as vLLM checks it; the engine takes it
+modulo 2**32). ``null`` means absent for every field (OpenAI's rule). Strings
+must be valid Unicode: one holding a lone UTF-16 surrogate (JSON
+``"\\ud800"``) is refused. Unknown fields (``user``, ``metadata``, ...) are
+ignored; fields that would change the output but are not implemented here
+(``suffix``, tools, non-text response formats, and the vLLM/OpenAI extensions
+listed in ``unsupported_fields.py``) fail validation with a message naming the
+field, so a client never silently gets something other than what it asked for.
+Checks that need the model (token ids inside the vocabulary, the context
+window) are the serving layer's (``sampling_params.py``, ``openai_serving.py``).
 Validation errors become HTTP 400 (see ``errors.py``): an error that names its
 field in ``ctx["field"]`` has that field appended to its location.
 """
@@ -26,10 +29,32 @@ from pydantic import (
     Field,
     WithJsonSchema,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from serving.engine_client import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from serving.gateway.responses import (  # noqa: F401  (re-exported: their historical home)
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorDetail,
+    ErrorResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
 
 from serving.gateway.unsupported_fields import (
     CHAT_FIELDS,
@@ -41,8 +66,16 @@ from serving.gateway.unsupported_fields import (
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1
-"""Upper bound of ``max_tokens``, ``max_completion_tokens`` and ``top_k``."""
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+"""Upper bound of ``max_tokens``, ``max_completion_tokens``, ``min_tokens`` and ``top_k``."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Bounds of ``seed`` (vLLM's)."""
+MAX_N = 128
+"""The most choices (``n``, ``best_of``) per prompt."""
+MAX_PROMPTS = 1024
+"""The most prompts one ``/v1/completions`` request may carry."""
+MAX_ENGINE_REQUESTS = 1024
+"""The most completions one request may ask for: prompts times ``max(n, best_of)``."""
+MAX_STOP_TOKEN_IDS = 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -114,24 +147,41 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: Text
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    # 0 only on /v1/completions with echo (the prompt scored, nothing generated).
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     # Newer name of max_tokens; takes precedence over it.
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     # vLLM extension; 0 or -1 disable, and so does a value >= the vocabulary size.
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
-    n: int | None = 1
+    # vLLM extension: drop tokens below min_p times the most likely one's probability.
+    min_p: float | None = Field(None, ge=0, le=1)
+    # Choices per prompt; choice j is seeded seed + j.
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: Annotated[list[Text] | None, WithJsonSchema({"anyOf": [
         {"type": "string"},
         {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS},
         {"type": "null"}]})] = None
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    # vLLM extension: token ids that end generation, besides the model's EOS.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    # vLLM extension (CTRL's penalty): > 1 discourages tokens of the prompt and the output.
+    repetition_penalty: float | None = Field(None, gt=0)
+    # {token id as a decimal string: bias added to its logit}.
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema({
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})] = None
+    # vLLM extension: stop tokens (EOS too) cannot end the output before this many tokens.
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    # vLLM extension: logprob tokens spelled "token_id:ID" rather than as text.
+    return_tokens_as_token_ids: bool = False
     ignore_eos: bool = False  # vLLM extension
     # xlaserve extension: "batch" work is admitted only when no interactive
     # request waits, and is preempted first.
@@ -139,13 +189,6 @@ class _SamplingRequest(_Request):
     # vLLM extension: requests share prefix-cache pages only with the same salt,
     # within the caller's tenant (or tenant group; see cache_scope.py).
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
-
-    @field_validator("n")
-    @classmethod
-    def _only_n_1(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"Only n=1 is supported (got n={v}); send separate requests.")
-        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -160,19 +203,39 @@ class _SamplingRequest(_Request):
             raise ValueError(f"'stop' accepts at most {MAX_STOP_STRINGS} strings (got {len(v)}).")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None, info) -> float | None:
-        if v:
-            raise ValueError(f"'{info.field_name}' is not supported by this server; omit it or use 0.")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("'logit_bias' is not supported by this server.")
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens (got {len(v)}).")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"'logit_bias' keys are token ids as decimal strings; got {key!r}.")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"'logit_bias' values must be in [-100, 100]; token {key} has {bias}.")
         return v
+
+    @model_validator(mode="after")
+    def _token_counts(self) -> "_SamplingRequest":
+        max_tokens = self.requested_max_tokens
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        if max_tokens == 0 and not self._allows_zero_max_tokens():
+            raise PydanticCustomError(
+                "max_tokens_zero",
+                f"'{name}' must be at least 1" + (
+                    " (0 is allowed only with 'echo': the prompt alone, scored)."
+                    if isinstance(self, CompletionRequest) else "."), {"field": name})
+        if self.min_tokens and max_tokens is not None and self.min_tokens > max_tokens:
+            raise PydanticCustomError(
+                "min_tokens_above_max_tokens",
+                f"'min_tokens' ({self.min_tokens}) must not exceed '{name}' ({max_tokens}).",
+                {"field": "min_tokens"})
+        return self
+
+    def _allows_zero_max_tokens(self) -> bool:
+        return False
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingRequest":
@@ -203,62 +266,84 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``.
 
-    ``prompt`` is normalized to either a string or a list of token ids; a
-    one-element list of either is unwrapped, several prompts are rejected.
+    ``prompt`` is a string, a list of token ids, or a list of several of
+    either (OpenAI's forms); it is normalized to a list of prompts
+    (:attr:`prompts`), each a string or a list of token ids. Choices come
+    prompt-major: prompt i's choice j has index ``i * n + j``.
     ``max_completion_tokens`` or ``max_tokens`` default (in the serving layer)
-    to 16, as in OpenAI's API.
+    to 16, as in OpenAI's API; 0 is allowed with ``echo`` (the prompt scored,
+    nothing generated). ``best_of`` (>= ``n``, not with ``stream``) generates
+    that many completions per prompt and returns the ``n`` with the highest
+    cumulative log probability.
     """
 
     unsupported_fields = COMPLETION_FIELDS
-    prompt: Annotated[str | list[int], WithJsonSchema({"anyOf": [
+    prompt: Annotated[list[str | list[int]], WithJsonSchema({"anyOf": [
         {"type": "string"},
         {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"anyOf": [
             {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1}]}},
     ]})]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: Text | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
+    def _prompt_list(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return valid_unicode(v)
+            return [valid_unicode(v)]
         if isinstance(v, list):
             if not v:
                 raise ValueError("'prompt' must not be an empty list.")
             if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-                return v
-            if all(isinstance(p, (str, list)) for p in v):
-                if len(v) > 1:
-                    raise ValueError(
-                        f"Only a single prompt per request is supported (got {len(v)} prompts)."
-                    )
-                return cls._one_prompt(v[0])
-        raise ValueError("'prompt' must be a string or a list of token ids.")
+                return [v]
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"'prompt' may hold at most {MAX_PROMPTS} prompts (got {len(v)}).")
+            for i, p in enumerate(v):
+                if isinstance(p, str):
+                    valid_unicode(p)
+                    continue
+                if (not isinstance(p, list) or not p
+                        or not all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+                    raise ValueError(f"'prompt' item {i} must be a string or a non-empty list of "
+                                     f"token ids.")
+            return v
+        raise ValueError("'prompt' must be a string, a list of token ids, or a list of either.")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("'logprobs' is not supported by this server.")
-        return v
+    @model_validator(mode="after")
+    def _choices(self) -> "CompletionRequest":
+        best_of = self.n if self.best_of is None else self.best_of
+        if best_of < self.n:
+            raise PydanticCustomError(
+                "best_of_below_n", f"'best_of' ({best_of}) must be at least 'n' ({self.n}).",
+                {"field": "best_of"})
+        if best_of > self.n and self.stream:
+            raise PydanticCustomError(
+                "best_of_with_stream", "'best_of' above 'n' cannot be used with 'stream' (as in OpenAI's API).",
+                {"field": "best_of"})
+        total = len(self.prompt) * max(best_of, self.n)
+        if total > MAX_ENGINE_REQUESTS:
+            raise PydanticCustomError(
+                "too_many_choices",
+                f"{len(self.prompt)} prompt(s) times {max(best_of, self.n)} choices is {total} "
+                f"completions; at most {MAX_ENGINE_REQUESTS} per request.",
+                {"field": "best_of" if best_of > self.n else "n"})
+        return self
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("'echo' is not supported by this server.")
-        return v
+    def _allows_zero_max_tokens(self) -> bool:
+        return self.echo
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"'best_of' > 1 is not supported by this server (got {v}).")
-        return v
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (at least one)."""
+        return list(self.prompt)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        """Completions generated per prompt: ``best_of`` when given, else ``n``."""
+        return max(self.best_of or 1, self.n)
 
     @field_validator("suffix")
     @classmethod
@@ -326,32 +411,27 @@ class ChatCompletionRequest(_SamplingRequest):
 
     ``max_completion_tokens`` (newer name) takes precedence over ``max_tokens``;
     when neither is given the serving layer uses what the messages leave of the
-    context window and of the KV cache.
+    context window and of the KV cache. ``logprobs: true`` returns each generated
+    token's log probability, with its ``top_logprobs`` most likely alternatives.
     """
 
     unsupported_fields = CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("'logprobs' is not supported by this server.")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("'top_logprobs' is not supported by this server.")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError(
+                "top_logprobs_without_logprobs", "'top_logprobs' needs 'logprobs': true.",
+                {"field": "top_logprobs"})
+        return self
 
     @field_validator("tools", "functions")
     @classmethod
@@ -375,148 +455,3 @@ class ChatCompletionRequest(_SamplingRequest):
                 f"'response_format' type {v.get('type')!r} is not supported; only 'text' is."
             )
         return v
-
-
-# -------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
-
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts: ``total_tokens = prompt_tokens + completion_tokens``."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
-        """Usage from token counts (total computed)."""
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        )
-
-
-class CompletionChoice(BaseModel):
-    """One ``/v1/completions`` choice (``text`` is the delta in streaming chunks)."""
-
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """Non-streaming ``/v1/completions`` body; streaming chunks share this shape."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatMessageOut(BaseModel):
-    """The assistant message of a non-streaming chat completion."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    """One non-streaming chat choice."""
-
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """Non-streaming ``/v1/chat/completions`` body."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class DeltaMessage(BaseModel):
-    """A streaming delta; unset (None) fields are left out of the JSON."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    """One choice of a streaming chat chunk."""
-
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """A ``chat.completion.chunk`` SSE payload (``choices == []`` on the usage chunk)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models`` (``max_model_len`` in tokens, as vLLM reports it)."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "xlaserve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    """``GET /v1/models`` body."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class HealthStatus(BaseModel):
-    """``GET /health`` body: ``{"status": "ok"}`` (200) or, with 503, the models not ready."""
-
-    status: Literal["ok", "unavailable"]
-    not_ready: list[str] | None = None
-
-
-class ErrorDetail(BaseModel):
-    """The ``error`` object of an error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorDetail

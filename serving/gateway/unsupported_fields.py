@@ -10,9 +10,10 @@ server does anyway (``min_p`` 0, ``use_beam_search`` false,
 Fields this server does not know and that cannot change the output (``user``,
 ``metadata``, ``request_id``, ``kv_transfer_params``, ...) are not listed: they
 are ignored, as OpenAI's API allows. Fields the protocol models declare
-themselves (``logprobs``, ``echo``, ``n``, ``best_of``, the penalties,
-``logit_bias``, ``tools``, ``response_format`` on chat, ...) are refused there.
-Implementing a field means removing it from these tables.
+themselves (``suffix``, ``tools``, ``response_format`` on chat, ...) are
+refused there. Implementing a field means removing it from these tables
+(``min_p``, ``repetition_penalty``, ``min_tokens`` and ``stop_token_ids`` were,
+and are now fields of ``protocol.py``).
 """
 
 from __future__ import annotations
@@ -57,17 +58,15 @@ SAMPLING_FIELDS: Mapping[str, Unsupported] = {
     # vLLM sampling parameters
     "use_beam_search": Unsupported((False,), "beam search is not supported by this server."),
     "length_penalty": Unsupported((1,), "beam search (and its length_penalty) is not supported."),
-    "min_p": Unsupported((0,), "min_p sampling is not supported by this server; use top_p or top_k."),
-    "repetition_penalty": Unsupported((1,), "repetition_penalty is not supported by this server."),
-    "min_tokens": Unsupported((0,), "min_tokens is not supported by this server."),
-    "stop_token_ids": Unsupported(([],), "stop_token_ids is not supported; use 'stop' strings."),
     "include_stop_str_in_output": Unsupported(
         (False,), "the stop string is never included in the output by this server."),
     "skip_special_tokens": Unsupported((True,), "special tokens are always left out of the text."),
     "bad_words": Unsupported(([],), "bad_words is not supported by this server."),
     "allowed_token_ids": Unsupported((), "allowed_token_ids is not supported by this server."),
     "logits_processors": Unsupported(([],), "logits processors are not supported by this server."),
-    "prompt_logprobs": Unsupported((), "prompt_logprobs is not supported by this server."),
+    "prompt_logprobs": Unsupported(
+        (), "vLLM's prompt_logprobs response field is not produced; on /v1/completions send "
+            "'echo': true with 'logprobs' (the prompt's tokens come first, OpenAI's shape)."),
     "truncate_prompt_tokens": Unsupported(
         (), "prompts are never truncated by this server; shorten the prompt instead."),
     "return_token_ids": Unsupported((False,), "return_token_ids is not supported by this server."),
