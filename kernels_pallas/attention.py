@@ -16,7 +16,9 @@ the platform (no function here asks JAX which platform it is on)::
     "pallas"         cpu        the same Triton-style kernels in the Pallas interpreter (tests)
 
 Block sizes come from ``kernels_pallas.block_sizes``, the row of the platform
-the kernel runs on.
+the kernel runs on. ``batch_invariant`` (the XLA reference only) sums each
+query's softmax in a fixed order (``paged_attention_xla``), so its output does
+not depend on the step's other rows, its bucket or prefill versus decode.
 """
 
 from __future__ import annotations
@@ -53,15 +55,20 @@ class AttentionConfig:
       kernel: "xla" (the reference), "mosaic" (Pallas on TPU) or "triton" (Pallas on GPU).
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
       block_sizes_row: the row of ``kernels_pallas.block_sizes`` to use: "cpu", "gpu" or "tpu".
+      batch_invariant: fixed-order softmax sums (the "xla" kernel only: the Pallas
+        kernels' online softmax runs over blocks that differ between prefill and decode).
     """
 
     kernel: str = "xla"
     interpret: bool = False
     block_sizes_row: str = "gpu"
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"attention kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.batch_invariant and self.kernel != "xla":
+            raise ValueError(f"batch-invariant attention needs the xla kernel, got {self.kernel!r}")
 
 
 def select_attention(impl: str, platform: str) -> AttentionConfig:
@@ -121,6 +128,8 @@ def paged_attention(
     head_dim, page_size = q.shape[-1], k_pages.shape[-2]
     if config.kernel != "xla":
         opts["interpret"] = config.interpret
+    elif config.batch_invariant:
+        opts["ordered_sums"] = True
     if config.kernel == "triton":
         if md.mode == "decode":
             opts["pages_per_block"] = decode_block_sizes(

@@ -17,6 +17,13 @@ float32. Masked probabilities are exactly zero and masked values are replaced
 by zero before the weighted sum, so garbage (even NaN) in pages a sequence
 does not own never reaches the output.
 
+With ``ordered_sums`` the softmax denominator is summed in the fixed order of
+``kernels_pallas.ordered_sum``: a query's probabilities then do not depend on
+the number of rows in the step, on its place among them, nor on the page-table
+bucket (trailing masked keys add exact zeros), so decode and prefill give a
+token bitwise the same attention output (the backend policy's batch-invariant
+mode; the weighted sums are dots whose reduction runs over the key axis).
+
 Sliding window semantics (Gemma 3, see the reference README): query at
 position i sees key j iff ``j <= i and i - j < window``; ``window <= 0``
 means unlimited. ``window`` may be a traced int32 scalar so a layer scan can
@@ -29,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.kv_storage import from_storage, to_storage
+from kernels_pallas.ordered_sum import ordered_sum
 
 _MASK_VALUE = -1e30
 
@@ -58,14 +66,18 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
     return causal & ((window <= 0) | (q_pos - k_pos < window))
 
 
-def _softmax_weighted_sum(scores, mask, v, soft_cap):
-    """scores: [..., L] f32, mask broadcastable, v gathered; returns probabilities [..., L]."""
+def _softmax_weighted_sum(scores, mask, v, soft_cap, ordered_sums=False):
+    """scores: [..., L] f32, mask broadcastable, v gathered; returns probabilities [..., L].
+    ``ordered_sums``: the denominator by ``ordered_sum`` (fixed order), else ``jnp.sum``."""
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask, scores, _MASK_VALUE)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if ordered_sums:
+        denom = ordered_sum(p, keepdims=True)
+    else:
+        denom = jnp.sum(p, axis=-1, keepdims=True)
     return p / jnp.maximum(denom, 1e-30)
 
 
@@ -80,6 +92,7 @@ def paged_decode_attention_xla(
     sliding_window=None,
     soft_cap: float | None = None,
     layer=None,
+    ordered_sums: bool = False,
 ) -> jax.Array:
     """One query token per slot against that slot's pages.
 
@@ -95,6 +108,8 @@ def paged_decode_attention_xla(
       layer: None, or an int / int32 scalar: then k_pages and v_pages are the
         stacked cache [num_layers, kv_heads, num_pages, page_size, head_dim]
         and this layer's pages are read (a layer scan passes its index).
+      ordered_sums: sum the softmax denominator in a fixed order (see the module
+        docstring; the batch-invariant mode).
 
     Returns:
       [slots, num_heads, head_dim] in q's dtype.
@@ -109,7 +124,7 @@ def paged_decode_attention_xla(
     k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
     q_pos = (lengths - 1)[:, None]
     mask = _window_mask(q_pos, k_pos, sliding_window) & (k_pos < lengths[:, None])  # [slots, L]
-    probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap)
+    probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap, ordered_sums)
     v = jnp.where(mask[:, None, :, None], v, 0)
     out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(slots, num_heads, head_dim).astype(q.dtype)
@@ -134,6 +149,7 @@ def paged_prefill_attention_xla(
     sliding_window=None,
     soft_cap: float | None = None,
     layer=None,
+    ordered_sums: bool = False,
 ) -> jax.Array:
     """A ragged batch of prompt chunks against their sequences' pages (chunk included).
 
@@ -149,7 +165,7 @@ def paged_prefill_attention_xla(
       kv_lens: [S] int32, tokens in the cache for sequence i after this chunk.
       page_table: [S, P] int32.
       num_seqs: [] int32, rows that are real.
-      scale, sliding_window, soft_cap, layer: as in :func:`paged_decode_attention_xla`.
+      scale, sliding_window, soft_cap, layer, ordered_sums: as in :func:`paged_decode_attention_xla`.
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
@@ -183,7 +199,7 @@ def paged_prefill_attention_xla(
             & (k_pos[None, :] < kv_lens[s])
             & ((seq == s) & valid_tok)[:, None]
         )  # [T, L]
-        probs = _softmax_weighted_sum(scores, mask[None, :, None, :], v, soft_cap)
+        probs = _softmax_weighted_sum(scores, mask[None, :, None, :], v, soft_cap, ordered_sums)
         vs = jnp.where(((k_pos < kv_lens[s]) & (s < num_seqs))[None, :, None], v[s], 0)
         out = out + jnp.einsum("ktgl,kld->ktgd", probs.astype(vs.dtype), vs,
                                preferred_element_type=jnp.float32)

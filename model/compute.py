@@ -7,7 +7,9 @@ backend policy (``serving.backend_policy``):
 
   * how a matmul with very few rows is computed (``pad_single_row``),
   * which paged-attention implementation and block sizes run (``attention``),
-  * how the MoE expert matmuls run and over which mesh axes (``moe``).
+  * how the MoE expert matmuls run and over which mesh axes (``moe``),
+  * whether a row's reductions keep one order whatever shares its batch
+    (``batch_invariant``: the norms here, the attention softmax in ``attention``).
 
 The defaults are the plain reference path (what a reader of the model expects):
 ``einsum`` dots, the pure-XLA attention, ``ragged_dot`` experts, no mesh axes.
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.attention import AttentionConfig
 from kernels_pallas.kv_storage import from_storage
+from kernels_pallas.ordered_sum import ordered_sum
 
 MOE_IMPLS = ("auto", "ragged", "capacity")
 
@@ -65,11 +68,23 @@ class Compute:
         products; the backend policy knows which).
       attention: the paged-attention implementation (``kernels_pallas.attention``).
       moe: the MoE implementation and mesh axes.
+      batch_invariant: the reductions of the decoder's own layers (the RMSNorm mean,
+        :meth:`mean`) run in the fixed order of ``kernels_pallas.ordered_sum``, so
+        a row's result never depends on how many rows share the step (the
+        attention's softmax follows ``attention.batch_invariant``).
     """
 
     pad_single_row: bool = False
     attention: AttentionConfig = AttentionConfig()
     moe: MoEConfig = MoEConfig()
+    batch_invariant: bool = False
+
+    def mean(self, x: jax.Array) -> jax.Array:
+        """Mean over the last axis, keepdims: ``x: [..., n]`` -> ``[..., 1]`` in x's dtype
+        (``jnp.mean``, or with ``batch_invariant`` the ordered sum divided by n)."""
+        if self.batch_invariant:
+            return ordered_sum(x, keepdims=True) / x.shape[-1]
+        return jnp.mean(x, axis=-1, keepdims=True)
 
     def dot(self, eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
         """``einsum(eq, a, b)`` with both inputs in ``dtype`` and float32 accumulation.

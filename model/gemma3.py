@@ -147,17 +147,17 @@ class Gemma3(nnx.Module):
             p, l, window, theta = xs[:4]
             rope_scaled = xs[4] if scaled_rope else True
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
-            h = rms_norm(x, p["attn_norm"], eps)
+            h = rms_norm(x, p["attn_norm"], eps, compute)
             o, k_cache, v_cache = attention_block(
                 h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,
                 window=window if use_window else None, dtype=dtype, compute=compute,
                 rope_scaled=rope_scaled)
-            x = x + rms_norm(o, p["post_attn_norm"], eps)
-            h = rms_norm(x, p["ffw_norm"], eps)
+            x = x + rms_norm(o, p["post_attn_norm"], eps, compute)
+            h = rms_norm(x, p["ffw_norm"], eps, compute)
             gate = compute.dot("td,df->tf", h, p["w_gate"], dtype)
             up = compute.dot("td,df->tf", h, p["w_up"], dtype)
             mlp = compute.dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
-            x = x + rms_norm(mlp, p["post_ffw_norm"], eps)
+            x = x + rms_norm(mlp, p["post_ffw_norm"], eps, compute)
             return (x, k_cache, v_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -165,7 +165,7 @@ class Gemma3(nnx.Module):
         if scaled_rope:
             xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
-        x = rms_norm(x[logits_indices], self.final_norm[...], eps)
+        x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
         logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
         if cfg.final_logit_softcap is not None:
             c = cfg.final_logit_softcap

@@ -17,14 +17,16 @@ from flax import nnx
 from kernels_pallas.attention import paged_attention, write_kv_pages
 from kernels_pallas.kv_storage import logical_dtype
 from model.attention_metadata import AttentionMetadata
-from model.compute import Compute
+from model.compute import REFERENCE, Compute
 from model.config import ModelConfig
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x: [..., d] (computed in float32), scale: [d] (the full multiplier). Returns float32."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, compute: Compute = REFERENCE) -> jax.Array:
+    """x: [..., d] (computed in float32), scale: [d] (the full multiplier). Returns float32.
+
+    ``compute`` picks how the mean of squares is summed (``Compute.mean``)."""
     x = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    var = compute.mean(jnp.square(x))
     return x * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
 
 
@@ -213,7 +215,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
     v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
     if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q, k = rms_norm(q, p["q_norm"], eps, compute), rms_norm(k, p["k_norm"], eps, compute)
     q = apply_rope(q, positions, theta, cfg, rope_scaled)
     k = apply_rope(k, positions, theta, cfg, rope_scaled)
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)

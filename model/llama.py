@@ -143,10 +143,10 @@ class Llama(nnx.Module):
             window = xs[2] if use_window else None
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             o, k_cache, v_cache = attention_block(
-                rms_norm(x, p["attn_norm"], eps), p, positions, k_cache, v_cache, md, l, cfg=cfg,
+                rms_norm(x, p["attn_norm"], eps, compute), p, positions, k_cache, v_cache, md, l, cfg=cfg,
                 theta=theta, window=window, dtype=dtype, compute=compute)
             h = x + o
-            y = rms_norm(h, p["ffw_norm"], eps)
+            y = rms_norm(h, p["ffw_norm"], eps, compute)
             if cfg.is_moe:
                 y = moe_ffn(y, p, k=cfg.num_experts_per_tok, dtype=dtype, compute=compute)
             else:
@@ -160,7 +160,7 @@ class Llama(nnx.Module):
         if use_window:  # per-layer windows (models without sliding layers scan as before)
             xs += (jnp.asarray(cfg.layer_windows(), jnp.int32),)
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
-        x = rms_norm(x[logits_indices], self.final_norm[...], eps)
+        x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
         if cfg.tie_embeddings:
             logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
         else:

@@ -20,6 +20,17 @@ piece what it needs:
     sharded steps                 each waits for the previous one       dispatched back to back
                                   (XLA:CPU collectives share one thread
                                   pool and can deadlock when queued)
+    batch-invariant reductions    on (bfloat16 serving only)            on (bfloat16 serving only;
+                                                                        untested on hardware)
+
+Batch invariance: in a low-precision serving dtype the RMSNorm means and the
+attention softmax sums run in the fixed order of ``kernels_pallas.ordered_sum``
+(``Compute.batch_invariant``, ``AttentionConfig.batch_invariant``): XLA:CPU
+otherwise picks a row's summation order by the size of the whole array
+(YNNPACK from 8 rows of 640 up, its own loop below), so a request's bfloat16
+logits changed with its batch. The matmuls are left to the backend: on XLA:CPU
+(YNNPACK) a bfloat16 row's product was measured bitwise the same at every row
+count. A float32 model keeps the backend's reductions (``compute(dtype=...)``).
 
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
@@ -59,6 +70,7 @@ class BackendPolicy:
       min_decode_batch: the smallest decode batch bucket (rows).
       sync_sharded_steps: a step on a multi-device mesh waits for the previous one
         before it is dispatched.
+      batch_invariant: low-precision models reduce in a fixed order (see above).
     """
 
     platform: str
@@ -69,16 +81,19 @@ class BackendPolicy:
     moe_capacity_max_rows: int = 0
     min_decode_batch: int = 1
     sync_sharded_steps: bool = False
+    batch_invariant: bool = False
 
     @classmethod
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
-                     moe_impl: str = "auto") -> "BackendPolicy":
+                     moe_impl: str = "auto", batch_invariant: bool | None = None) -> "BackendPolicy":
         """The policy for a platform.
 
         Args:
           platform: "cpu", "gpu" (also "cuda", "rocm") or "tpu".
           attention_impl: "auto", "xla" or "pallas" (``kernels_pallas.attention``).
           moe_impl: "auto", "ragged" or "capacity" (``model.moe``).
+          batch_invariant: fixed-order reductions for low-precision models (None: on
+            unless the attention is a Pallas kernel, which has no such mode).
 
         Raises:
           ValueError: an unknown platform, attention_impl or moe_impl.
@@ -89,11 +104,16 @@ class BackendPolicy:
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         attention = select_attention(attention_impl, platform)
+        if batch_invariant is None:
+            batch_invariant = attention.kernel == "xla"
+        elif batch_invariant and attention.kernel != "xla":
+            raise ValueError("batch invariance needs attention_impl xla (or auto)")
         if platform == "cpu":
             return cls(platform, pad_single_row=True, argmax_block=CPU_ARGMAX_BLOCK,
                        attention=attention, moe_impl=moe_impl,
-                       moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True)
-        return cls(platform, attention=attention, moe_impl=moe_impl)
+                       moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
+                       batch_invariant=batch_invariant)
+        return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant)
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
@@ -107,20 +127,25 @@ class BackendPolicy:
 
     # -- what the pieces receive ------------------------------------------------------
 
-    def compute(self, rules=None) -> Compute:
+    def compute(self, rules=None, dtype=jnp.float32) -> Compute:
         """What the model's ``__call__`` receives (``model.compute.Compute``).
 
         Args:
           rules: ``sharding.rules.ShardingRules`` when serving on a mesh: the MoE
             layer's expert, tensor and batch mesh axes are the ones the rules map
             the logical axes "expert", "mlp" and "batch" to.
+          dtype: the model's serving dtype: batch invariance (fixed-order
+            reductions) applies to a low-precision one; float32 runs as it always has.
         """
         axes = {}
         if rules is not None:
             axes = dict(expert_axis=rules.mesh_axis("expert"), tensor_axis=rules.mesh_axis("mlp"),
                         batch_axis=rules.mesh_axis("batch"))
-        return Compute(pad_single_row=self.pad_single_row, attention=self.attention,
-                       moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes))
+        invariant = self.batch_invariant and jnp.dtype(dtype) != jnp.float32
+        attention = dataclasses.replace(self.attention, batch_invariant=invariant)
+        return Compute(pad_single_row=self.pad_single_row, attention=attention,
+                       moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes),
+                       batch_invariant=invariant)
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""

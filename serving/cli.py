@@ -78,7 +78,7 @@ def build_engine(cfg, warmup: bool = True):
                     lockstep=lockstep_for(mesh), policy=policy)
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching,
-                      max_queued_events=cfg.stream_buffer_events)
+                      max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer)
     loop.start(warmup=warmup)
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)

@@ -80,6 +80,7 @@ from serving.logprobs import StepOutput, prompt_logprobs, token_logprobs
 from serving.sampling import SamplingArrays
 from serving.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow
+from serving.token_bitmask import mask_words, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class Engine:
                                      jnp.zeros((cfg.max_slots,), jnp.int32),
                                      *token_counts.zeros(cfg.max_slots, model.cfg.vocab_size))
             out_shardings = None
-            compute = self.policy.compute()
+            compute = self.policy.compute(dtype=model.dtype)
         else:
             from sharding.placement import kv_cache_sharding, place_params, replicated, sharded_zeros
             from sharding.rules import ShardingRules
@@ -211,7 +212,7 @@ class Engine:
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.int32, rep),
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.bool_, rep))
             out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
-            compute = self.policy.compute(rules)
+            compute = self.policy.compute(rules, dtype=model.dtype)
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         self._steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
@@ -220,6 +221,7 @@ class Engine:
             "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
         }
         self._treedefs = {kind: batch_treedef(kind) for kind in self._steps}
+        self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
@@ -230,9 +232,12 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------------
 
-    def prefill(self, rows: Sequence[PrefillRow]):
+    def prefill(self, rows: Sequence[PrefillRow], token_mask: np.ndarray | None = None):
         """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows (as the
         prompt-logprobs variant when a row has prompt tokens to score).
+
+        `token_mask`: [len(rows), ceil(vocab / 32)] int32 structured-output
+        bitmask of the rows (``serving.token_bitmask``), or None: unconstrained.
 
         Returns:
           a :class:`~serving.logprobs.StepOutput` of [S] device arrays (not yet
@@ -244,10 +249,13 @@ class Engine:
           ValueError: too many rows or tokens for one step.
         """
         cls = PromptLogprobsBatch if any(r.wants_prompt_logprobs for r in rows) else PrefillBatch
-        return self.run(cls.from_rows(rows, self.cfg))
+        mask = pad_rows(token_mask, self.cfg.max_prefill_seqs, self.mask_words)
+        return self.run(cls.from_rows(rows, self.cfg, mask))
 
-    def decode(self, rows: Sequence[DecodeRow]) -> StepOutput:
+    def decode(self, rows: Sequence[DecodeRow], token_mask: np.ndarray | None = None) -> StepOutput:
         """Dispatches one decode step over the given plan rows (running slots).
+
+        `token_mask`: as for :meth:`prefill`.
 
         Returns:
           a :class:`~serving.logprobs.StepOutput` of [B] device arrays (not yet
@@ -256,7 +264,8 @@ class Engine:
         Raises:
           ValueError: no rows or more than ``max_slots``.
         """
-        return self.run(DecodeBatch.from_rows(rows, self.cfg))
+        mask = pad_rows(token_mask, batch_bucket(max(len(rows), 1), self.cfg), self.mask_words)
+        return self.run(DecodeBatch.from_rows(rows, self.cfg, mask))
 
     def run(self, batch: StepBatch):
         """Runs one step on a host-built batch; returns its output (device arrays).

@@ -26,6 +26,13 @@ prefix-cache hit (``SchedRequest.prefix_cache``). ``max_tokens`` 0 (only
 with prompt log probabilities) finishes with "length" and no token once the
 prompt is computed (the token the step sampled is dropped).
 
+Structured output: a constrained request's mask for step n+1 depends on its
+token of step n, so while one runs, the loop reads back the previous turn's
+tokens *before* planning (the pipelining above is given up only then), feeds
+them to the requests' llguidance matchers and fills the step's token bitmask
+on the host (``serving.structured_output``, in llguidance's threads) before
+dispatching. A matcher that fails ends its request with "error", not the loop.
+
 An exception in a step fails the requests in that step, not the server.
 The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device or
 scheduler state: it hands requests to the thread through a queue and
@@ -68,6 +75,7 @@ from serving.kv_cache_manager import KVCacheManager
 from serving.logprobs import PromptLogprobs, StepOutput
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.step_plan import StepPlan
+from serving.tokenizer_protocol import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,7 @@ class _Sequence:
     overflowed: bool = False  # the consumer fell max_queued_events behind (event-loop side only)
     prompt_logprobs: list | None = None  # [prompt_len] entries collected from prefill chunks
     first_event_sent: bool = False
+    matcher: object = None  # llguidance.LLMatcher of a structured-output request (loop thread only)
 
 
 class EngineLoop:
@@ -105,6 +114,10 @@ class EngineLoop:
       enable_prefix_caching: reuse KV pages of identical prompt prefixes.
       max_queued_events: most events of one request waiting for its consumer;
         one more cancels the request (see the module docstring). None: no bound.
+      tokenizer: the served tokenizer, for structured output (llguidance's
+        view of it is built at the first constrained request, or shared with
+        the gateway that checked it: about 2 s for Gemma). None: requests with
+        ``structured_output`` are rejected.
 
     Raises:
       ValueError: `max_queued_events` below 2 (a token event and the final one).
@@ -112,7 +125,8 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, max_waiting: int = 256, max_waiting_tokens: int | None = None,
                  token_budget: int | None = None, enable_prefix_caching: bool = True,
-                 max_queued_events: int | None = DEFAULT_MAX_QUEUED_EVENTS):
+                 max_queued_events: int | None = DEFAULT_MAX_QUEUED_EVENTS,
+                 tokenizer: TextTokenizer | None = None):
         if max_queued_events is not None and max_queued_events < 2:
             raise ValueError(f"max_queued_events must be >= 2, got {max_queued_events}")
         self.engine = engine
@@ -127,6 +141,8 @@ class EngineLoop:
             max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}
+        self.tokenizer = tokenizer
+        self._constrained: set[_Sequence] = set()  # live requests with a matcher
         # Admission accounting, under _lock (see submit()): the token counts of the
         # requests not yet admitted, in the order they will be admitted (the
         # scheduler's queue as of the last turn, then the inbox), and the slots
@@ -176,13 +192,15 @@ class EngineLoop:
 
         Raises:
           RequestRejectedError: the request can never be served (too long for
-            the context window or the KV cache, empty, bad ids, unknown priority).
+            the context window or the KV cache, empty, bad ids, unknown priority,
+            a structured output that does not compile or no tokenizer for one).
           EngineOverloadedError: ``max_waiting`` requests (or ``max_waiting_tokens``
             prompt tokens) already wait beyond the open slots, or the server is draining.
         """
         self._validate(request)
         n = len(request.prompt_ids)
         s = request.sampling
+        matcher = self._matcher(request)
         seed = random.getrandbits(32) if s.seed is None else int(s.seed) & 0xFFFFFFFF
         stop_ids = () if s.ignore_eos else tuple(s.stop_token_ids)
         settings = sampling_request.settings(s, seed, self.engine.model_cfg.vocab_size, stop_ids)
@@ -192,7 +210,8 @@ class EngineLoop:
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
             parent_id=request.parent_id)
-        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched)
+        seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
+                        matcher=matcher)
         if s.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * n
         with self._lock:
@@ -256,6 +275,25 @@ class EngineLoop:
         finally:
             if not done:  # the consumer went away: stop generating
                 self._inbox.put(("cancel", seq.req.request_id))
+
+    def _matcher(self, request: EngineRequest):
+        """The request's llguidance matcher (None: unconstrained); compiled grammars are cached.
+
+        Raises:
+          RequestRejectedError: the constraint does not compile, or this loop has no tokenizer.
+        """
+        so = request.sampling.structured_output
+        if so is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestRejectedError("structured output needs the engine's tokenizer")
+        # llguidance is imported only here: an engine without it still runs.
+        from serving.structured_output import StructuredOutputError, grammars_for
+
+        try:
+            return grammars_for(self.tokenizer).matcher(so)
+        except StructuredOutputError as e:
+            raise RequestRejectedError(f"invalid structured output ({so.kind}): {e}") from None
 
     def _validate(self, request: EngineRequest) -> None:
         cfg = self.cfg
@@ -325,6 +363,7 @@ class EngineLoop:
             return
         self.scheduler.finish(seq.sched, reason)
         self._by_id.pop(seq.req.request_id, None)
+        self._constrained.discard(seq)
         self._emit(seq, ids, reason, error, logprobs)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -342,6 +381,8 @@ class EngineLoop:
                     self._emit(item, (), "error", f"request id {item.req.request_id!r} is already running")
                     continue
                 self._by_id[item.req.request_id] = item
+                if item.matcher is not None:
+                    self._constrained.add(item)
                 self.scheduler.add(item.sched)
             elif kind == "cancel":
                 seq = self._by_id.get(item)
@@ -369,6 +410,11 @@ class EngineLoop:
         sched = self.scheduler
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
+        if pending and any(s.sched.status is Status.RUNNING for s in self._constrained):
+            # A constrained request's next mask needs its last token: read back first.
+            for step in pending:
+                self._process(*step)
+            pending = []
         plan = sched.schedule()
         if plan.needs_sync:  # preemption needs every token id: read back first
             for step in pending:
@@ -392,20 +438,45 @@ class EngineLoop:
             num_preemptions=self._num_preemptions)
         if self.on_step is not None:
             self.on_step(plan)
-        dispatched = [d for d in (self._dispatch_prefill(plan), self._dispatch_decode(plan)) if d]
+        failed: list[tuple[_Sequence, str]] = []  # matchers that failed while filling masks
+        dispatched = [d for d in (self._dispatch_prefill(plan, failed), self._dispatch_decode(plan, failed))
+                      if d]
+        for seq, error in failed:  # after dispatch: the step already holds their rows
+            self._finish(seq, "error", error)
         # Read back the previous turn's tokens while this turn's steps run.
         for step in pending:
             self._process(*step)
         return dispatched
 
-    def _dispatch_prefill(self, plan: StepPlan):
+    def _token_mask(self, seqs: list[_Sequence], samples: list[bool], failed: list):
+        """The structured-output bitmask of a step's rows ([rows, W] int32), or None when
+        no row that samples is constrained. A matcher in error is appended to `failed`
+        (its row left unconstrained)."""
+        if not self._constrained:
+            return None
+        matchers = [(seq.matcher, i) for i, (seq, s) in enumerate(zip(seqs, samples))
+                    if s and seq.matcher is not None]
+        if not matchers:
+            return None
+        from serving.structured_output import grammars_for
+
+        mask = grammars_for(self.tokenizer).fill(matchers, len(seqs), self.engine.model_cfg.vocab_size)
+        for m, i in matchers:
+            if m.is_error():
+                failed.append((seqs[i], f"structured output failed: {m.get_error()}"))
+                mask[i] = -1
+        return mask
+
+    def _dispatch_prefill(self, plan: StepPlan, failed: list):
         """Dispatches the plan's prefill rows; returns (output, [(seq, i)] for rows that sample,
         [(seq, first token's index, row)] for rows whose prompt tokens are scored)."""
         if not plan.prefill:
             return None
         seqs = [self._by_id[row.request_id] for row in plan.prefill]
         try:
-            out = self.engine.prefill(plan.prefill)
+            mask = self._token_mask(seqs, [row.samples for row in plan.prefill], failed)
+            out = (self.engine.prefill(plan.prefill) if mask is None
+                   else self.engine.prefill(plan.prefill, token_mask=mask))
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("prefill step failed")
             for seq in seqs:
@@ -416,7 +487,7 @@ class EngineLoop:
                   if row.wants_prompt_logprobs]
         return out, [(seq, i) for i, (row, seq) in enumerate(zip(plan.prefill, seqs)) if row.samples], scored
 
-    def _dispatch_decode(self, plan: StepPlan):
+    def _dispatch_decode(self, plan: StepPlan, failed: list):
         """Dispatches one decode step over the plan's decode rows.
 
         A request whose prompt finished in this turn's prefill decodes next
@@ -426,7 +497,9 @@ class EngineLoop:
             return None
         seqs = [self._by_id[row.request_id] for row in plan.decode]
         try:
-            out = self.engine.decode(plan.decode)
+            mask = self._token_mask(seqs, [True] * len(seqs), failed)
+            out = (self.engine.decode(plan.decode) if mask is None
+                   else self.engine.decode(plan.decode, token_mask=mask))
         except Exception as e:
             log.exception("decode step failed")
             for seq in seqs:
@@ -461,6 +534,10 @@ class EngineLoop:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.matcher is not None and not seq.matcher.consume_token(tok):
+                self._finish(seq, "error", f"structured output failed at token {tok}: "
+                                           f"{seq.matcher.get_error()}")
+                continue
             k = seq.sched.sampling.logprobs
             entry = (lp.entry(i, tok, k),) if k >= 0 else None
             reason = self.scheduler.on_token(seq.sched, tok)

@@ -29,6 +29,7 @@ import numpy as np
 
 from serving.engine_client import MAX_LOGIT_BIAS
 from serving.step_plan import SamplingSettings
+from serving.token_bitmask import apply_token_bitmask, argmax_allowed
 
 _BISECT_STEPS = 32
 
@@ -61,6 +62,8 @@ class SamplingArrays:
         row's ``min_tokens`` is unmet, decided on the host); -1 = none.
       num_logprobs: [R] int32 alternatives wanted with the sampled token's log
         probability; -1 = no log probabilities for the row.
+      token_mask: [R, ceil(vocab / 32)] int32 structured-output bitmask
+        (``serving.token_bitmask``; -1 rows unconstrained), or None: none.
     """
 
     temperature: jax.Array
@@ -75,10 +78,12 @@ class SamplingArrays:
     bias_values: jax.Array | None = None
     suppress_ids: jax.Array | None = None
     num_logprobs: jax.Array | None = None
+    token_mask: jax.Array | None = None
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingSettings], size: int,
-                  num_generated: Sequence[int] | None = None) -> "SamplingArrays":
+                  num_generated: Sequence[int] | None = None,
+                  token_mask: np.ndarray | None = None) -> "SamplingArrays":
         """Host-side builder, one row per settings record; rows past len(rows) are
         greedy padding. Seeds are taken modulo 2**32. Returns numpy arrays.
 
@@ -88,6 +93,8 @@ class SamplingArrays:
           num_generated: per row, tokens generated before the one sampled now
             (None: 0 each); a row's ``suppress_ids`` apply while it is below
             ``min_tokens``.
+          token_mask: [size, W] int32 structured-output bitmask (the engine pads
+            it), or None.
 
         Raises:
           ValueError: more than MAX_LOGIT_BIAS bias pairs or MAX_SUPPRESS_IDS
@@ -122,7 +129,7 @@ class SamplingArrays:
                     raise ValueError(f"at most {MAX_SUPPRESS_IDS} suppressed ids per row")
                 suppress[i, :len(row.suppress_ids)] = row.suppress_ids
         return cls(t, k, p, s, min_p, presence, frequency, repetition, bias_ids, bias_values,
-                   suppress, logprobs)
+                   suppress, logprobs, token_mask)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
@@ -207,11 +214,13 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
     Returns:
       [R] int32 token ids.
     """
-    greedy = argmax_rows(logits, argmax_block)
+    # The structured-output mask (serving.token_bitmask): after the logit processors, before
+    # temperature, greedy rows too; in each branch, where it is cheapest.
+    greedy = argmax_allowed(logits, s.token_mask, lambda x: argmax_rows(x, argmax_block))
 
     def sampled(_):
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-        scaled = logits / temp[:, None]
+        scaled = apply_token_bitmask(logits, s.token_mask) / temp[:, None]
         vocab = logits.shape[-1]
         use_k = (s.top_k > 0) & (s.top_k < vocab)
         scaled_keys = _ordered_keys(scaled)

@@ -85,8 +85,10 @@ class PrefillBatch:
     kind: ClassVar[str] = "prefill"
 
     @classmethod
-    def from_rows(cls, rows: Sequence[PrefillRow], cfg: EngineConfig) -> "PrefillBatch":
-        """Packs plan rows into numpy arrays of the step's buckets.
+    def from_rows(cls, rows: Sequence[PrefillRow], cfg: EngineConfig,
+                  token_mask: np.ndarray | None = None) -> "PrefillBatch":
+        """Packs plan rows into numpy arrays of the step's buckets (`token_mask`:
+        [S, W] int32, see ``SamplingArrays``).
 
         Raises:
           ValueError: no rows, more than ``max_prefill_seqs`` rows or more than
@@ -130,7 +132,8 @@ class PrefillBatch:
                 copy_src[i], copy_dst[i] = r.page_copy.src, r.page_copy.dst
             off += n
         cu[len(rows)] = off
-        sampling = SamplingArrays.from_rows([r.sampling for r in rows], S, [r.num_generated for r in rows])
+        sampling = SamplingArrays.from_rows([r.sampling for r in rows], S, [r.num_generated for r in rows],
+                                            token_mask)
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
                    slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst)
 
@@ -203,9 +206,11 @@ class DecodeBatch:
     kind: ClassVar[str] = "decode"
 
     @classmethod
-    def from_rows(cls, rows: Sequence[DecodeRow], cfg: EngineConfig) -> "DecodeBatch":
+    def from_rows(cls, rows: Sequence[DecodeRow], cfg: EngineConfig,
+                  token_mask: np.ndarray | None = None) -> "DecodeBatch":
         """Packs plan rows into numpy arrays of the step's buckets
-        (``cfg.min_decode_batch`` resolved by the engine).
+        (``cfg.min_decode_batch`` resolved by the engine; `token_mask`: [B, W]
+        int32, see ``SamplingArrays``).
 
         Raises:
           ValueError: no rows or more than ``max_slots`` rows.
@@ -225,7 +230,8 @@ class DecodeBatch:
             used = _pages_for(r.position + 1, cfg.page_size)
             page_table[i, :used] = r.page_ids[:used]
         return cls(slot_ids, positions, page_table, lengths,
-                   SamplingArrays.from_rows([r.sampling for r in rows], B, [r.num_generated for r in rows]))
+                   SamplingArrays.from_rows([r.sampling for r in rows], B, [r.num_generated for r in rows],
+                                           token_mask))
 
     @property
     def shape_key(self) -> tuple:

@@ -89,6 +89,16 @@ class FakeTokenizer:
                 out.append(i - BYTE_OFFSET)
         return out.decode("utf-8", errors="replace")
 
+    def id_to_piece(self, i: int) -> str:
+        """SentencePiece-style spelling: byte tokens ``<0xHH>``, control tokens by name."""
+        if BYTE_OFFSET <= i < START_OF_TURN_ID:
+            return f"<0x{i - BYTE_OFFSET:02X}>"
+        return {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>", START_OF_TURN_ID: "<start_of_turn>",
+                END_OF_TURN_ID: "<end_of_turn>"}[i]
+
+    def is_control(self, i: int) -> bool:
+        return not BYTE_OFFSET <= i < START_OF_TURN_ID
+
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         """Gemma-3-like: a leading system message is folded into the first user turn."""
         msgs = list(messages)

@@ -59,9 +59,9 @@ def test_engine_benchmark_runs_on_the_tiny_shape(tmp_path):
 
 def test_device_script_imports_no_gateway_dependencies():
     """The device machine has jax, flax (which brings PyYAML) and numpy only: the engine and the
-    device benchmark must import and run without fastapi, uvicorn, gguf, sentencepiece or
-    platformdirs, and without reading configs/ (the server's YAML settings)."""
-    blocked = ["fastapi", "uvicorn", "gguf", "sentencepiece", "platformdirs"]
+    device benchmark must import and run without fastapi, uvicorn, gguf, sentencepiece,
+    platformdirs or llguidance, and without reading configs/ (the server's YAML settings)."""
+    blocked = ["fastapi", "uvicorn", "gguf", "sentencepiece", "platformdirs", "llguidance"]
     code = (
         "import sys\n"
         f"for m in {blocked!r}: sys.modules[m] = None  # import raises ImportError\n"

@@ -184,6 +184,7 @@ def test_prompt_logprobs_batch_targets_and_lockstep_treedef():
     from serving.engine_config import EngineConfig
     from serving.step_batch import PromptLogprobsBatch, batch_treedef
     from serving.step_plan import PrefillRow, SamplingSettings
+    from serving.token_bitmask import pad_rows
 
     cfg = EngineConfig(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
                        max_prefill_seqs=2)
@@ -191,7 +192,8 @@ def test_prompt_logprobs_batch_targets_and_lockstep_treedef():
     rows = [PrefillRow("a", 0, 0, (5, 6, 7), (1,), False, wants, prompt_len=6, next_prompt_id=8),
             PrefillRow("b", 1, 2, (9, 10, 11), (2,), True, wants, prompt_len=4)]  # 11: an output token
     assert all(r.wants_prompt_logprobs for r in rows)
-    batch = PromptLogprobsBatch.from_rows(rows, cfg)
+    # The engine always passes a full-width token mask (all ones: nothing constrained).
+    batch = PromptLogprobsBatch.from_rows(rows, cfg, pad_rows(None, cfg.max_prefill_seqs, 4))
     assert batch.next_ids[:6].tolist() == [6, 7, 8, 10, -1, -1] and (batch.next_ids[6:] == -1).all()
     assert batch.prompt_lens[:2].tolist() == [6, 4]
     leaves = jax.tree.leaves(batch)

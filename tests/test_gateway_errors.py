@@ -83,7 +83,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),

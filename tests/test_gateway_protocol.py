@@ -245,8 +245,7 @@ def _table_cases():
 
 
 def test_the_table_lists_the_vllm_fields_that_change_output():
-    must = {"guided_json", "guided_choice", "guided_regex", "guided_grammar", "guided_decoding_backend",
-            "structured_outputs", "use_beam_search", "length_penalty",
+    must = {"guided_decoding_backend", "use_beam_search", "length_penalty",
             "include_stop_str_in_output", "prompt_logprobs", "bad_words", "allowed_token_ids",
             "truncate_prompt_tokens", "skip_special_tokens", "logits_processors"}
     assert must <= set(SAMPLING_FIELDS)

@@ -68,6 +68,7 @@ from serving.gateway.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_
 from serving.gateway.sampling_params import sampling_params
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
+from serving.gateway.structured_request import check_structured_output
 from serving.gateway.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
 from serving.gateway.token_text import token_texts
 
@@ -249,6 +250,9 @@ class OpenAIServing:
         """
         for ids in prompt_ids:
             self._check_context(served, len(ids), max_tokens, param)
+        if req.structured_output is not None:  # an invalid schema / regex / grammar is a 400 here
+            await self.prompts.run(check_structured_output, req.structured_output,
+                                   req.structured_output_field, served.tokenizer)
         sampling = sampling_params(req, max_tokens, served.tokenizer)
         response_id = self._response_id(request, id_prefix)
         engine_requests, slots = fan_out(

@@ -56,6 +56,7 @@ from serving.gateway.responses import (  # noqa: F401  (re-exported: their histo
     Usage,
 )
 
+from serving.gateway.structured_request import StructuredOutputFields
 from serving.gateway.unsupported_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -143,8 +144,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
+class _SamplingRequest(_Request, StructuredOutputFields):
+    """Fields shared by completions and chat completions (the structured-output
+    ones in ``structured_request.py``)."""
 
     model: Text
     # 0 only on /v1/completions with echo (the prompt scored, nothing generated).
@@ -423,7 +425,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
@@ -447,11 +448,3 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"'{info.field_name}' is not supported by this server.")
         return v
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(
-                f"'response_format' type {v.get('type')!r} is not supported; only 'text' is."
-            )
-        return v

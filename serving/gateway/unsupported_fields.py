@@ -10,7 +10,7 @@ server does anyway (``min_p`` 0, ``use_beam_search`` false,
 Fields this server does not know and that cannot change the output (``user``,
 ``metadata``, ``request_id``, ``kv_transfer_params``, ...) are not listed: they
 are ignored, as OpenAI's API allows. Fields the protocol models declare
-themselves (``suffix``, ``tools``, ``response_format`` on chat, ...) are
+themselves (``suffix``, ``tools``, ...) are
 refused there. Implementing a field means removing it from these tables
 (``min_p``, ``repetition_penalty``, ``min_tokens`` and ``stop_token_ids`` were,
 and are now fields of ``protocol.py``).
@@ -52,7 +52,8 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-_GUIDED = "structured output (guided decoding) is not supported by this server."
+_GUIDED = ("this option of structured output is not supported; send the constraint in "
+           "'response_format', 'structured_outputs' or a 'guided_*' field.")
 
 SAMPLING_FIELDS: Mapping[str, Unsupported] = {
     # vLLM sampling parameters
@@ -71,22 +72,16 @@ SAMPLING_FIELDS: Mapping[str, Unsupported] = {
         (), "prompts are never truncated by this server; shorten the prompt instead."),
     "return_token_ids": Unsupported((False,), "return_token_ids is not supported by this server."),
     "vllm_xargs": Unsupported(({},), "vllm_xargs is not supported by this server."),
-    # vLLM guided decoding / structured outputs
-    "guided_json": Unsupported((), _GUIDED),
-    "guided_regex": Unsupported((), _GUIDED),
-    "guided_choice": Unsupported((), _GUIDED),
-    "guided_grammar": Unsupported((), _GUIDED),
+    # vLLM structured-output options (the constraints themselves: structured_request.py)
     "guided_decoding_backend": Unsupported((), _GUIDED),
     "guided_whitespace_pattern": Unsupported((), _GUIDED),
     "structural_tag": Unsupported((), _GUIDED),
-    "structured_outputs": Unsupported((), _GUIDED),
 }
 """Refused on both ``/v1/completions`` and ``/v1/chat/completions``."""
 
 COMPLETION_FIELDS: Mapping[str, Unsupported] = {
     **SAMPLING_FIELDS,
     "add_special_tokens": Unsupported((True,), "the BOS token is always added to a text prompt."),
-    "response_format": Unsupported(({"type": "text"},), "only the 'text' response format is supported."),
     "prompt_embeds": Unsupported((), "prompt embeddings are not supported; send text or token ids."),
 }
 """Refused on ``/v1/completions``."""
