@@ -300,3 +300,29 @@ def test_logprob_values_are_finite_json_numbers():
     assert logprob_value(float("-inf")) == LOGPROB_FLOOR == logprob_value(-1e30)
     assert logprob_value(float("nan")) == LOGPROB_FLOOR
     assert math.isfinite(logprob_value(float("inf")))
+
+
+def test_colliding_spellings_keep_the_most_likely_logprob():
+    """Two ids spelled alike (e.g. a byte piece and a one-byte token) share a ``top_logprobs``
+    key: it keeps the more likely one's logprob, so lm-eval's ``is_greedy``
+    (``token_logprob == max(top.values())``) stays false for a token that is not the argmax."""
+    from serving.gateway.logprobs import CompletionChoiceRenderer
+    from serving.gateway.responses import CompletionLogprobs
+
+    class SameSpelling:
+        def text(self, tid, as_ids=False):
+            return "x" if tid in (5, 6) else f"t{tid}"
+
+        def token_bytes(self, tid):
+            return b"x"
+
+    renderer = CompletionChoiceRenderer(None, SameSpelling(), echo_text=None, prompt_ids=[],
+                                        logprobs=True, as_ids=False)
+    out = CompletionLogprobs()
+    # Token 6 sampled (logprob -2.0); the argmax is token 5 (-0.5), spelled the same; token 7 next.
+    renderer._add(out, 6, -2.0, [(5, -0.5), (7, -1.0)], TextOffsets(0))
+    assert out.top_logprobs == [{"x": -0.5, "t7": -1.0}]
+    assert out.token_logprobs[0] != max(out.top_logprobs[0].values())
+    out = CompletionLogprobs()
+    renderer._add(out, 6, -0.5, [(6, -0.5), (5, -2.0)], TextOffsets(0))  # the argmax itself
+    assert out.token_logprobs[0] == max(out.top_logprobs[0].values())

@@ -114,8 +114,13 @@ class CompletionChoiceRenderer:
              top: Sequence[tuple[int, float]], offsets: TextOffsets) -> None:
         out.tokens.append(self.texts.text(tid, self.as_ids))
         out.token_logprobs.append(logprob_value(logprob))
-        alternatives = {self.texts.text(t, self.as_ids): logprob_value(lp) for t, lp in top}
-        alternatives[self.texts.text(tid, self.as_ids)] = logprob_value(logprob)
+        # Different ids can share a spelling (byte pieces, ...): a key keeps its most likely
+        # token's logprob, so `token_logprob == max(values)` (lm-eval's is_greedy) still
+        # means the token is the argmax.
+        alternatives: dict[str, float] = {}
+        for t, lp in [*top, (tid, logprob)]:
+            key, value = self.texts.text(t, self.as_ids), logprob_value(lp)
+            alternatives[key] = max(value, alternatives.get(key, value))
         out.top_logprobs.append(alternatives)
         out.text_offset.append(offsets.next(self.texts.token_bytes(tid)))
 
