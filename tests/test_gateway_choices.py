@@ -8,6 +8,8 @@ the request (seed, prompt), so the checks can tell choices apart.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
@@ -202,6 +204,9 @@ def test_fan_out_ids_parents_seeds_and_prompt_logprobs():
     assert [r.parent_id for r in reqs] == [None, "cmpl-x-0", "cmpl-x-0", None, "cmpl-x-3", "cmpl-x-3"]
     assert [r.sampling.seed for r in reqs[:3]] == [2**63 - 2, 2**63 - 1, -(2**63)]  # int64 wrap
     assert [r.sampling.prompt_logprobs for r in reqs] == [1, None, None, 1, None, None]
+    # max_tokens 0: every choice is the prompt's scoring alone, so each asks for it.
+    zero, _ = fan_out("cmpl-z", [[1, 2]], dataclasses.replace(sp, max_tokens=0), 2)
+    assert [r.sampling.prompt_logprobs for r in zero] == [1, 1]
     single, _ = fan_out("cmpl-y", [[1]], sp, 1)
     assert single[0].request_id == "cmpl-y" and single[0].sampling == sp
     assert choice_seed(None, 3) is None

@@ -229,7 +229,8 @@ def _non_neutral(name: str, table):
                "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"},
                "modalities": ["text", "audio"], "chat_template_kwargs": {"enable_thinking": True},
                "vllm_xargs": {"k": 1}, "documents": [{"title": "t", "text": "x"}],
-               "web_search_options": {}, "audio": {"voice": "alloy"}, "prompt_embeds": "AAAA"}
+               "web_search_options": {}, "audio": {"voice": "alloy"}, "prompt_embeds": "AAAA",
+               "best_of": 3}
     if name in special:
         return special[name]
     neutral = table[name].neutral

@@ -68,6 +68,11 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(server):
         assert alone["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
     assert zero["usage"]["completion_tokens"] == 0
     assert zero["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    # n choices of nothing but the prompt: each choice is its scoring.
+    both = post(server, "/v1/completions", {"prompt": prompts[0], "max_tokens": 0, "echo": True,
+                                            "logprobs": 1, "n": 2})
+    assert [c["logprobs"]["token_logprobs"] for c in both["choices"]] == [
+        zero["choices"][0]["logprobs"]["token_logprobs"]] * 2
 
 
 def test_streamed_logprobs_equal_non_streamed(server):

@@ -244,6 +244,38 @@ def test_greedy_matches_golden(client, model_name, golden_prompts):
     assert r.usage.completion_tokens == GOLDEN_TOKENS
 
 
+@pytest.mark.parametrize("name", ["english", "emoji", "single_token"])
+def test_echo_logprobs_match_golden_by_token_id(client, model_name, golden_prompts, name):
+    """lm-eval's scoring request through the official client: top-5 log probabilities at every
+    recorded position equal the golden ``top5_logits - logsumexp`` (5e-3, README's tolerance),
+    compared by token id (``return_tokens_as_token_ids``: spellings of byte pieces collide);
+    earlier positions through echo, the last through the generated token; streamed equal to
+    non-streamed."""
+    g = golden_prompts[name]
+    kwargs = dict(model=model_name, prompt=g["ids"], max_tokens=1, temperature=0, echo=True,
+                  logprobs=5, extra_body={"return_tokens_as_token_ids": True})
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert len(lp.tokens) == g["num_tokens"] + 1 and lp.token_logprobs[0] is None
+    assert lp.tokens[:g["num_tokens"]] == [f"token_id:{t}" for t in g["ids"]]
+    for rec in g["positions"]:
+        top = lp.top_logprobs[rec["pos"] + 1]  # the logits at pos score the token at pos + 1
+        lse = rec["logit_stats"]["logsumexp"]
+        for j, (tok, logit) in enumerate(zip(rec["top5_ids"], rec["top5_logits"])):
+            key = f"token_id:{tok}"
+            if key in top:
+                assert abs(top[key] - (logit - lse)) < 5e-3, (name, rec["pos"], tok)
+            else:  # only the 5th may swap with a near-tied 6th
+                assert j == 4 and logit - lse - min(top.values()) < 1e-2, (name, rec["pos"])
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                for field in streamed:
+                    streamed[field] += getattr(c.logprobs, field)
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                        "top_logprobs": lp.top_logprobs}
+
+
 def test_multibyte_emoji_prompt(client, model_name, gemma_tokenizer, golden_prompts):
     """Emoji in the prompt; its greedy continuation has no near-ties, so it must match exactly."""
     g = golden_prompts["emoji"]

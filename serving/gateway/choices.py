@@ -72,9 +72,13 @@ def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: Sampli
         for j in range(per_prompt):
             k = i * per_prompt + j
             rid = response_id if total == 1 else f"{response_id}-{k}"
+            # Only a prompt's first choice scores it (the others reuse its entries and are
+            # forked from its pages), except with max_tokens 0: a choice that generates
+            # nothing is the prompt's scoring alone, which the engine only takes as such.
+            scores = j == 0 or sampling.max_tokens == 0
             sp = dataclasses.replace(
                 sampling, seed=choice_seed(sampling.seed, j),
-                prompt_logprobs=sampling.prompt_logprobs if j == 0 else None)
+                prompt_logprobs=sampling.prompt_logprobs if scores else None)
             requests.append(EngineRequest(
                 request_id=rid, prompt_ids=list(ids), sampling=sp, arrival_time=arrival,
                 priority=priority, cache_salt=cache_salt, parent_id=parent))

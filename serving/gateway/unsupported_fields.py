@@ -90,6 +90,7 @@ CHAT_FIELDS: Mapping[str, Unsupported] = {
     **SAMPLING_FIELDS,
     "add_special_tokens": Unsupported((False,), "the chat template alone adds special tokens."),
     "echo": Unsupported((False,), "echo is not supported by this server."),
+    "best_of": Unsupported((1,), "best_of is a /v1/completions option; on chat send 'n'."),
     "add_generation_prompt": Unsupported((True,), "the generation prompt is always added."),
     "continue_final_message": Unsupported((False,), "continuing the final message is not supported."),
     "chat_template": Unsupported((), "the model's own chat template is always used."),
