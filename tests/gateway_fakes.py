@@ -69,17 +69,6 @@ class FakeTokenizer:
             rest = rest[at[0] + len(at[1]):]
         return ids
 
-    def id_to_piece(self, i: int) -> str:
-        if not 0 <= i < VOCAB_SIZE:
-            raise ValueError(f"token id {i} is outside [0, {VOCAB_SIZE})")
-        if i in _CONTROL:
-            return _CONTROL[i]
-        b = i - BYTE_OFFSET
-        return chr(b) if b < 0x80 else f"<0x{b:02X}>"
-
-    def is_control(self, i: int) -> bool:
-        return i in _CONTROL
-
     def decode(self, ids: Sequence[int]) -> str:
         out = bytearray()
         for i in ids:

@@ -23,7 +23,6 @@ from flax import nnx
 from kernels_pallas.attention import AttentionConfig
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
-from model.compute import Compute
 from model.config import ModelConfig
 from model.gemma3 import Gemma3
 from model.kv_cache import KVCache

@@ -17,7 +17,7 @@ import pytest
 from serving.engine_client import SamplingParams
 from serving.gateway.choices import choice_seed, fan_out
 from serving.gateway.services import GatewayServices
-from tests.gateway_fakes import BOS_ID, BYTE_OFFSET, EOS_ID, FakeEngine, fake_logprobs
+from tests.gateway_fakes import BOS_ID, EOS_ID, FakeEngine, fake_logprobs
 from tests.gateway_harness import CHAT, MODEL, TOK, assert_openai_error, byte_ids, client_for, make_app, parse_sse
 from tests.test_gateway import call_asgi
 
