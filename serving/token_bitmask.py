@@ -29,8 +29,10 @@ def mask_words(vocab_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def unconstrained(rows: int, words: int) -> np.ndarray:
-    """A read-only all-ones ``[rows, words] int32`` mask (no row constrained), shared."""
+    """A read-only all-ones ``[rows, words] int32`` mask (no row constrained), shared: one
+    per shape, not a new array every step."""
     mask = np.full((rows, words), -1, np.int32)
     mask.flags.writeable = False
     return mask
