@@ -5,7 +5,7 @@ platform they run on. Every backend-specific choice they depend on arrives in
 one static :class:`Compute` argument of ``__call__``, made once by the engine's
 backend policy (``serving.backend_policy``):
 
-  * how a matmul with very few rows is computed (``pad_single_row``),
+  * how a matmul with very few rows is computed (``pad_single_row``, ``dot_rows``),
   * which paged-attention implementation and block sizes run (``attention``),
   * how the MoE expert matmuls run and over which mesh axes (``moe``),
   * whether a row's reductions keep one order whatever shares its batch
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention import AttentionConfig
+from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
 
@@ -68,6 +69,9 @@ class Compute:
         products; the backend policy knows which).
       attention: the paged-attention implementation (``kernels_pallas.attention``).
       moe: the MoE implementation and mesh axes.
+      dot_rows: the rows a low-precision matmul of few rows runs with, so a row's
+        result does not depend on how many rows share it (``kernels_pallas.dot_rows``;
+        the backend policy sets it with batch invariance).
       batch_invariant: the reductions of the decoder's own layers (the RMSNorm mean,
         :meth:`mean`) run in the fixed order of ``kernels_pallas.ordered_sum``, so
         a row's result never depends on how many rows share the step (the
@@ -78,6 +82,7 @@ class Compute:
     attention: AttentionConfig = AttentionConfig()
     moe: MoEConfig = MoEConfig()
     batch_invariant: bool = False
+    dot_rows: DotRows = DotRows()
 
     def mean(self, x: jax.Array) -> jax.Array:
         """Mean over the last axis, keepdims: ``x: [..., n]`` -> ``[..., 1]`` in x's dtype
@@ -89,6 +94,10 @@ class Compute:
     def dot(self, eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
         """``einsum(eq, a, b)`` with both inputs in ``dtype`` and float32 accumulation.
 
+        A low-precision ``a`` whose leading axis is rows (not in ``b``) is computed with
+        ``dot_rows.count(rows)`` rows (at least 2 with ``pad_single_row``), its last row
+        repeated; only the real rows come back.
+
         Args:
           eq: an einsum equation whose first operand's leading axis is the rows (tokens).
           a, b: the operands (any float dtype; cast to ``dtype``).
@@ -98,8 +107,14 @@ class Compute:
           float32 result.
         """
         a, b = a.astype(dtype), b.astype(dtype)
-        if self.pad_single_row and a.shape[0] == 1 and a.dtype != jnp.float32:
-            return jnp.einsum(eq, jnp.concatenate([a, a]), b, preferred_element_type=jnp.float32)[:1]
+        rows = a.shape[0]
+        padded = rows
+        if a.dtype != jnp.float32 and eq[0] not in eq.split("->")[0].split(",")[1]:  # rows: not in b
+            padded = self.dot_rows.count(rows)
+            if self.pad_single_row and padded == 1:
+                padded = 2
+        if padded > rows:
+            return jnp.einsum(eq, repeat_last(a, padded), b, preferred_element_type=jnp.float32)[:rows]
         return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
     @staticmethod

@@ -47,12 +47,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.attention import AttentionConfig, select_attention
+from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.kv_storage import storage_dtype, to_storage
 from model.compute import MOE_IMPLS, Compute, MoEConfig
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
+CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ class BackendPolicy:
       sync_sharded_steps: a step on a multi-device mesh waits for the previous one
         before it is dispatched.
       batch_invariant: low-precision models reduce in a fixed order (see above).
+      invariant_dot_rows: with batch invariance, the row padding of low-precision
+        matmuls (model and decode attention; ``kernels_pallas.dot_rows``).
     """
 
     platform: str
@@ -82,6 +86,7 @@ class BackendPolicy:
     min_decode_batch: int = 1
     sync_sharded_steps: bool = False
     batch_invariant: bool = False
+    invariant_dot_rows: DotRows = DotRows()
 
     @classmethod
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
@@ -112,7 +117,7 @@ class BackendPolicy:
             return cls(platform, pad_single_row=True, argmax_block=CPU_ARGMAX_BLOCK,
                        attention=attention, moe_impl=moe_impl,
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, invariant_dot_rows=CPU_INVARIANT_DOT_ROWS)
         return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant)
 
     @classmethod
@@ -142,10 +147,11 @@ class BackendPolicy:
             axes = dict(expert_axis=rules.mesh_axis("expert"), tensor_axis=rules.mesh_axis("mlp"),
                         batch_axis=rules.mesh_axis("batch"))
         invariant = self.batch_invariant and jnp.dtype(dtype) != jnp.float32
-        attention = dataclasses.replace(self.attention, batch_invariant=invariant)
+        dot_rows = self.invariant_dot_rows if invariant else DotRows()
+        attention = dataclasses.replace(self.attention, batch_invariant=invariant, dot_rows=dot_rows)
         return Compute(pad_single_row=self.pad_single_row, attention=attention,
                        moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes),
-                       batch_invariant=invariant)
+                       batch_invariant=invariant, dot_rows=dot_rows)
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from kernels_pallas.attention import AttentionConfig
+from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
 from model.config import ModelConfig
@@ -67,8 +68,10 @@ def test_policy_turns_batch_invariance_on_for_low_precision_only():
     assert INVARIANT.batch_invariant and INVARIANT.attention.batch_invariant
     f32 = policy.compute(dtype=jnp.float32)  # float32 serving computes as it always has
     assert not f32.batch_invariant and not f32.attention.batch_invariant
-    plain_attention = dataclasses.replace(INVARIANT.attention, batch_invariant=False)
-    assert f32 == dataclasses.replace(INVARIANT, batch_invariant=False, attention=plain_attention)
+    assert INVARIANT.dot_rows == INVARIANT.attention.dot_rows == policy.invariant_dot_rows != DotRows()
+    plain_attention = dataclasses.replace(INVARIANT.attention, batch_invariant=False, dot_rows=DotRows())
+    assert f32 == dataclasses.replace(INVARIANT, batch_invariant=False, attention=plain_attention,
+                                      dot_rows=DotRows())
     off = BackendPolicy.for_platform("cpu", batch_invariant=False)
     assert not off.compute(dtype=jnp.bfloat16).batch_invariant
     assert not BackendPolicy.for_platform("cpu", attention_impl="pallas").batch_invariant
