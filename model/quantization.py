@@ -26,6 +26,12 @@ Two formulations of ``x @ w`` (the backend policy picks one, ``Compute.quantized
     Needs per-channel scales (``requantize_per_channel`` turns block scales
     into them). Integer accumulation is exact, so a row's result never depends
     on its batch neighbours.
+  * ``"int8x2"``: as "int8" with each activation row split into two int8 terms,
+    ``x ~= s * q_hi + (s / 254) * q_lo`` (the second quantizes the first's
+    rounding error), both computed in one dot of 2T rows that reads the weight
+    once: ~16-bit activations for the price of an int8 weight read. On Gemma 3
+    270M one-term int8 activations moved the golden greedy ids at margins up to
+    1.1 logits; two terms leave only the weights' rounding (benchmarks/RESULTS.md).
 
 Logical axes: ``scales`` keep the weight's logical axes except the contraction
 axes, which are not split (``scale_axes``), so both place on a mesh by the rules
@@ -43,7 +49,7 @@ import numpy as np
 QUANTIZATIONS = ("none", "int8")
 """Values of ``--quantization``."""
 
-DOT_FORMULATIONS = ("dequantize", "int8")
+DOT_FORMULATIONS = ("dequantize", "int8", "int8x2")
 """Values of ``Compute.quantized_dot``."""
 
 GGUF_BLOCK = 32
@@ -204,6 +210,18 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / s), -_QMAX, _QMAX).astype(jnp.int8), s
 
 
+def quantize_rows_two_terms(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x: [T, K]`` as two int8 terms per row: (int8 [2T, K] = [q_hi; q_lo], float32
+    scales [2T, 1] = [s; s / 254]) with ``x ~= s * q_hi + s / 254 * q_lo`` (error at most
+    ``max|x| / 64516`` per element: the low term quantizes the high one's rounding,
+    which is at most s / 2)."""
+    x = x.astype(jnp.float32)
+    hi, s = quantize_rows(x)
+    lo_scale = s / (2 * _QMAX)
+    lo = jnp.clip(jnp.round((x - hi.astype(jnp.float32) * s) / lo_scale), -_QMAX, _QMAX)
+    return jnp.concatenate([hi, lo.astype(jnp.int8)]), jnp.concatenate([s, lo_scale])
+
+
 def _parse(eq: str, w: QuantizedArray) -> int:
     """The contraction axis of the 2-D weight in ``eq`` (checks the supported form:
     ``x: [T, K]`` with K last, ``w: [K, N]`` or ``[N, K]``, output ``[T, N]``)."""
@@ -226,7 +244,7 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
       x: [T, K] float activations.
       w: 2-D QuantizedArray, [K, N] or [N, K].
       dtype: the matmul-input dtype of the "dequantize" formulation (float32 or bfloat16).
-      formulation: "dequantize" or "int8".
+      formulation: "dequantize", "int8" or "int8x2".
       pad_single_row: compute a one-row product as two rows (some backends run
         matrix-vector products far slower; ``Compute.pad_single_row``).
 
@@ -242,16 +260,20 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
                          f"got {formulation!r}")
     c = _parse(eq, w)
     rows = x.shape[0]
-    padded = pad_single_row and rows == 1 and (formulation == "int8" or jnp.dtype(dtype) != jnp.float32)
+    # (int8x2 already computes 2 rows for one)
+    padded = pad_single_row and rows == 1 and (formulation == "int8" or (
+        formulation == "dequantize" and jnp.dtype(dtype) != jnp.float32))
     if padded:
         x = jnp.concatenate([x, x])
     per_channel = w.scales.shape[c] == 1
-    if formulation == "int8":
+    if formulation in ("int8", "int8x2"):
         if not per_channel:
-            raise ValueError("the int8 dot needs per-channel scales; requantize_per_channel first")
-        xq, xs = quantize_rows(x)
-        acc = jnp.einsum(eq, xq, w.values, preferred_element_type=jnp.int32)
-        out = acc.astype(jnp.float32) * xs * w.scales.reshape(1, -1)
+            raise ValueError(f"the {formulation} dot needs per-channel scales; requantize_per_channel first")
+        xq, xs = quantize_rows(x) if formulation == "int8" else quantize_rows_two_terms(x)
+        acc = jnp.einsum(eq, xq, w.values, preferred_element_type=jnp.int32).astype(jnp.float32) * xs
+        if formulation == "int8x2":
+            acc = acc[:rows] + acc[rows:]
+        out = acc * w.scales.reshape(1, -1)
     elif per_channel:
         out = jnp.einsum(eq, x.astype(dtype), w.values.astype(dtype),
                          preferred_element_type=jnp.float32) * w.scales.reshape(1, -1)

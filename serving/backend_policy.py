@@ -22,12 +22,13 @@ piece what it needs:
                                   pool and can deadlock when queued)
     batch-invariant reductions    on (bfloat16 serving only)            on (bfloat16 serving only;
                                                                         untested on hardware)
-    dot with an int8 weight       "int8": int8 activations (dynamic,    "dequantize": the weight
-      (--quantization int8)       per row) x int8 weights, int32        converted to the matmul
-                                  accumulation (1.1-1.8x faster than    dtype inside the dot
-                                  bf16; converting int8 inside the dot  (exact for GGUF block
-                                  was 3-6x slower); GGUF block scales   scales)
-                                  requantized per channel at load
+    dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
+      (--quantization int8)       activations split in two terms        converted to the matmul
+                                  (one dot, int32 accumulation):        dtype inside the dot
+                                  1.3-1.8x bf16 at 1-8 rows, even at    (exact for GGUF block
+                                  32; converting int8 inside the dot    scales)
+                                  runs the head 3-6x slower; GGUF
+                                  block scales requantized per channel
 
 Batch invariance: in a low-precision serving dtype the RMSNorm means and the
 attention softmax sums run in the fixed order of ``kernels_pallas.ordered_sum``
@@ -37,9 +38,10 @@ otherwise picks a row's summation order by the size of the whole array
 logits changed with its batch. The matmuls are left to the backend: on XLA:CPU
 (YNNPACK) a bfloat16 row's product was measured bitwise the same at every row
 count. A float32 model keeps the backend's reductions (``compute(dtype=...)``).
-An int8 model keeps the property: the "int8" dot quantizes each row on its own
-and accumulates integers (exact in any order); the "dequantize" dot is a plain
-dot of the dtype's.
+An int8 model keeps the property: the "int8" / "int8x2" dots quantize each row
+on their own and accumulate integers (exact in any order), whatever the row
+count (one formulation for every bucket, so a row never changes formulation
+with its batch); the "dequantize" dot is a plain dot of the dtype's.
 
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
@@ -81,9 +83,9 @@ class BackendPolicy:
       sync_sharded_steps: a step on a multi-device mesh waits for the previous one
         before it is dispatched.
       batch_invariant: low-precision models reduce in a fixed order (see above).
-      quantized_dot: how a dot with an int8 weight runs, "int8" or "dequantize"
-        (``model.quantization``); with "int8", :meth:`store_params` requantizes
-        block-scaled weights per channel.
+      quantized_dot: how a dot with an int8 weight runs, "int8x2", "int8" or
+        "dequantize" (``model.quantization``); with the int8 ones,
+        :meth:`store_params` requantizes block-scaled weights per channel.
     """
 
     platform: str
@@ -109,8 +111,8 @@ class BackendPolicy:
           moe_impl: "auto", "ragged" or "capacity" (``model.moe``).
           batch_invariant: fixed-order reductions for low-precision models (None: on
             unless the attention is a Pallas kernel, which has no such mode).
-          quantized_dot: "auto" (the table above), "int8" or "dequantize" (benchmarks
-            compare them).
+          quantized_dot: "auto" (the table above), "int8x2", "int8" or "dequantize"
+            (benchmarks compare them).
 
         Raises:
           ValueError: an unknown platform, attention_impl, moe_impl or quantized_dot.
@@ -124,7 +126,7 @@ class BackendPolicy:
             raise ValueError(f"quantized_dot must be auto or one of {DOT_FORMULATIONS}, "
                              f"got {quantized_dot!r}")
         if quantized_dot == "auto":
-            quantized_dot = "int8" if platform == "cpu" else "dequantize"
+            quantized_dot = "int8x2" if platform == "cpu" else "dequantize"
         attention = select_attention(attention_impl, platform)
         if batch_invariant is None:
             batch_invariant = attention.kernel == "xla"
@@ -180,7 +182,7 @@ class BackendPolicy:
         with block scales (a GGUF Q8_0 tensor; ``name`` + ``name_scale``) requantized per
         channel; other parameters unchanged."""
         flat = list(nnx.to_flat_state(state))
-        if self.quantized_dot == "int8":
+        if self.quantized_dot != "dequantize":
             flat = _requantize_blocks(flat)
         out = []
         for path, v in flat:

