@@ -171,9 +171,9 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
             kv_dt, w_dt = variant_parts(dt)
             cost = step_cost(cfg, w_dt, kv_dt, queries=[(0, T)], logits_rows=1)
             print(f"  bucket {T:5} {dt:13}: {t * 1e3:8.1f} ms, {T / t:8.0f} tokens/s | "
-                  f"{roofline_line(cost, t, limits, dt)}", flush=True)
+                  f"{roofline_line(cost, t, limits, kv_dt)}", flush=True)
             report["prefill"].append(dict(bucket=T, dtype=dt, seconds=t, tokens_per_s=T / t,
-                                          **fractions(cost, t, limits, dt)))
+                                          **fractions(cost, t, limits, kv_dt)))
     print(f"\ndecode (one token per slot per step)")
     for C in args.context:
         for B in args.slots:
@@ -182,9 +182,9 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
                 kv_dt, w_dt = variant_parts(dt)
                 cost = step_cost(cfg, w_dt, kv_dt, queries=[(C - 1, 1)] * B, logits_rows=B)
                 print(f"  slots {B:3} context {C:5} {dt:13}: {t * 1e3:8.1f} ms/step, "
-                      f"{B / t:8.1f} tokens/s | {roofline_line(cost, t, limits, dt)}", flush=True)
+                      f"{B / t:8.1f} tokens/s | {roofline_line(cost, t, limits, kv_dt)}", flush=True)
                 report["decode"].append(dict(slots=B, context=C, dtype=dt, seconds=t, tokens_per_s=B / t,
-                                             **fractions(cost, t, limits, dt)))
+                                             **fractions(cost, t, limits, kv_dt)))
     for eng in engines.values():
         del eng.state
 
