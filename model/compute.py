@@ -9,14 +9,16 @@ backend policy (``serving.backend_policy``):
   * which paged-attention implementation and block sizes run (``attention``),
   * how the MoE expert matmuls run and over which mesh axes (``moe``),
   * whether a row's reductions keep one order whatever shares its batch
-    (``batch_invariant``: the norms here, the attention softmax in ``attention``).
+    (``batch_invariant``: the norms here, the attention softmax in ``attention``),
+  * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``).
 
 The defaults are the plain reference path (what a reader of the model expects):
 ``einsum`` dots, the pure-XLA attention, ``ragged_dot`` experts, no mesh axes.
 
 Weights may arrive in a storage representation (bfloat16 held as uint16 bits,
 ``kernels_pallas.kv_storage``); :meth:`Compute.load` turns a stored array back
-into its logical dtype and is a no-op for everything else.
+into its logical dtype and is a no-op for everything else (int8 weights,
+``model.quantization.QuantizedArray``, stay int8 until their dot).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kernels_pallas.attention import AttentionConfig
 from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
+from model.quantization import DOT_FORMULATIONS, QuantizedArray, quantized_dot
 
 MOE_IMPLS = ("auto", "ragged", "capacity")
 
@@ -76,6 +79,10 @@ class Compute:
         :meth:`mean`) run in the fixed order of ``kernels_pallas.ordered_sum``, so
         a row's result never depends on how many rows share the step (the
         attention's softmax follows ``attention.batch_invariant``).
+      quantized_dot: how :meth:`dot` computes with an int8 weight: "dequantize"
+        (convert it to the matmul-input dtype; exact for any scale layout) or
+        "int8" (dynamically quantized int8 activations, int32 accumulation;
+        per-channel scales only). See ``model.quantization``.
     """
 
     pad_single_row: bool = False
@@ -83,6 +90,11 @@ class Compute:
     moe: MoEConfig = MoEConfig()
     batch_invariant: bool = False
     dot_rows: DotRows = DotRows()
+    quantized_dot: str = "dequantize"
+
+    def __post_init__(self):
+        if self.quantized_dot not in DOT_FORMULATIONS:
+            raise ValueError(f"quantized_dot must be one of {DOT_FORMULATIONS}, got {self.quantized_dot!r}")
 
     def mean(self, x: jax.Array) -> jax.Array:
         """Mean over the last axis, keepdims: ``x: [..., n]`` -> ``[..., 1]`` in x's dtype
@@ -91,7 +103,7 @@ class Compute:
             return ordered_sum(x, keepdims=True) / x.shape[-1]
         return jnp.mean(x, axis=-1, keepdims=True)
 
-    def dot(self, eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    def dot(self, eq: str, a: jax.Array, b, dtype) -> jax.Array:
         """``einsum(eq, a, b)`` with both inputs in ``dtype`` and float32 accumulation.
 
         A low-precision ``a`` whose leading axis is rows (not in ``b``) is computed with
@@ -100,12 +112,15 @@ class Compute:
 
         Args:
           eq: an einsum equation whose first operand's leading axis is the rows (tokens).
-          a, b: the operands (any float dtype; cast to ``dtype``).
+          a, b: the operands (any float dtype; cast to ``dtype``); ``b`` may be a 2-D
+            ``QuantizedArray``, computed as ``quantized_dot`` says.
           dtype: the matmul-input dtype (float32 or bfloat16).
 
         Returns:
           float32 result.
         """
+        if isinstance(b, QuantizedArray):
+            return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row)
         a, b = a.astype(dtype), b.astype(dtype)
         rows = a.shape[0]
         padded = rows
@@ -118,9 +133,10 @@ class Compute:
         return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
     @staticmethod
-    def load(w: jax.Array) -> jax.Array:
-        """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16)."""
-        return from_storage(w)
+    def load(w):
+        """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16); a
+        ``QuantizedArray`` as it is."""
+        return w if isinstance(w, QuantizedArray) else from_storage(w)
 
 
 REFERENCE = Compute()
