@@ -59,7 +59,11 @@ def make_runner(name: str, gguf: Path, max_seqs: int, max_len: int, threads: int
 class LlamaCppBatched:
     """llama.cpp's batched decode of N sequences through llama-cpp-python's low-level API."""
 
-    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int, n_batch: int = 512):
+    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int, n_batch: int = 512,
+                 extra_buffers: bool = True):
+        """extra_buffers: llama.cpp's ``use_extra_bufts`` (repacked weight layouts such as its AMX
+        one). A build whose AMX code the machine cannot run dies of SIGILL in the first
+        ``llama_decode`` unless it is off (benchmarks.vs_llamacpp retries so)."""
         import llama_cpp as lc
 
         self.lc = lc
@@ -68,6 +72,7 @@ class LlamaCppBatched:
         lc.llama_log_set(self._quiet, ctypes.c_void_p())
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = extra_buffers
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -85,7 +90,8 @@ class LlamaCppBatched:
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.n_batch = n_batch
         self.batch = lc.llama_batch_init(n_batch, 0, max_seqs)
-        self.version = f"llama-cpp-python {lc.__version__}, {threads} threads"
+        self.version = f"llama-cpp-python {lc.__version__}, {threads} threads" + (
+            "" if extra_buffers else ", extra buffer types off")
 
     def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
         """items: (token, position, sequence, wants logits); one llama_decode call."""
