@@ -18,8 +18,9 @@ process) decodes the same prompts' token ids through ``llama_batch`` /
 as ``benchmarks.engine --baselines llama.cpp`` runs it; greedy argmax, no
 HTTP), from the same GGUF, each stream count's prompts in batches of N. One
 thing runs at a time. A llama.cpp build that dies of SIGILL (AMX code on a
-machine that advertises AMX but cannot run it) is rerun with its extra buffer
-types off (the line naming its version says so).
+machine that advertises AMX but cannot run it) is rerun with AMX denied to it
+by a seccomp filter, its other kernels unchanged (the line naming its version
+says so).
 
 Prompts: ``benchmarks/prose_prompts.jsonl``, 40 plain English sentences
 written for this benchmark (20 to 25 Gemma 3 tokens each with the BOS; no
@@ -29,7 +30,12 @@ first), so both sides decode the same ids; each later server's ids are
 checked against them. The last prompt is the warm-up request (16 tokens, not
 counted); each stream count takes the next prompts in file order, so no
 measured prompt repeats an earlier one (the prefix cache holds nothing they
-can reuse) unless the file runs out.
+can reuse) unless the file runs out (40 prompts: one round of 32 and 1
+streams; a note says when they repeat).
+
+``--rounds R`` runs each stream count R times on each server and on
+llama.cpp; the table shows, per side, the run with the median tokens/s
+(output tokens/s for ours, decode tokens/s for llama.cpp).
 
 Columns (tokens/s aggregate over the streams; milliseconds for latencies):
 
@@ -272,31 +278,35 @@ def llamacpp_run(runner, groups: Sequence[Sequence[Sequence[int]]], new_tokens: 
 
 
 def _llamacpp_child(conn, gguf: str, runs: list[tuple[int, list[list[int]]]], new_tokens: int, threads: int,
-                    extra_buffers: bool) -> None:
-    """In a spawned process: (version, {streams: llamacpp_run(...)}) sent on conn."""
-    from benchmarks.baselines import LlamaCppBatched
+                    deny_amx: bool) -> None:
+    """In a spawned process: (version, [llamacpp_run(...) per run]) sent on conn."""
+    from benchmarks.baselines import LlamaCppBatched, deny_amx_permission
+
+    if deny_amx:
+        deny_amx_permission()
 
     max_seqs = max(n for n, _ in runs)
     max_len = max(len(p) for _, prompts in runs for p in prompts) + new_tokens
-    runner = LlamaCppBatched(Path(gguf), max_seqs, max_len, threads, extra_buffers=extra_buffers)
-    out = {}
+    runner = LlamaCppBatched(Path(gguf), max_seqs, max_len, threads)
+    out = []
     try:
+        runner(runs[0][1][:1], 4)  # warm-up, not counted
         for n, prompts in runs:
-            batches = [prompts[k:k + n] for k in range(0, len(prompts), n)]
-            runner(batches[0][:1], 4)  # warm-up, not counted
-            out[n] = llamacpp_run(runner, batches, new_tokens)
+            out.append(llamacpp_run(runner, [prompts[k:k + n] for k in range(0, len(prompts), n)], new_tokens))
     finally:
         runner.close()
-    conn.send((runner.version, out))
+    conn.send((runner.version + (", AMX denied" if deny_amx else ""), out))
 
 
 def run_llamacpp(gguf: Path, runs: list[tuple[int, list[list[int]]]], new_tokens: int, threads: int,
-                 timeout_s: float) -> tuple[str, dict[int, dict[str, float]]]:
-    """llama.cpp on each (streams, prompt ids) run, in a child process: (version, results per streams).
+                 timeout_s: float, child=_llamacpp_child) -> tuple[str, list[dict[str, float]]]:
+    """llama.cpp on each (streams, prompt ids) run, in a child process: (version, results per run).
 
-    Tries llama.cpp's extra buffer types first (its default); a child killed by
-    SIGILL (a build with AMX code this machine cannot run) is retried with them
-    off, and the version string says so.
+    A child killed by SIGILL (a build with AMX code this machine advertises
+    but cannot run) is retried with AMX denied to llama.cpp
+    (``baselines.deny_amx_permission``: its other kernels stay), and the
+    version string says so. ``child`` is the child's function
+    (``_llamacpp_child``'s arguments; importable, as the child is spawned).
 
     Raises:
       RuntimeError: the child failed otherwise, or did not finish within timeout_s.
@@ -305,9 +315,9 @@ def run_llamacpp(gguf: Path, runs: list[tuple[int, list[list[int]]]], new_tokens
     import signal
 
     ctx = mp.get_context("spawn")
-    for extra in (True, False):
+    for deny_amx in (False, True):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_llamacpp_child, args=(send, str(gguf), runs, new_tokens, threads, extra))
+        p = ctx.Process(target=child, args=(send, str(gguf), runs, new_tokens, threads, deny_amx))
         p.start()
         send.close()
         try:
@@ -321,9 +331,9 @@ def run_llamacpp(gguf: Path, runs: list[tuple[int, list[list[int]]]], new_tokens
             p.kill()
             p.join()
             raise RuntimeError(f"llama.cpp did not finish in {timeout_s:.0f} s")
-        if p.exitcode == -signal.SIGILL and extra:
-            print("   llama.cpp died of SIGILL (an instruction this machine lacks, e.g. AMX): "
-                  "retrying with its extra buffer types off", flush=True)
+        if p.exitcode == -signal.SIGILL and not deny_amx:
+            print("   llama.cpp died of SIGILL (an instruction this machine cannot run, e.g. AMX): "
+                  "retrying with AMX denied to it", flush=True)
             continue
         raise RuntimeError(f"llama.cpp exited with {p.exitcode}")
     raise AssertionError("unreachable")
@@ -390,6 +400,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--streams", type=int, nargs="+", default=[32, 1], help="concurrent streams per run (default: 32 1)")
     ap.add_argument("--min-requests", type=int, default=4,
                     help="requests per run: max(streams, this) (default: 4)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs per stream count on each server and on llama.cpp; the table shows the "
+                         "median run (default: 1)")
     ap.add_argument("--output-len", type=int, default=128, help="tokens per completion (default: 128)")
     ap.add_argument("--prompts-file", default=str(PROSE_PROMPTS),
                     help='JSONL, one {"prompt": ...} per line (default: benchmarks/prose_prompts.jsonl)')
@@ -408,22 +421,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error(f"--variant names must differ: {names}")
     if any(f == "--port" or f.startswith("--port=") for v in a.variant for f in v.flags):
         ap.error("--variant flags may not set --port (each server gets a free one)")
-    if any(s < 1 for s in a.streams) or a.output_len < 2 or a.min_requests < 1:
-        ap.error("--streams and --min-requests must be at least 1, --output-len at least 2")
+    if any(s < 1 for s in a.streams) or min(a.min_requests, a.rounds) < 1 or a.output_len < 2:
+        ap.error("--streams, --min-requests and --rounds must be at least 1, --output-len at least 2")
     return a
+
+
+def median_run(runs: Sequence[int], values: Sequence[float | None], streams: int) -> int:
+    """Index of the median (upper, for an even count) of ``values`` among the runs of ``streams`` streams."""
+    ks = sorted((k for k, n in enumerate(runs) if n == streams), key=lambda k: values[k] or 0.0)
+    return ks[len(ks) // 2]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     texts = load_prompts(a.prompts_file)
-    warm, groups, repeats = assign_prompts(len(texts), [max(n, a.min_requests) for n in a.streams])
+    plan = [n for n in a.streams for _ in range(a.rounds)]  # the runs against each server, in order
+    warm, groups, repeats = assign_prompts(len(texts), [max(n, a.min_requests) for n in plan])
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | load average at the start: {_loadavg()} | {len(texts)} prompts "
           f"from {a.prompts_file}, {a.output_len} new tokens, greedy, ignore_eos", flush=True)
     if repeats:
         print("note: more requests than prompts: some prompts repeat (the prefix cache may serve them)")
     rows: list[Row] = []
     ids: list[list[int]] | None = None
-    base_texts: dict[int, str] = {}
+    base_texts: dict[tuple[int, int], str] = {}
     spec: dict[str, list[str]] = {}
     for v in a.variant:
         flags = list(v.flags) if "--model" in v.flags else ["--model", a.model, *v.flags]
@@ -434,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"   healthy after {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 model, v_ids, results, metrics = asyncio.run(_drive(
-                    server.url, texts, texts[warm], list(zip(a.streams, groups)), a.output_len, a.timeout))
+                    server.url, texts, texts[warm], list(zip(plan, groups)), a.output_len, a.timeout))
             finally:
                 server.stop()
         if ids is None:
@@ -443,22 +463,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"   warning: {v.name}'s tokenizer gives other ids than {a.variant[0].name}'s; "
                   "llama.cpp gets the first variant's")
         spec[v.name] = metric_lines(metrics)
-        for n, idx, res in zip(a.streams, groups, results):
-            s = summarize(res)
-            same = None
+        summaries = [summarize(res) for res in results]
+        for k, (n, idx, res, s) in enumerate(zip(plan, groups, results, summaries)):
             if v is a.variant[0]:
-                base_texts.update({(n, j): r.text for j, r in enumerate(res) if r.ok})
-            else:
-                same = sum(r.ok and base_texts.get((n, j)) == r.text for j, r in enumerate(res))
+                base_texts.update({(k, j): r.text for j, r in enumerate(res) if r.ok})
             bad = [r for r, i in zip(res, idx) if r.ok and r.prompt_tokens != len(ids[i])]
             if bad:
                 print(f"   warning: {len(bad)} requests' usage.prompt_tokens differ from /tokenize's count")
             for e in sorted({r.error for r in res if r.error})[:3]:
                 print(f"   error: {e}")
-            rows.append(Row(n, v.name, s["completed"], s["requests"], s["output_throughput"],
-                            decode_throughput(res), s["ttft"]["p50"], s["itl"]["p50"], same))
             print(f"   streams {n:3}: {s['completed']}/{s['requests']} ok, {_f(s['output_throughput'], '.1f')} "
                   f"out tok/s, TTFT p50 {_f(s['ttft']['p50'] and s['ttft']['p50'] * 1e3, '.0f')} ms", flush=True)
+        for n in a.streams:
+            k = median_run(plan, [s["output_throughput"] for s in summaries], n)
+            s, res = summaries[k], results[k]
+            same = None if v is a.variant[0] else sum(
+                r.ok and base_texts.get((k, j)) == r.text for j, r in enumerate(res))
+            rows.append(Row(n, v.name, s["completed"], s["requests"], s["output_throughput"],
+                            decode_throughput(res), s["ttft"]["p50"], s["itl"]["p50"], same))
     llama: dict[int, dict[str, float]] = {}
     version = None
     if a.llamacpp:
@@ -466,12 +488,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         gguf = Path(a.gguf) if a.gguf else baselines.model_gguf_path(a.model)
         print(f"\n== llama.cpp: {gguf.name}, {a.threads} threads, in a child process", flush=True)
-        version, llama = run_llamacpp(gguf, [(n, [ids[i] for i in idx]) for n, idx in zip(a.streams, groups)],
-                                      a.output_len, a.threads, a.timeout)
+        version, got = run_llamacpp(gguf, [(n, [ids[i] for i in idx]) for n, idx in zip(plan, groups)],
+                                    a.output_len, a.threads, a.timeout)
         print(f"   {version}")
-        for n, m in llama.items():
+        for n, m in zip(plan, got):
             print(f"   streams {n:3}: decode {m['decode_tokens_per_s']:.1f} tok/s, "
                   f"e2e {m['e2e_tokens_per_s']:.1f} tok/s", flush=True)
+        llama = {n: got[median_run(plan, [m["decode_tokens_per_s"] for m in got], n)] for n in a.streams}
     for r in rows:
         r.llama = llama.get(r.streams, {})
     rows.sort(key=lambda r: (-r.streams, [v.name for v in a.variant].index(r.variant)))
