@@ -75,7 +75,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from benchmarks.load import LoadConfig, RequestResult, _run_one, send_request, summarize
 
