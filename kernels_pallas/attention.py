@@ -111,6 +111,7 @@ def paged_attention(
     soft_cap: float | None = None,
     layer=None,
     config: AttentionConfig = AttentionConfig(),
+    window_bound: int | None = None,
 ) -> jax.Array:
     """Attention of a step's queries over the paged KV cache.
 
@@ -122,6 +123,8 @@ def paged_attention(
       md: ``model.attention_metadata.AttentionMetadata``.
       scale, sliding_window, soft_cap, layer: see ``paged_attention_xla``.
       config: which implementation and block sizes (see :func:`select_attention`).
+      window_bound: static bound of a traced ``sliding_window`` (the model's window);
+        the XLA decode then gathers only a sliding layer's window of pages.
 
     Returns:
       [T, num_heads, head_dim] in q's dtype.
@@ -150,6 +153,8 @@ def paged_attention(
     elif config.kernel == "mosaic" and md.mode == "prefill":
         opts["block_q"] = prefill_block_sizes(config.block_sizes_row, head_dim, page_size).block_q
     if md.mode == "decode":
+        if config.kernel == "xla":
+            opts["window_bound"] = window_bound
         fn = {"xla": paged_decode_attention_xla, "mosaic": paged_decode_attention_tpu,
               "triton": paged_decode_attention_pallas}[config.kernel]
         return fn(q, k_pages, v_pages, md.kv_lens, md.page_table, **opts)

@@ -86,6 +86,38 @@ def _softmax_weighted_sum(scores, mask, v, soft_cap, ordered_sums=False):
     return p / jnp.maximum(denom, 1e-30)
 
 
+def _window_span_tokens(window_bound, page_size: int, table_tokens: int) -> int | None:
+    """Keys a sliding-window decode gathers: two aligned blocks of B tokens, B the
+    smallest power of two >= ``window_bound`` (and >= ``page_size``); None when
+    that is no narrower than the page table (or B is not a whole number of pages)."""
+    if window_bound is None or window_bound <= 0:
+        return None
+    block = 1 << (max(int(window_bound), page_size) - 1).bit_length()
+    if block % page_size or 2 * block >= table_tokens:
+        return None
+    return 2 * block
+
+
+def _decode_over_keys(q, k, v, k_pos, lengths, *, scale, sliding_window, soft_cap, ordered_sums,
+                      group_rows):
+    """Decode attention over gathered keys.
+
+    q: [slots, num_heads, head_dim]; k, v: [slots, kv_heads, n, head_dim];
+    k_pos: [slots or 1, n] int32 absolute key positions. Returns [slots, num_heads, head_dim] f32.
+    """
+    slots, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    qg = repeat_last(q.reshape(slots, kv_heads, group, head_dim), group_rows or group, axis=2)
+    scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
+    q_pos = (lengths - 1)[:, None]
+    mask = _window_mask(q_pos, k_pos, sliding_window) & (k_pos < lengths[:, None])  # [slots, n]
+    probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap, ordered_sums)
+    v = jnp.where(mask[:, None, :, None], v, 0)
+    out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out[:, :, :group].reshape(slots, num_heads, head_dim)
+
+
 def paged_decode_attention_xla(
     q: jax.Array,
     k_pages: jax.Array,
@@ -99,8 +131,18 @@ def paged_decode_attention_xla(
     layer=None,
     ordered_sums: bool = False,
     group_rows: int | None = None,
+    window_bound: int | None = None,
 ) -> jax.Array:
     """One query token per slot against that slot's pages.
+
+    A layer with a sliding window reads only the pages around its window when
+    that is narrower than the page table: two blocks of B tokens (B the smallest
+    power of two >= the window, so the window always fits), starting at a
+    multiple of B. The keys keep their absolute positions, and since the window's
+    keys sit at the same offsets within aligned B-blocks as in the full table,
+    the fixed-order softmax sum (``ordered_sums``) adds the same numbers in the
+    same order: the output is bitwise that of the whole page table. Global layers
+    (and every layer when the table is narrow) gather the whole page table.
 
     Args:
       q: [slots, num_heads, head_dim], any float dtype.
@@ -119,24 +161,48 @@ def paged_decode_attention_xla(
       group_rows: compute each (slot, KV head) dot with this many query rows, the
         group's last query repeated (None or <= num_heads / kv_heads: as is); the
         batch-invariant mode's ``kernels_pallas.dot_rows`` padding.
+      window_bound: a static int >= every positive value ``sliding_window``
+        takes (the model's sliding window), so a traced window can read only
+        its pages (a python-int window needs none); None: sliding layers read
+        the whole page table.
 
     Returns:
       [slots, num_heads, head_dim] in q's dtype.
     """
-    slots, num_heads, head_dim = q.shape
-    kv_heads = k_pages.shape[-4]
-    group = num_heads // kv_heads
-    k = _gather_pages(k_pages, page_table, layer)  # [slots, kv, L, d]
-    v = _gather_pages(v_pages, page_table, layer)
-    qg = repeat_last(q.reshape(slots, kv_heads, group, head_dim), group_rows or group, axis=2)
-    scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
-    k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
-    q_pos = (lengths - 1)[:, None]
-    mask = _window_mask(q_pos, k_pos, sliding_window) & (k_pos < lengths[:, None])  # [slots, L]
-    probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap, ordered_sums)
-    v = jnp.where(mask[:, None, :, None], v, 0)
-    out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out[:, :, :group].reshape(slots, num_heads, head_dim).astype(q.dtype)
+    page_size = k_pages.shape[-2]
+    num_cols = page_table.shape[1]
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, ordered_sums=ordered_sums,
+                group_rows=group_rows)
+
+    def whole_table(_):
+        k = _gather_pages(k_pages, page_table, layer)  # [slots, kv, P * page_size, d]
+        v = _gather_pages(v_pages, page_table, layer)
+        k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
+        return _decode_over_keys(q, k, v, k_pos, lengths, **opts)
+
+    static_window = sliding_window is None or isinstance(sliding_window, int)
+    bound = sliding_window if static_window else window_bound
+    span = _window_span_tokens(bound, page_size, num_cols * page_size)
+    if span is None or (static_window and (sliding_window is None or sliding_window <= 0)):
+        return whole_table(None).astype(q.dtype)
+
+    def window_only(_):
+        block = span // 2
+        first = jnp.maximum(lengths - jnp.asarray(sliding_window, jnp.int32), 0)
+        start = first // block * block  # [slots] tokens, a multiple of the block and of the page
+        cols = start[:, None] // page_size + jnp.arange(span // page_size, dtype=jnp.int32)[None, :]
+        # Columns past the table read the null page 0 (masked: beyond the length).
+        table = jnp.pad(page_table, ((0, 0), (0, span // page_size)))
+        table = jnp.take_along_axis(table, cols, axis=1)
+        k = _gather_pages(k_pages, table, layer)  # [slots, kv, span, d]
+        v = _gather_pages(v_pages, table, layer)
+        k_pos = start[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]
+        return _decode_over_keys(q, k, v, k_pos, lengths, **opts)
+
+    if static_window:
+        return window_only(None).astype(q.dtype)
+    out = jax.lax.cond(jnp.asarray(sliding_window, jnp.int32) > 0, window_only, whole_table, None)
+    return out.astype(q.dtype)
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
