@@ -47,6 +47,11 @@ _SETTINGS = [
     ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
     ("chat_template", str, "Jinja chat template FILE (or JSON with a chat_template field) served "
                            "instead of the model's own"),
+    ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams)"),
+    ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
+    ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
+    ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),
+    ("speculative_max_batch", int, "speculate only while at most this many requests run (default 4)"),
 ]
 
 
