@@ -140,8 +140,8 @@ def test_scheduler_verify_rows_give_each_request_its_tokens_alone(seed):
     """Random requests (some with penalties, which never speculate; stop ids; max_tokens)
     in a pool small enough to preempt, read back after every step as the engine loop
     does while speculating: every request's output equals its run alone, invariants hold
-    after every step, drafts are both accepted and rejected, and a step never exceeds
-    the token budget."""
+    after every step, drafts are both accepted and rejected, a stop id can end a row
+    among its accepted drafts, and a step never exceeds the token budget."""
     rng = random.Random(seed)
     spec = SpeculativeConfig(num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, max_batch=3)
     kv = KVCacheManager(num_pages=9, page_size=4, enable_prefix_caching=True)
@@ -149,15 +149,19 @@ def test_scheduler_verify_rows_give_each_request_its_tokens_alone(seed):
                       watermark_pages=1, speculative=spec)
     engine = FakeEngine(9, 4, 4)
     reqs = []
-    for i in range(10):
+    for i in range(12):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 9))]
         penalties = dict(presence_penalty=0.5) if i % 4 == 3 else {}
-        reqs.append(SchedRequest(f"r{i}", prompt, max_tokens=rng.randint(1, 20),
-                                 stop_token_ids=(rng.randrange(VOCAB),) if i % 3 == 0 else (),
+        stop = (rng.randrange(VOCAB),) if i % 3 == 0 else ()
+        if i % 4 == 1:  # a prompt the fake model repeats: drafts accepted up to a stop among them
+            g = run_alone(prompt[:2], 8, ())
+            prompt = prompt[:2] + g + prompt[:2]
+            stop = (next(t for j, t in enumerate(g) if j >= 2 and t not in g[:j]),)
+        reqs.append(SchedRequest(f"r{i}", prompt, max_tokens=rng.randint(1, 20), stop_token_ids=stop,
                                  sampling=SamplingSettings(**penalties)))
     outs = {r.request_id: [] for r in reqs}
     pending = list(reqs)
-    accepted = rejected = verify_steps_above_max_batch = 0
+    accepted = rejected = verify_steps_above_max_batch = cut_inside = 0
     for _ in range(500):
         if pending and rng.random() < 0.5:
             sched.add(pending.pop(0))
@@ -181,6 +185,7 @@ def test_scheduler_verify_rows_give_each_request_its_tokens_alone(seed):
                 outs[rid].append(tok)
                 if reason is not None:
                     sched.finish(req, reason)
+                    cut_inside += j < len(tokens) - 1  # a stop among accepted drafts
                     break
         sched.check_invariants()
         if not pending and not sched.running and not sched.waiting:
@@ -192,6 +197,7 @@ def test_scheduler_verify_rows_give_each_request_its_tokens_alone(seed):
     assert accepted > 0 and rejected > 0
     assert verify_steps_above_max_batch == 0
     assert sum(r.num_preemptions for r in reqs) > 0
+    assert cut_inside > 0
 
 
 def test_scheduler_plans_verify_rows_only_from_host_known_tokens():
@@ -235,3 +241,119 @@ def test_scheduler_plans_verify_rows_only_from_host_known_tokens():
         sched.on_token(r, 1)
     plan = sched.schedule()
     assert len(plan.decode) == 3 and not plan.verify
+
+
+# -- the engine on the tiny-random model (float32) ------------------------------------------------
+
+TINY_CFG = dict(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
+                min_decode_batch=2)
+"""tests/test_engine_loop.py's engine sizes: the prefill and decode programs are the same."""
+
+
+@pytest.fixture(scope="module")
+def tiny_loop(jax_cache):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.config import ModelConfig
+    from model.gemma3 import Gemma3
+    from serving.config_files import read_config
+    from serving.engine import Engine, EngineConfig
+    from serving.engine_loop import EngineLoop
+
+    tiny = ModelConfig.from_dict(read_config("models.yaml")["tiny-random"]["config"])
+    spec = SpeculativeConfig(num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, max_batch=4)
+    engine = Engine(Gemma3(tiny, dtype=jnp.float32, rngs=nnx.Rngs(0)), EngineConfig(**TINY_CFG, speculative=spec))
+    loop = EngineLoop(engine)
+    loop.start(warmup=False)
+    yield loop
+    loop.stop()
+
+
+def run_both(loop, make_requests):
+    """(events per request with speculation, the same without): the same requests, fresh ids."""
+    from tests.engine_helpers import collect
+
+    async def crowd():
+        return await asyncio.gather(*(collect(loop, r) for r in make_requests()))
+
+    spec = loop.scheduler.speculative
+    with_spec = asyncio.run(crowd())
+    loop.scheduler.speculative = None
+    try:
+        without = asyncio.run(crowd())
+    finally:
+        loop.scheduler.speculative = spec
+    return with_spec, without
+
+
+def tiny_prompt(n: int, offset: int) -> list[int]:
+    return [2] + [(7 * i + offset) % 400 + 100 for i in range(n - 1)]
+
+
+def test_tiny_outputs_equal_with_and_without_speculation(tiny_loop):
+    """Six concurrent requests in four slots (greedy, seeded, one with a penalty, one with
+    log probabilities): the same ids with speculation as without, drafts proposed and
+    accepted, several tokens per event, the counts on the events and in the stats."""
+    from tests.engine_helpers import request
+
+    def reqs():
+        return [request(tiny_prompt(5 + i, i), max_tokens=24, ignore_eos=True,
+                        **[{}, dict(temperature=1.0, seed=i), dict(temperature=0.8, top_k=20, seed=i),
+                           dict(presence_penalty=0.5), dict(logprobs=2), {}][i])
+                for i in range(6)]
+
+    before = tiny_loop.stats()
+    spec, plain = run_both(tiny_loop, reqs)
+    after = tiny_loop.stats()
+    for (ids_s, ev_s), (ids_p, ev_p) in zip(spec, plain):
+        assert ids_s == ids_p and len(ids_s) == 24
+        assert ev_s[-1].finish_reason == ev_p[-1].finish_reason == "length"
+    assert max(len(e.token_ids) for _, evs in spec for e in evs) > 1
+    assert all(len(e.token_ids) <= 1 for _, evs in plain for e in evs)
+    drafted = [evs[-1].num_draft_tokens for _, evs in spec]
+    accepted = [evs[-1].num_accepted_tokens for _, evs in spec]
+    assert drafted[3] == 0  # the penalty row decodes as before
+    assert drafted[0] > 0 and accepted[0] > 0 and all(a <= d for a, d in zip(accepted, drafted))
+    assert after.spec_draft_tokens - before.spec_draft_tokens == sum(drafted)
+    assert after.spec_accepted_tokens - before.spec_accepted_tokens == sum(accepted)
+    assert after.spec_verify_rows > before.spec_verify_rows
+    # Log probabilities of verified tokens: those of plain decoding (float32, other matmul shapes).
+    lp_s = [lp for e in spec[4][1] for lp in (e.logprobs or ())]
+    lp_p = [lp for e in plain[4][1] for lp in (e.logprobs or ())]
+    assert [x.token_id for x in lp_s] == [x.token_id for x in lp_p] == spec[4][0]
+    assert [[t for t, _ in x.top] for x in lp_s] == [[t for t, _ in x.top] for x in lp_p]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(lp_s, lp_p)) < 1e-4
+
+
+def test_tiny_stop_ids_and_max_tokens_cut_verified_tokens_as_plain_decoding(tiny_loop):
+    """Greedy requests with a stop id (a token of their output that first appears after a
+    few tokens, so that they stop there) and with max_tokens from 2 to 11, two at a time:
+    the same ids and finish reasons with and without speculation, and some stop token
+    arrives in an event of several verified tokens."""
+    from tests.engine_helpers import generate, request
+
+    # The tiny model's greedy outputs are runs of one token; these two switch tokens late.
+    prompts = [tiny_prompt(6 + i, 3 * i) for i in (0, 8, 1, 3)]
+    full = generate(tiny_loop, [request(p, max_tokens=24, ignore_eos=True) for p in prompts])
+    stops = [next((t for j, t in enumerate(ids) if j >= 3 and t not in ids[:j]), None) for ids in full]
+    assert stops[0] is not None and stops[1] is not None
+
+    def reqs():
+        return [request(p, max_tokens=24, stop_token_ids=(stop,)) if stop is not None
+                else request(p, max_tokens=2 + 3 * i, ignore_eos=True)
+                for i, (p, stop) in enumerate(zip(prompts, stops))]
+
+    spec, plain = [], []
+    for pair in (slice(0, 2), slice(2, 4)):  # two at a time: every step may speculate
+        s, p = run_both(tiny_loop, lambda: reqs()[pair])
+        spec += s
+        plain += p
+    for i, ((ids_s, ev_s), (ids_p, ev_p)) in enumerate(zip(spec, plain)):
+        assert ids_s == ids_p, i
+        assert ev_s[-1].finish_reason == ev_p[-1].finish_reason
+        if stops[i] is not None:
+            assert ev_s[-1].finish_reason == "stop" and ids_s == full[i][:full[i].index(stops[i]) + 1]
+        else:
+            assert ev_s[-1].finish_reason == "length" and len(ids_s) == 2 + 3 * i
+    assert any(len(ev_s[-1].token_ids) > 1 for (_, ev_s), stop in zip(spec, stops) if stop is not None)
