@@ -125,6 +125,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
     ap.add_argument("--prompt-lookup-max", type=int, default=None)
+    ap.add_argument("--min-decode-batch", type=int, default=1,
+                    help="smallest decode bucket (1: the CPU policy's; 4: bfloat16 rows of 1 and 2 "
+                         "round like 3+ on AMX CPUs, so ids compare bitwise)")
     args = ap.parse_args(argv)
 
     from benchmarks.common import build_engine
@@ -138,14 +141,15 @@ def main(argv=None) -> None:
         spec = SpeculativeConfig.from_settings("ngram", k, args.prompt_lookup_min, args.prompt_lookup_max,
                                                max_streams)
         engine, tok = build_engine(args.model, args.dtype, max_slots=max(max_streams, 1), num_pages=1024,
-                                   max_model_len=1024, speculative=spec)
+                                   max_model_len=1024, speculative=spec,
+                                   min_decode_batch=args.min_decode_batch)
         loops[k] = EngineLoop(engine)
         loops[k].start(warmup=False)
     base_loop = loops[args.ks[0]]
     spec_cfg = base_loop.scheduler.speculative
     print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
           f"greedy; n-gram {spec_cfg.prompt_lookup_min}..{spec_cfg.prompt_lookup_max}; "
-          f"{args.rounds} round(s), medians", flush=True)
+          f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
 
     def baseline(prompts, new_tokens):
         base_loop.scheduler.speculative = None
