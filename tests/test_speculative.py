@@ -6,7 +6,6 @@ outputs with and without it, and the metrics and trace fields."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 
 import pytest
@@ -422,3 +421,53 @@ def test_gemma_bfloat16_outputs_equal_with_and_without_speculation(gemma_params,
         loop.stop()
     assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
     assert sum(evs[-1].num_accepted_tokens for _, evs in spec) > 0
+
+
+# -- metrics and the request trace ----------------------------------------------------------------
+
+
+def test_metrics_and_trace_report_drafts_and_acceptance():
+    import concurrent.futures
+
+    from prometheus_client import generate_latest
+
+    from serving.engine_client import EngineStats, TokenEvent
+    from serving.gateway.api_keys import ANONYMOUS
+    from serving.gateway.metering import Metering
+    from serving.gateway.metrics import EngineStatsCollector, GatewayMetrics
+    from serving.gateway.pricing import PriceTable
+    from serving.gateway.rate_limit import RateLimiter
+    from serving.gateway.tracing import RequestTracer
+
+    metrics = GatewayMetrics()
+    stats = EngineStats(spec_verify_rows=10, spec_draft_tokens=40, spec_accepted_tokens=30)
+    metrics.add_engine_collector(EngineStatsCollector(lambda: {"m": lambda: stats, "idle": lambda: EngineStats()}))
+    text = generate_latest(metrics.registry).decode()
+    for line in ('xlaserve:spec_decode_num_drafts_total{model_name="m"} 10.0',
+                 'xlaserve:spec_decode_num_draft_tokens_total{model_name="m"} 40.0',
+                 'xlaserve:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0',
+                 'xlaserve:spec_decode_acceptance_rate{model_name="m"} 0.75',
+                 'xlaserve:spec_decode_tokens_per_step{model_name="m"} 4.0',
+                 'xlaserve:spec_decode_acceptance_rate{model_name="idle"} 0.0'):
+        assert line in text, line
+
+    class Ledger:
+        rows = {}
+
+        def open_row(self, row):
+            pass
+
+        def close_row(self, request_id, values):
+            self.rows[request_id] = values
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+
+    ledger = Ledger()
+    metering = Metering(ledger, PriceTable(models={}), metrics, RateLimiter(), RequestTracer(False))
+    meter = metering.admit(ANONYMOUS, "r1", "x1", "m", "interactive", True, 0.0, 5, 16)
+    meter.on_event(TokenEvent("r1", (7,), prompt_tokens=5))
+    meter.on_event(TokenEvent("r1", (8, 9, 10), finish_reason="length", prompt_tokens=5,
+                              num_draft_tokens=4, num_accepted_tokens=2))
+    asyncio.run(meter.finish("ok", "length", completion_tokens=4))
+    assert ledger.rows["r1"]["trace"]["speculative"] == {"draft_tokens": 4, "accepted_tokens": 2}
