@@ -49,6 +49,11 @@ _SETTINGS = [
                            "instead of the model's own"),
     ("quantization", str, "none | int8: int8 weights (layer matrices and output head) with float "
                           "scales; GGUF Q8_0 blocks exactly"),
+    ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams)"),
+    ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
+    ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
+    ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),
+    ("speculative_max_batch", int, "speculate only while at most this many requests run (default 4)"),
 ]
 
 

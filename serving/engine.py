@@ -10,6 +10,8 @@ the project's architecture notes)::
     prefill_logprobs_step(params, state, batch: PromptLogprobsBatch)
                                                     -> (state, (StepOutput [S], PromptLogprobs [T]))
     decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, StepOutput [B])
+    verify_step(params, state, batch: VerifyBatch)  -> (state, VerifyOutput)   speculative decoding:
+                      rows of [last token, drafts] sampled at every token (serving.verify_step)
 
     DeviceState   kv_cache: KVCache    k, v [layers, kv_heads, num_pages, page_size, head_dim]
                   slot_tokens [slots]  int32: each slot's last sampled token
@@ -81,10 +83,11 @@ from serving.sampling import SamplingArrays
 from serving.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow
 from serving.token_bitmask import mask_words, pad_rows
+from serving.verify_step import VerifyBatch, verify_step, verify_treedef
 
 log = logging.getLogger(__name__)
 
-StepBatch = PrefillBatch | DecodeBatch
+StepBatch = PrefillBatch | DecodeBatch | VerifyBatch
 
 
 @jax.tree_util.register_dataclass
@@ -220,7 +223,11 @@ class Engine:
                                                       self.policy.argmax_block)),
             "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
         }
-        self._treedefs = {kind: batch_treedef(kind) for kind in self._steps}
+        if cfg.speculative is not None:
+            self._steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
+                                                          cfg.speculative.num_tokens))
+        self._treedefs = {kind: verify_treedef() if kind == "verify" else batch_treedef(kind)
+                          for kind in self._steps}
         self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
@@ -266,6 +273,23 @@ class Engine:
         """
         mask = pad_rows(token_mask, batch_bucket(max(len(rows), 1), self.cfg), self.mask_words)
         return self.run(DecodeBatch.from_rows(rows, self.cfg, mask))
+
+    def verify(self, rows: Sequence[DecodeRow]):
+        """Dispatches one verify step (speculative decoding) over plan rows with their last
+        token and drafts (``DecodeRow.last_token``, ``draft_ids``).
+
+        Returns:
+          a :class:`~serving.verify_step.VerifyOutput` of device arrays (not yet synced):
+          row i's tokens start at sum(1 + len(rows[j].draft_ids) for j < i).
+
+        Raises:
+          ValueError: speculative decoding is off, no rows, or more than ``max_slots``.
+        """
+        if self.cfg.speculative is None:
+            raise ValueError("this engine was built without speculative decoding")
+        K = self.cfg.speculative.num_tokens
+        T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
+        return self.run(VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words)))
 
     def run(self, batch: StepBatch):
         """Runs one step on a host-built batch; returns its output (device arrays).
@@ -322,4 +346,13 @@ class Engine:
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
                 position = min(P * cfg.page_size, cfg.max_model_len) - 1
                 self.decode([DecodeRow("warmup", 0, position, null_pages, GREEDY)] * B)
+        spec = cfg.speculative
+        if spec is not None:  # verify buckets up to the batch size that speculates
+            drafts = (0,) * spec.num_tokens
+            for B in sorted({batch_bucket(n, cfg) for n in range(1, min(spec.max_batch, cfg.max_slots) + 1)}):
+                for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
+                    position = min(P * cfg.page_size, cfg.max_model_len) - 1 - spec.num_tokens
+                    row = DecodeRow("warmup", 0, max(position, 0), null_pages, GREEDY, last_token=0,
+                                    draft_ids=drafts)
+                    self.verify([row] * B)
         jax.block_until_ready(self.state.slot_tokens)

@@ -173,6 +173,8 @@ class TokenEvent:
       prompt_logprobs: with ``sampling.prompt_logprobs``, on the first event
         that has any token (or the final one): one entry per prompt token, None
         for the first (nothing precedes it).
+      num_draft_tokens: speculative decoding: draft tokens verified for the request so far.
+      num_accepted_tokens: of those, accepted (each saved a decode step).
     """
 
     request_id: str
@@ -187,6 +189,8 @@ class TokenEvent:
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +204,10 @@ class EngineStats:
       prefix_cache_queries: prompt tokens looked up in the prefix cache (lifetime).
       prefix_cache_hits: prompt tokens served from it (lifetime).
       num_preemptions: preemptions so far (lifetime).
+      spec_verify_rows: speculative decoding: verify-step rows that had drafts (lifetime).
+      spec_draft_tokens: draft tokens they verified (lifetime).
+      spec_accepted_tokens: draft tokens accepted (lifetime); a row emits its accepted
+        drafts plus one, so tokens per step = 1 + accepted / verify rows.
     """
 
     num_running: int = 0
@@ -208,6 +216,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_verify_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class EngineOverloadedError(RuntimeError):

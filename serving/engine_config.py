@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.speculative import SpeculativeConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -32,6 +34,8 @@ class EngineConfig:
         policy's, ``serving.backend_policy``).
       kv_dtype: KV cache dtype name ("float32" or "bfloat16"); the backend
         policy decides how it is stored.
+      speculative: n-gram speculative decoding (None: off); its ``num_tokens`` (K)
+        shapes the verify step, T = rows * (K + 1) tokens (``serving.verify_step``).
     """
 
     max_slots: int = 32
@@ -42,6 +46,7 @@ class EngineConfig:
     max_prefill_seqs: int = 1
     min_decode_batch: int | None = None
     kv_dtype: str = "float32"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
@@ -72,7 +77,10 @@ class EngineConfig:
             max_slots=server.max_slots, page_size=server.page_size, num_pages=server.num_pages,
             max_model_len=min(server.max_model_len, model_cfg.max_position),
             prefill_chunk=server.prefill_chunk, max_prefill_seqs=server.max_prefill_seqs,
-            min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype)
+            min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype,
+            speculative=SpeculativeConfig.from_settings(
+                server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
+                server.prompt_lookup_max, server.speculative_max_batch))
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:

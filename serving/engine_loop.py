@@ -33,6 +33,10 @@ them to the requests' llguidance matchers and fills the step's token bitmask
 on the host (``serving.structured_output``, in llguidance's threads) before
 dispatching. A matcher that fails ends its request with "error", not the loop.
 
+Speculative decoding (``EngineConfig.speculative``): a verify step's rows are
+dispatched and read back by ``serving.speculative_steps``, which also says
+when the loop reads back before planning.
+
 An exception in a step fails the requests in that step, not the server.
 The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device or
 scheduler state: it hands requests to the thread through a queue and
@@ -74,8 +78,10 @@ from serving.engine_client import (
 from serving.kv_cache_manager import KVCacheManager
 from serving.logprobs import PromptLogprobs, StepOutput
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
+from serving.speculative_steps import SpecCounters, dispatch_verify, process_verify
 from serving.step_plan import StepPlan
 from serving.tokenizer_protocol import TextTokenizer
+from serving.verify_step import VerifyOutput
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +144,9 @@ class EngineLoop:
         self.scheduler = Scheduler(
             self.kv, num_slots=cfg.max_slots,
             token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
-            max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs)
+            max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs,
+            speculative=cfg.speculative)
+        self.spec_counters = SpecCounters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}
         self.tokenizer = tokenizer
@@ -209,7 +217,7 @@ class EngineLoop:
             max_tokens=s.max_tokens, stop_token_ids=stop_ids,
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
-            parent_id=request.parent_id)
+            parent_id=request.parent_id, speculate=matcher is None)
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
                         matcher=matcher)
         if s.prompt_logprobs is not None:
@@ -332,7 +340,8 @@ class EngineLoop:
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
             scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error,
-            logprobs=logprobs, prompt_logprobs=prompt_lp)
+            logprobs=logprobs, prompt_logprobs=prompt_lp, num_draft_tokens=r.num_draft_tokens,
+            num_accepted_tokens=r.num_accepted_tokens)
         try:
             seq.loop.call_soon_threadsafe(self._deliver, seq, ev)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
@@ -410,8 +419,11 @@ class EngineLoop:
         sched = self.scheduler
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
-        if pending and any(s.sched.status is Status.RUNNING for s in self._constrained):
-            # A constrained request's next mask needs its last token: read back first.
+        if pending and (any(s.sched.status is Status.RUNNING for s in self._constrained)
+                        or any(isinstance(step[0], VerifyOutput) for step in pending)
+                        or sched.speculation_wants_tokens()):
+            # A constrained request's next mask needs its last token, drafts need the
+            # host's tokens, a verify step settles its computed counts: read back first.
             for step in pending:
                 self._process(*step)
             pending = []
@@ -430,17 +442,18 @@ class EngineLoop:
         with self._lock:  # sched.waiting is in admission order after schedule()
             self._queued_tokens = [r.num_tokens for r in sched.waiting]
             self._open_slots = sched.num_open_slots
-        kv = self.kv
+        kv, spec = self.kv, self.spec_counters
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
-            num_preemptions=self._num_preemptions)
+            num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
+            spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens)
         if self.on_step is not None:
             self.on_step(plan)
         failed: list[tuple[_Sequence, str]] = []  # matchers that failed while filling masks
-        dispatched = [d for d in (self._dispatch_prefill(plan, failed), self._dispatch_decode(plan, failed))
-                      if d]
+        dispatched = [d for d in (self._dispatch_prefill(plan, failed), self._dispatch_decode(plan, failed),
+                                  dispatch_verify(self, plan)) if d]
         for seq, error in failed:  # after dispatch: the step already holds their rows
             self._finish(seq, "error", error)
         # Read back the previous turn's tokens while this turn's steps run.
@@ -510,6 +523,8 @@ class EngineLoop:
     def _process(self, out, owners: list[tuple[_Sequence, int]], scored=()) -> None:
         """Reads back one step's output: streams its tokens (with log probabilities where
         asked) and collects its scored prompt tokens."""
+        if isinstance(out, VerifyOutput):
+            return process_verify(self, out, owners, self.spec_counters)
         try:
             prompt_out = None
             if isinstance(out, tuple):

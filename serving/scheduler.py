@@ -72,6 +72,19 @@ member (the *source*) instead of computing it::
     child re-forks if a source exists and the prefix cache holds less of
     it, else it is recomputed (from its prefix-cache hit).
 
+Speculative decoding (``serving.speculative``, when the scheduler has a
+:class:`~serving.speculative.SpeculativeConfig`): while at most ``max_batch``
+requests run, a decode row whose tokens the host knows (none in flight: the
+engine loop reads back before such a step) gets up to K n-gram drafts, and
+pages for them too (taken only when free: a draft never preempts). If any row
+of the step has drafts, every row that may speculate goes into the step's
+verify rows (``StepPlan.verify``, some with no drafts); the others stay decode
+rows. A verify row is committed like a decode row (one token in flight, one
+more computed); at read-back :meth:`Scheduler.on_token` takes its first token
+and :meth:`Scheduler.on_accepted` each accepted one after it, which also
+counts the draft it equals as computed. The K/V written for rejected drafts
+lies beyond the computed tokens and is overwritten later.
+
 Generated tokens are "in flight" between dispatch and read-back (the engine
 pipelines steps). Preemption needs every token id of its victim, so when it
 would be needed while tokens are in flight, :meth:`schedule` asks the caller
@@ -90,6 +103,7 @@ import enum
 import itertools
 
 from serving.kv_cache_manager import KVCacheManager, PageCopy
+from serving.speculative import SpeculativeConfig, may_speculate, propose_ngram
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
 INTERACTIVE, BATCH = 0, 1
@@ -129,6 +143,9 @@ class SchedRequest:
         full pages are still offered to the cache.
       parent_id: the family root this request was forked from or waits for
         (see the module docstring); None for an ordinary request.
+      speculate: False: never verified with drafts (structured output: each
+        position's mask needs the tokens before it consumed on the host).
+      num_draft_tokens, num_accepted_tokens: drafts verified for it and accepted.
     """
 
     request_id: str
@@ -150,6 +167,9 @@ class SchedRequest:
     finish_reason: str | None = None
     prefix_cache: bool = True
     parent_id: str | None = None
+    speculate: bool = True
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -176,13 +196,15 @@ class Scheduler:
       max_prefill_seqs: most sequences with a prompt chunk per step.
       watermark_pages: free pages kept back when admitting new requests, so
         running ones can grow without immediately preempting.
+      speculative: n-gram speculative decoding settings (None: off).
 
     Raises:
       ValueError: token_budget <= num_slots.
     """
 
     def __init__(self, kv: KVCacheManager, num_slots: int, token_budget: int,
-                 max_prefill_tokens: int, max_prefill_seqs: int = 1, watermark_pages: int | None = None):
+                 max_prefill_tokens: int, max_prefill_seqs: int = 1, watermark_pages: int | None = None,
+                 speculative: SpeculativeConfig | None = None):
         if token_budget < num_slots + 1:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.kv = kv
@@ -190,6 +212,7 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_seqs = max_prefill_seqs
+        self.speculative = speculative
         self.watermark_pages = (max(1, kv.num_pages // 100) if watermark_pages is None
                                 else watermark_pages)
         self.waiting: list[SchedRequest] = []
@@ -254,6 +277,21 @@ class Scheduler:
         req.num_inflight -= 1
         req.output_ids.append(token)
         self._cache_full_pages(req)
+        return self._finish_reason(req, token)
+
+    def on_accepted(self, req: SchedRequest, token: int) -> str | None:
+        """Records a token a verify step accepted after its first one (see the module
+        docstring): the draft it equals (the token before it) is computed. Returns a
+        finish reason or None, as :meth:`on_token`; call it after that token's."""
+        if req.status is Status.FINISHED:
+            return None
+        req.num_computed += 1
+        req.output_ids.append(token)
+        self._cache_full_pages(req)
+        return self._finish_reason(req, token)
+
+    @staticmethod
+    def _finish_reason(req: SchedRequest, token: int) -> str | None:
         if token in req.stop_token_ids:
             return "stop"
         if len(req.output_ids) >= req.max_tokens:
@@ -263,6 +301,24 @@ class Scheduler:
     @property
     def num_inflight(self) -> int:
         return sum(r.num_inflight for r in self.running)
+
+    def speculation_wants_tokens(self) -> bool:
+        """Whether the next step may speculate but needs tokens still in flight: the caller
+        should read them back before :meth:`schedule` (drafts come from host-known tokens)."""
+        spec = self.speculative
+        if spec is None or len(self.running) > spec.max_batch:
+            return False
+        return any(r.num_inflight and r.speculate and may_speculate(r.sampling, r.num_generated)
+                   for r in self.running)
+
+    def _drafts(self, req: SchedRequest, budget: int) -> tuple[int, ...]:
+        """A decode row's n-gram drafts (() when it cannot speculate now), at most the
+        tokens it may still generate minus one and what the budget leaves the other rows."""
+        spec = self.speculative
+        k = min(spec.num_tokens, req.max_tokens - req.num_generated - 1, budget - len(self.running))
+        if k <= 0 or req.num_inflight:
+            return ()
+        return propose_ngram(req.token_ids(), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     # -- planning ----------------------------------------------------------------
 
@@ -275,21 +331,35 @@ class Scheduler:
         """
         plan = StepPlan()
         budget = self.token_budget
-        # 1. Decode rows: running requests one (sampled) token behind.
+        spec = self.speculative is not None and len(self.running) <= self.speculative.max_batch
+        # 1. Decode rows: running requests one (sampled) token behind (verify rows: with drafts).
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted while planning this step
             behind = req.num_tokens - req.num_computed
             if behind != 1 or not req.token_on_device or req.num_generated >= req.max_tokens:
                 continue
+            verify = (spec and req.speculate and not req.num_inflight
+                      and may_speculate(req.sampling, req.num_generated))
+            drafts = self._drafts(req, budget) if verify else ()
+            if drafts and not self.kv.allocate_pages(req.request_id, req.num_tokens + len(drafts),
+                                                     watermark=self.watermark_pages):
+                drafts = ()  # no free pages for them: a draft never preempts
             if not self._reserve_pages(req, req.num_tokens, plan):
                 if plan.needs_sync:
                     return self._abort(plan)
                 continue
-            plan.decode.append(DecodeRow(req.request_id, req.slot, req.num_computed,
-                                         self.kv.page_ids(req.request_id), req.sampling,
-                                         num_generated=req.num_generated))
-            budget -= 1
+            row = DecodeRow(req.request_id, req.slot, req.num_computed, self.kv.page_ids(req.request_id),
+                            req.sampling, num_generated=req.num_generated)
+            if verify:
+                row = dataclasses.replace(row, last_token=req.token_ids()[-1], draft_ids=drafts)
+                plan.verify.append(row)
+            else:
+                plan.decode.append(row)
+            budget -= 1 + len(drafts)
+        if not any(r.draft_ids for r in plan.verify):  # nothing to verify: plain decode rows
+            plan.decode += plan.verify
+            plan.verify = []
         # 2. Prompt / recompute chunks of running requests, then admissions.
         prefill_budget = min(budget, self.max_prefill_tokens)
         for req in list(self.running):
@@ -350,10 +420,11 @@ class Scheduler:
     def _commit(self, plan: StepPlan) -> StepPlan:
         """Applies a finished plan: computed counts, in-flight tokens, newly cacheable pages."""
         by_id = {r.request_id: r for r in self.running}  # every planned row's request runs
-        for row in plan.decode:
+        for row in plan.decode + plan.verify:  # a verify row's accepted drafts count at read-back
             req = by_id[row.request_id]
             req.num_computed += 1
             req.num_inflight += 1
+            req.num_draft_tokens += len(row.draft_ids)
         for row in plan.prefill:
             req = by_id[row.request_id]
             req.num_computed += len(row.token_ids)
@@ -433,6 +504,7 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
         plan.decode = [r for r in plan.decode if r.request_id != req.request_id]
+        plan.verify = [r for r in plan.verify if r.request_id != req.request_id]
         plan.prefill = [r for r in plan.prefill if r.request_id != req.request_id]
         plan.preempted.append(req.request_id)
 

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from serving.config_files import read_config
+from serving.speculative import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,11 @@ class ServerConfig:
     num_processes: int | None = None
     process_id: int | None = None
     quantization: str = "none"
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    speculative_max_batch: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -82,6 +88,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "prefix_cache_groups", _groups(self.prefix_cache_groups))
+        SpeculativeConfig.from_settings(self.speculative, self.num_speculative_tokens,  # raises if invalid
+                                        self.prompt_lookup_min, self.prompt_lookup_max,
+                                        self.speculative_max_batch)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ServerConfig":
         """Returns a copy with the non-None overrides applied. Raises ValueError on unknown keys."""

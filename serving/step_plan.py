@@ -11,6 +11,9 @@ facts from it: which slot, which positions, which token ids, which pages::
                                                                                rest after a prefix hit)
     decode row:   one token at ``position``: the token the previous step sampled
                   into ``slot`` on device (the host need not have read it back)
+    verify row:   a decode row with ``draft_ids`` (speculative decoding): the last token
+                  at ``position`` and the drafts after it, verified in one step
+                  (``serving.speculative``, ``serving.verify_step``)
 
 Positions are absolute (0 = the first prompt token). ``page_ids`` lists the
 sequence's pages in order and covers at least every position the row writes.
@@ -130,6 +133,10 @@ class DecodeRow:
       sampling: the request's sampling settings.
       num_generated: tokens the request generated before the one this row samples,
         counting those in flight (see ``PrefillRow``).
+      last_token: the input token as the host knows it (-1: only on device). Set on
+        verify rows, which feed it from the host.
+      draft_ids: a verify row's draft tokens, fed at positions position + 1, ...
+        (``page_ids`` cover them too); () on a plain decode row.
     """
 
     request_id: str
@@ -138,6 +145,8 @@ class DecodeRow:
     page_ids: tuple[int, ...]
     sampling: SamplingSettings = GREEDY
     num_generated: int = 0
+    last_token: int = -1
+    draft_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -148,6 +157,8 @@ class StepPlan:
       decode: one row per running sequence that feeds its last sampled token
         (one budget token each).
       prefill: prompt / recompute chunks (their token counts fill the rest of the budget).
+      verify: speculating rows (decode rows with ``draft_ids``, some possibly empty), run
+        as one verify step; 1 + len(draft_ids) budget tokens each.
       preempted: ids of requests preempted while planning (already back in the waiting queue).
       needs_sync: preemption was needed while tokens are in flight; read them
         back and plan again (nothing was planned).
@@ -155,13 +166,15 @@ class StepPlan:
 
     decode: list[DecodeRow] = dataclasses.field(default_factory=list)
     prefill: list[PrefillRow] = dataclasses.field(default_factory=list)
+    verify: list[DecodeRow] = dataclasses.field(default_factory=list)
     preempted: list[str] = dataclasses.field(default_factory=list)
     needs_sync: bool = False
 
     @property
     def num_tokens(self) -> int:
-        """Tokens computed by the step: decode rows plus prefill tokens."""
-        return len(self.decode) + sum(len(r.token_ids) for r in self.prefill)
+        """Tokens computed by the step: decode rows, prefill tokens, verify rows' tokens."""
+        return (len(self.decode) + sum(len(r.token_ids) for r in self.prefill)
+                + sum(1 + len(r.draft_ids) for r in self.verify))
 
     def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
+        return bool(self.decode or self.prefill or self.verify)

@@ -325,6 +325,7 @@ def _trace_body(row: dict) -> dict:
         "cost_usd": row["cost_usd"],
         "prefix_cache": trace.get("prefix_cache"),
         "num_preemptions": trace.get("num_preemptions", 0),
+        "speculative": trace.get("speculative", {"draft_tokens": 0, "accepted_tokens": 0}),
         "retries": row.get("retries", 0),
         "rate_limit": trace.get("rate_limit", []),
         "reserved_tokens": trace.get("reserved_tokens"),

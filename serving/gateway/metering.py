@@ -63,6 +63,8 @@ class RequestMeter:
     last_token_time: float | None = None
     cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     itls: list[float] = dataclasses.field(default_factory=list)
     events: list[dict] = dataclasses.field(default_factory=list)
     finished: bool = False
@@ -79,6 +81,8 @@ class RequestMeter:
             self.scheduled_time = ev.scheduled_time
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         self.num_preemptions = max(self.num_preemptions, ev.num_preemptions)
+        self.num_draft_tokens = max(self.num_draft_tokens, ev.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, ev.num_accepted_tokens)
         if ev.token_ids or ev.prompt_logprobs is not None:
             self.prefilled = True
         if ev.token_ids:
@@ -188,6 +192,7 @@ class Metering:
             "requested_prompt_tokens": m.prompt_tokens,
             "prefix_cache": prefix_cache,
             "num_preemptions": m.num_preemptions,
+            "speculative": {"draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens},
             "scheduled_at": m.scheduled_time,
             "errors": [error] if error else [],
             "events": m.events,
@@ -208,7 +213,9 @@ class Metering:
                 "xlaserve.model": m.model, "xlaserve.tenant": m.principal.tenant,
                 "xlaserve.status": status, "xlaserve.finish_reason": finish_reason,
                 "gen_ai.usage.input_tokens": prompt_tokens,
-                "gen_ai.usage.output_tokens": completion_tokens})
+                "gen_ai.usage.output_tokens": completion_tokens,
+                "xlaserve.spec_decode.draft_tokens": m.num_draft_tokens or None,
+                "xlaserve.spec_decode.accepted_tokens": m.num_accepted_tokens if m.num_draft_tokens else None})
         except Exception:
             log.exception("emitting spans failed")
         if self.ledger is None:

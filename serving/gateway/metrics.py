@@ -8,9 +8,12 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:prompt_tokens_total, xlaserve:generation_tokens_total,
               xlaserve:cached_prompt_tokens_total, xlaserve:request_cost_usd_total,
               xlaserve:rate_limit_rejections_total{scope,limit},
-              xlaserve:prefix_cache_queries_total, xlaserve:prefix_cache_hits_total (tokens)
+              xlaserve:prefix_cache_queries_total, xlaserve:prefix_cache_hits_total (tokens),
+              xlaserve:spec_decode_num_drafts_total, xlaserve:spec_decode_num_draft_tokens_total,
+              xlaserve:spec_decode_num_accepted_tokens_total (speculative decoding, as vLLM's)
   gauges      xlaserve:num_requests_running, xlaserve:num_requests_waiting,
-              xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1)
+              xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
+              xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step
 
 Every series has a ``model_name`` label. Gateway counters are updated when a
 request's ledger row is completed, from the same numbers, so they agree with
@@ -60,6 +63,19 @@ class EngineStatsCollector(Collector):
                                       "Prompt tokens looked up in the prefix cache.", labels=["model_name"])
         hits = CounterMetricFamily("xlaserve:prefix_cache_hits",
                                    "Prompt tokens served from the prefix cache.", labels=["model_name"])
+        drafts = CounterMetricFamily("xlaserve:spec_decode_num_drafts",
+                                     "Speculative decoding: verified rows that had draft tokens.",
+                                     labels=["model_name"])
+        draft_tokens = CounterMetricFamily("xlaserve:spec_decode_num_draft_tokens",
+                                           "Speculative decoding: draft tokens verified.", labels=["model_name"])
+        accepted = CounterMetricFamily("xlaserve:spec_decode_num_accepted_tokens",
+                                       "Speculative decoding: draft tokens accepted.", labels=["model_name"])
+        acceptance = GaugeMetricFamily("xlaserve:spec_decode_acceptance_rate",
+                                       "Accepted / verified draft tokens, over the engine's life.",
+                                       labels=["model_name"])
+        per_step = GaugeMetricFamily("xlaserve:spec_decode_tokens_per_step",
+                                     "Tokens a speculating request gets per step (1 + accepted / "
+                                     "verified rows), over the engine's life.", labels=["model_name"])
         for name, stats_fn in self.engines().items():
             if stats_fn is None:
                 continue
@@ -71,7 +87,15 @@ class EngineStatsCollector(Collector):
                                 if s.prefix_cache_queries else 0.0)
             queries.add_metric([name], s.prefix_cache_queries)
             hits.add_metric([name], s.prefix_cache_hits)
-        return [running, waiting, kv, hit_rate, queries, hits]
+            rows, proposed, ok = (getattr(s, "spec_verify_rows", 0), getattr(s, "spec_draft_tokens", 0),
+                                  getattr(s, "spec_accepted_tokens", 0))
+            drafts.add_metric([name], rows)
+            draft_tokens.add_metric([name], proposed)
+            accepted.add_metric([name], ok)
+            acceptance.add_metric([name], ok / proposed if proposed else 0.0)
+            per_step.add_metric([name], 1 + ok / rows if rows else 0.0)
+        return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
+                per_step]
 
 
 class GatewayMetrics:

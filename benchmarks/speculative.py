@@ -1,0 +1,192 @@
+"""Speculative decoding (n-gram drafts) against plain decoding, on ordinary prose prompts.
+
+    python -m benchmarks.speculative                               # Gemma 3 270M, bfloat16
+    python -m benchmarks.speculative --ks 2 4 8 --streams 1 8 32 --new-tokens 128
+
+N streams of prose prompts cut to ``--prompt-len`` tokens generate
+``--new-tokens`` tokens each, greedy, through the engine loop: once without
+speculation and once per K in ``--ks`` (one engine each, built with
+``--num-speculative-tokens K`` and ``speculative_max_batch`` = the largest stream
+count, so every step may speculate), alternating for ``--rounds`` rounds; the
+baseline runs on the first K's engine with its scheduler's speculation off
+(same programs otherwise). Printed per (streams, K): decode tokens/s (tokens
+after each stream's first over the time after the first token) and its ratio
+to the baseline, the acceptance rate (accepted / proposed drafts), tokens per
+verify row (1 + accepted / rows with drafts), the fraction of generated tokens
+that came out of verify steps, and whether every stream's ids equal the
+baseline's (they must: bfloat16 on XLA:CPU is batch invariant).
+
+Read ratios measured in one run; absolute numbers move with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/speculative.py` from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROSE = [
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz",
+    "Every morning the old fisherman walked down to the harbour before sunrise, carrying a basket",
+    "Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide",
+    "When the railway finally reached the small mountain town, the people who lived there discovered",
+    "The city council met on Tuesday evening to discuss the new budget, which includes money for",
+    "In the summer of 1969, millions of people gathered around their television sets to watch",
+    "A good cup of coffee depends on three things: fresh beans, clean water and the right",
+    "The museum's new exhibition brings together more than two hundred paintings from private collections",
+    "Our team spent the first week of the project interviewing customers about how they use",
+    "The river flows slowly through the valley, past farms and villages that have stood there for",
+    "Learning a second language as an adult is difficult, but researchers have found that regular",
+    "The storm arrived late in the afternoon, and within an hour the streets of the town were",
+    "Bread has been baked for thousands of years, and the basic recipe has hardly changed:",
+    "The company announced on Monday that it would open a new factory in the north of the country",
+    "My grandmother kept a garden behind her house where she grew tomatoes, beans, and a few",
+    "Scientists studying the ocean floor have discovered a new species of fish that lives at depths",
+    "The library is open from nine in the morning until eight in the evening on weekdays, and",
+    "After years of planning, the expedition set out across the desert with twelve camels and enough",
+    "The main reason most people give for moving to the city is the chance to find better",
+    "Volcanoes form where molten rock from deep inside the earth rises to the surface through cracks",
+    "The teacher asked the students to write a short essay about the most important event in",
+    "Cycling to work has become more popular in recent years, as more cities build safe lanes",
+    "The first thing you notice when you enter the old cathedral is the light that falls through",
+    "Farmers in the region have struggled with dry summers, and many have started to plant crops",
+    "The novel tells the story of a young woman who leaves her village to work in a factory",
+    "Good software is written for people first and computers second, which is why clear names",
+    "The bridge was built in 1883 and was, for a time, the longest suspension bridge in",
+    "Honey bees communicate the location of flowers to each other through a dance that tells",
+    "On the last day of the festival, the whole town gathered in the square to watch the",
+    "Doctors recommend that adults get at least seven hours of sleep each night, because sleep helps",
+    "The ship left the port at dawn, carrying wool, wine and olive oil to markets across the",
+    "Maps have changed a great deal since the first explorers drew the coastlines they had seen",
+]
+
+
+def prose_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
+    """n prose prompts (BOS first), each cut to at most prompt_len tokens."""
+    out = []
+    for i in range(n):
+        text = PROSE[i % len(PROSE)]
+        out.append(tokenizer.encode(text, add_bos=True)[:prompt_len])
+    return out
+
+
+def run_streams(loop, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy requests, all at once; decode tokens/s, the ids, and the loop's speculation counts."""
+    from serving.engine_client import EngineRequest, SamplingParams
+
+    before = dataclasses.replace(loop.spec_counters)
+
+    async def one(i, prompt):
+        req = EngineRequest(f"spec-{time.monotonic_ns()}-{i}", prompt,
+                            SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        times, ids = [], []
+        async for ev in loop.submit(req):
+            times += [time.perf_counter()] * len(ev.token_ids)
+            ids += ev.token_ids
+        return times, ids
+
+    async def run():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(run())
+    first = min(times[0] for times, _ in results)
+    end = max(times[-1] for times, _ in results)
+    n = sum(len(times) for times, _ in results)
+    c = loop.spec_counters
+    rows, drafts, accepted = (c.verify_rows - before.verify_rows, c.draft_tokens - before.draft_tokens,
+                              c.accepted_tokens - before.accepted_tokens)
+    return dict(decode_tokens_per_s=(n - len(prompts)) / (end - first), tokens=n, verify_rows=rows,
+                draft_tokens=drafts, accepted_tokens=accepted, ids=[ids for _, ids in results])
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prompt-lookup-min", type=int, default=None)
+    ap.add_argument("--prompt-lookup-max", type=int, default=None)
+    ap.add_argument("--min-decode-batch", type=int, default=1,
+                    help="smallest decode bucket (1: the CPU policy's; 4: bfloat16 rows of 1 and 2 "
+                         "round like 3+ on AMX CPUs, so ids compare bitwise)")
+    args = ap.parse_args(argv)
+
+    from benchmarks.common import build_engine
+    from serving.engine_loop import EngineLoop
+    from serving.speculative import SpeculativeConfig
+
+    print(f"load average at the start: {_loadavg()}", flush=True)
+    max_streams = max(args.streams)
+    loops, tok = {}, None
+    for k in args.ks:
+        spec = SpeculativeConfig.from_settings("ngram", k, args.prompt_lookup_min, args.prompt_lookup_max,
+                                               max_streams)
+        engine, tok = build_engine(args.model, args.dtype, max_slots=max(max_streams, 1), num_pages=1024,
+                                   max_model_len=1024, speculative=spec,
+                                   min_decode_batch=args.min_decode_batch)
+        loops[k] = EngineLoop(engine)
+        loops[k].start(warmup=False)
+    base_loop = loops[args.ks[0]]
+    spec_cfg = base_loop.scheduler.speculative
+    print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
+          f"greedy; n-gram {spec_cfg.prompt_lookup_min}..{spec_cfg.prompt_lookup_max}; "
+          f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
+
+    def baseline(prompts, new_tokens):
+        base_loop.scheduler.speculative = None
+        try:
+            return run_streams(base_loop, prompts, new_tokens)
+        finally:
+            base_loop.scheduler.speculative = spec_cfg
+
+    for n in args.streams:
+        prompts = prose_prompts(tok, n, args.prompt_len)
+        # Compile this stream count's programs (decode and verify buckets) outside the timing.
+        baseline(prompts, 8)
+        for k in args.ks:
+            run_streams(loops[k], prompts, 24)
+        runs = {"off": []} | {k: [] for k in args.ks}
+        for _ in range(args.rounds):
+            runs["off"].append(baseline(prompts, args.new_tokens))
+            for k in args.ks:
+                runs[k].append(run_streams(loops[k], prompts, args.new_tokens))
+        base = statistics.median(r["decode_tokens_per_s"] for r in runs["off"])
+        print(f"  streams {n:3} speculation off: decode {base:7.1f} tokens/s", flush=True)
+        for k in args.ks:
+            rs = runs[k]
+            tps = statistics.median(r["decode_tokens_per_s"] for r in rs)
+            rows = sum(r["verify_rows"] for r in rs)
+            drafts = sum(r["draft_tokens"] for r in rs)
+            acc = sum(r["accepted_tokens"] for r in rs)
+            tokens = sum(r["tokens"] for r in rs)
+            same = all(r["ids"] == runs["off"][0]["ids"] for r in rs)
+            print(f"  streams {n:3} K={k}: decode {tps:7.1f} tokens/s ({tps / base:.2f}x), acceptance "
+                  f"{acc / max(drafts, 1):.2f}, tokens per verify row {1 + acc / max(rows, 1):.2f}, "
+                  f"{(rows + acc) / tokens:.0%} of tokens from verify rows; ids equal to off: "
+                  f"{'yes' if same else 'NO'}", flush=True)
+    print(f"load average at the end: {_loadavg()}", flush=True)
+    for lp in loops.values():
+        lp.stop()
+
+
+if __name__ == "__main__":
+    main()
