@@ -53,7 +53,7 @@ _SETTINGS = [
     ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
     ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),
-    ("speculative_max_batch", int, "speculate only while at most this many requests run (default 4)"),
+    ("speculative_max_batch", int, "speculate only while at most this many requests run (default 2)"),
 ]
 
 

@@ -50,10 +50,11 @@ METHODS = ("ngram",)
 
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
-DEFAULT_MAX_BATCH = 4
-"""Running requests above which no step speculates (benchmarks/RESULTS.md, issue 17:
-on XLA:CPU a verify step of B rows computes B * (K + 1) tokens, which costs about
-K + 1 decode steps once the step is compute-bound)."""
+DEFAULT_MAX_BATCH = 2
+"""Running requests above which no step speculates (benchmarks/RESULTS.md, issue 17: on the
+2-core XLA:CPU VM 1-2 streams decoded 1.4-1.6x faster with K = 2..4, 4 streams 0.98-1.36x, 8 and
+32 streams 0.2-0.8x: a verify step of B rows computes B * (K + 1) tokens, which costs about K + 1
+decode steps once the step is compute-bound)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_which_rows_may_speculate():
 def test_settings_are_checked_at_config_time():
     assert SpeculativeConfig.from_settings(None, 4, None, None, None) is None
     c = SpeculativeConfig.from_settings("ngram", 3, None, None, None)
-    assert (c.num_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.max_batch) == (3, 2, 4, 4)
+    assert (c.num_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.max_batch) == (3, 2, 4, 2)
     assert SpeculativeConfig.from_settings("ngram", 3, None, 1, 2).prompt_lookup_min == 1
     assert SpeculativeConfig.from_settings("ngram", 3, 6, None, None).prompt_lookup_max == 6
     for kwargs, match in ((dict(speculative="eagle", num_speculative_tokens=2), "method"),
