@@ -8,6 +8,10 @@ context, each with a roofline line against limits measured in the same run.
     python -m benchmarks.engine --baselines llama.cpp transformers --streams 1 8 32
     xlaserve bench engine ...                                    # the same
 
+Each decode row's roofline line is followed by where its time goes: its
+attention and its output head timed alone at the step's shapes, and the rest
+(``benchmarks.step_parts``; ``--no-parts`` skips it).
+
 Decode rows are timed on the engine's own step (``Engine.decode``), steps
 dispatched back to back as the batching loop dispatches them (the sampled
 tokens stay on device), and the time per step is the median over
@@ -49,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.roofline import fractions, measure_limits, roofline_line, step_cost
+from benchmarks.step_parts import decode_parts
 from model.config import ModelConfig
 
 SHAPES = {
@@ -108,27 +113,37 @@ def load_named_model(name: str, dtype: str, quantization: str = "none"):
 
 
 def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: int = 16,
-                prefill_chunk: int = 512):
-    """An Engine sized for ``max_slots`` sequences of ``max_context`` tokens, KV in ``dtype``."""
+                prefill_chunk: int = 512, whole_table_attention: bool = False):
+    """An Engine sized for ``max_slots`` sequences of ``max_context`` tokens, KV in ``dtype``
+    (``whole_table_attention``: sliding layers' decode reads the whole page table, the
+    formulation before the window gather, as a baseline)."""
+    from serving.backend_policy import BackendPolicy
     from serving.engine import Engine
     from serving.engine_config import EngineConfig
 
+    policy = BackendPolicy.detect()
+    if whole_table_attention:
+        policy = dataclasses.replace(policy, attention=dataclasses.replace(policy.attention, window_gather=False))
     per_seq = -(-max_context // page_size)
     max_len = page_size * 2 ** math.ceil(math.log2(max(per_seq, 1)))
     return Engine(model, EngineConfig(
         max_slots=max_slots, page_size=page_size, num_pages=max_slots * per_seq + 1,
         max_model_len=max(max_len, prefill_chunk), prefill_chunk=prefill_chunk,
-        min_decode_batch=1, kv_dtype=dtype))
+        min_decode_batch=1, kv_dtype=dtype), policy=policy)
+
+
+def decode_rows(engine, slots: int, context: int) -> list:
+    """``slots`` decode rows at ``context`` tokens, each on its own pages."""
+    from serving.step_plan import DecodeRow
+
+    per_seq = -(-context // engine.cfg.page_size)
+    return [DecodeRow(f"bench-{s}", s, context - 1, tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)))
+            for s in range(slots)]
 
 
 def time_decode(engine, slots: int, context: int, steps: int, repeats: int) -> float:
     """Seconds per decode step for ``slots`` rows at ``context`` tokens (median of repeats)."""
-    from serving.step_plan import DecodeRow
-
-    ps = engine.cfg.page_size
-    per_seq = -(-context // ps)
-    rows = [DecodeRow(f"bench-{s}", s, context - 1, tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)))
-            for s in range(slots)]
+    rows = decode_rows(engine, slots, context)
     jax.block_until_ready(engine.decode(rows))  # compile (or cache hit) and warm up
     jax.block_until_ready(engine.decode(rows))
     times = []
@@ -161,7 +176,8 @@ def time_prefill(engine, tokens: int, repeats: int) -> float:
 def run_engine_rows(models: dict, args, limits, report: dict) -> None:
     """The prefill and decode tables, every dtype per cell in turn."""
     engines = {label: make_engine(m, variant_parts(label)[0], max(args.slots),
-                                  max(max(args.context), max(args.prefill)), prefill_chunk=max(args.prefill))
+                                  max(max(args.context), max(args.prefill)), prefill_chunk=max(args.prefill),
+                                  whole_table_attention=args.whole_table_attention)
                for label, m in models.items()}
     cfg = next(iter(models.values())).cfg
     print(f"\nprefill (one prompt per step, logits for its last token)")
@@ -183,8 +199,13 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
                 cost = step_cost(cfg, w_dt, kv_dt, queries=[(C - 1, 1)] * B, logits_rows=B)
                 print(f"  slots {B:3} context {C:5} {dt:13}: {t * 1e3:8.1f} ms/step, "
                       f"{B / t:8.1f} tokens/s | {roofline_line(cost, t, limits, kv_dt)}", flush=True)
-                report["decode"].append(dict(slots=B, context=C, dtype=dt, seconds=t, tokens_per_s=B / t,
-                                             **fractions(cost, t, limits, kv_dt)))
+                row = dict(slots=B, context=C, dtype=dt, seconds=t, tokens_per_s=B / t,
+                           **fractions(cost, t, limits, kv_dt))
+                if args.parts:
+                    parts = decode_parts(eng, models[dt], decode_rows(eng, B, C), t, args.repeats)
+                    print(f"      {parts.line()}", flush=True)
+                    row["parts"] = parts.as_dict()
+                report["decode"].append(row)
     for eng in engines.values():
         del eng.state
 
@@ -273,6 +294,11 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=4, help="decode steps per timed run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the prefill/decode tables")
+    ap.add_argument("--whole-table-attention", action="store_true",
+                    help="decode attention of sliding layers reads the whole page table (the baseline "
+                         "before the window gather)")
+    ap.add_argument("--no-parts", dest="parts", action="store_false",
+                    help="skip timing each decode row's attention and output head alone (benchmarks.step_parts)")
     ap.add_argument("--baselines", nargs="*", default=[], choices=["llama.cpp", "transformers"])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="end-to-end stream counts")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -63,6 +63,9 @@ class AttentionConfig:
         kernels' online softmax runs over blocks that differ between prefill and decode).
       dot_rows: with ``batch_invariant``, the row padding of the decode dots
         (``paged_attention_xla.paged_decode_attention_xla``'s ``group_rows``).
+      window_gather: the "xla" decode of a sliding-window layer gathers only the
+        pages around its window (``paged_decode_attention_xla``'s ``window_bound``);
+        False: the whole page table, as before (a benchmark's baseline).
     """
 
     kernel: str = "xla"
@@ -70,6 +73,7 @@ class AttentionConfig:
     block_sizes_row: str = "gpu"
     batch_invariant: bool = False
     dot_rows: DotRows = DotRows()
+    window_gather: bool = True
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -153,7 +157,7 @@ def paged_attention(
     elif config.kernel == "mosaic" and md.mode == "prefill":
         opts["block_q"] = prefill_block_sizes(config.block_sizes_row, head_dim, page_size).block_q
     if md.mode == "decode":
-        if config.kernel == "xla":
+        if config.kernel == "xla" and config.window_gather:
             opts["window_bound"] = window_bound
         fn = {"xla": paged_decode_attention_xla, "mosaic": paged_decode_attention_tpu,
               "triton": paged_decode_attention_pallas}[config.kernel]

@@ -11,7 +11,9 @@ signatures)::
     and it is never read unmasked.
 
 Both functions gather the pages named by ``page_table`` (its width is the
-caller's length bucket, so work follows the longest sequence in the step),
+caller's length bucket, so work follows the longest sequence in the step;
+in decode a sliding-window layer gathers only two aligned blocks of pages
+around its window when that is narrower, see ``paged_decode_attention_xla``),
 mask by length, causality and sliding window, and run a dense softmax in
 float32. Masked probabilities are exactly zero and masked values are replaced
 by zero before the weighted sum, so garbage (even NaN) in pages a sequence

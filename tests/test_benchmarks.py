@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.engine import SHAPES
 from benchmarks.roofline import MachineLimits, StepCost, matmul_params, roofline_line, step_cost
+from benchmarks.step_parts import StepParts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,15 @@ def test_roofline_line_reports_fractions_of_the_limits():
     assert "compute 10.0 ms (10% of 100 GFLOP/s)" in line and "memory-bound" in line
 
 
+def test_step_parts_line_splits_the_step_time():
+    parts = StepParts(step=0.1, attention=0.03, head=0.05)
+    assert parts.rest == pytest.approx(0.02)
+    line = parts.line()
+    assert "attention 30.0 ms (30%)" in line and "output head 50.0 ms (50%)" in line
+    assert "rest 20.0 ms (20%)" in line
+    assert parts.as_dict() == dict(step_s=0.1, attention_s=0.03, head_s=0.05, rest_s=parts.rest)
+
+
 def test_engine_benchmark_runs_on_the_tiny_shape(tmp_path):
     from benchmarks import engine
 
@@ -53,6 +63,10 @@ def test_engine_benchmark_runs_on_the_tiny_shape(tmp_path):
     assert [r["bucket"] for r in report["prefill"]] == [16, 16]
     for row in report["decode"] + report["prefill"]:
         assert row["tokens_per_s"] > 0 and row["bandwidth_fraction"] > 0 and row["compute_fraction"] > 0
+    for row in report["decode"]:  # where the step's time goes (benchmarks.step_parts)
+        parts = row["parts"]
+        assert parts["step_s"] == row["seconds"] and parts["attention_s"] > 0 and parts["head_s"] > 0
+        assert parts["rest_s"] == pytest.approx(parts["step_s"] - parts["attention_s"] - parts["head_s"])
     assert report["limits"]["bandwidth_gbs"] > 0 and set(report["limits"]["matmul_gflops"]) == {
         "float32", "bfloat16"}
 
