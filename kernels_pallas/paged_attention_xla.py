@@ -136,10 +136,10 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
 
 
-PREFILL_BLOCK_GATHER_ROWS = 8
+PREFILL_BLOCK_GATHER_ROWS = 32
 """What gathering one query block's pages costs, in scored query rows (rows x heads x keys):
 the block-size rule of :func:`prefill_query_blocks` (measured on XLA:CPU,
-``python -m benchmarks.prefill_packing --engine-only``, benchmarks/RESULTS.md)."""
+``python -m benchmarks.prefill_packing attention``, benchmarks/RESULTS.md)."""
 
 
 def prefill_query_blocks(num_tokens: int, max_seqs: int, block_q: int | None = None) -> tuple[int, int]:
