@@ -102,12 +102,14 @@ def per_row_prefill_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tabl
 @contextlib.contextmanager
 def prefill_formulation(name: str, block_q: int | None = None):
     """Within the block, the attention dispatch uses the named XLA prefill ("per-row" or
-    "blocked", optionally with a fixed block_q). Programs traced inside keep it."""
+    "blocked", optionally with a fixed block_q; "none" passes q through, to time the rest
+    of the step). Programs traced inside keep it."""
     import kernels_pallas.attention as dispatch
     from kernels_pallas.paged_attention_xla import paged_prefill_attention_xla
 
     fn = {"per-row": per_row_prefill_attention,
-          "blocked": functools.partial(paged_prefill_attention_xla, block_q=block_q)}[name]
+          "blocked": functools.partial(paged_prefill_attention_xla, block_q=block_q),
+          "none": lambda q, *args, **kwargs: q}[name]  # the step's other work alone
     saved = dispatch.paged_prefill_attention_xla
     dispatch.paged_prefill_attention_xla = fn
     try:
@@ -134,12 +136,12 @@ def bench_attention(args) -> None:
     from kernels_pallas.kv_storage import to_storage
     from kernels_pallas.paged_attention_xla import paged_prefill_attention_xla, prefill_query_blocks
 
-    heads, kv_heads, d, ps, width = 4, 1, 256, 16, 32  # a 512-token page table
+    heads, kv_heads, d, ps = 4, 1, 256, 16
     rng = np.random.default_rng(0)
     print(f"load average at the start: {_loadavg()}")
-    print("| T | S | rows x tokens | formulation | block_q | blocks | ms | vs per-row |")
-    print("|---|---|---|---|---|---|---|---|")
-    for T, S, rows, n in args.cases:
+    print("| T | S | rows x tokens | keys (page table) | formulation | block_q | blocks | ms | vs per-row |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T, S, rows, n, width in args.cases:
         num_pages = 1 + S * width
         kp = to_storage(jnp.asarray(rng.standard_normal((kv_heads, num_pages, ps, d)), jnp.bfloat16), jnp.uint16)
         vp = to_storage(jnp.asarray(rng.standard_normal((kv_heads, num_pages, ps, d)), jnp.bfloat16), jnp.uint16)
@@ -154,14 +156,15 @@ def bench_attention(args) -> None:
         opts = dict(scale=d ** -0.5, sliding_window=512, ordered_sums=True)
         per_row = jax.jit(functools.partial(per_row_prefill_attention, **opts))
         base = _median_time(lambda: per_row(*operands), args.repeats)
-        print(f"| {T} | {S} | {rows} x {n} | per-row | - | {S} | {base * 1e3:.1f} | 1.00 |", flush=True)
+        print(f"| {T} | {S} | {rows} x {n} | {width * ps} | per-row | - | {S} | {base * 1e3:.1f} | 1.00 |",
+              flush=True)
         block_qs = [None] + [bq for bq in args.block_q if bq <= T]
         for bq in block_qs:
             resolved, blocks = prefill_query_blocks(T, S, bq)
             blocked = jax.jit(functools.partial(paged_prefill_attention_xla, block_q=bq, **opts))
             t = _median_time(lambda: blocked(*operands), args.repeats)
             label = f"{resolved} (rule)" if bq is None else str(bq)
-            print(f"| {T} | {S} | {rows} x {n} | blocked | {label} | {blocks} | {t * 1e3:.1f} | "
+            print(f"| {T} | {S} | {rows} x {n} | {width * ps} | blocked | {label} | {blocks} | {t * 1e3:.1f} | "
                   f"{base / t:.2f} |", flush=True)
     print(f"load average at the end: {_loadavg()}")
 
@@ -287,9 +290,9 @@ def bench_http(args) -> None:
                   f"| {base / ttft['p50']:.2f} |")
 
 
-def _cases(text: str) -> tuple[int, int, int, int]:
-    T, S, rows, n = (int(x) for x in text.split(","))
-    return T, S, rows, n
+def _cases(text: str) -> tuple[int, int, int, int, int]:
+    T, S, rows, n, width = (int(x) for x in text.split(","))
+    return T, S, rows, n, width
 
 
 def main(argv=None) -> None:
@@ -297,14 +300,15 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="mode", required=True)
     a = sub.add_parser("attention", help="attention alone, per-row vs blocked per block_q")
     a.add_argument("--cases", type=_cases, nargs="+",
-                   default=[_cases(c) for c in ("512,32,25,20", "512,16,16,32", "512,8,8,64", "512,8,1,512",
-                                                "32,8,1,20", "128,32,6,20")],
-                   help="T,S,rows,tokens per row")
+                   default=[_cases(c) for c in ("512,1,1,512,32", "512,32,25,20,32", "512,32,25,20,4",
+                                                "512,16,16,32,4", "512,8,8,64,4", "512,8,1,512,32",
+                                                "32,8,1,20,4", "128,32,6,20,4")],
+                   help="T,S,rows,tokens per row,page-table width in pages (16 tokens each)")
     a.add_argument("--block-q", type=int, nargs="*", default=[4, 8, 16, 32, 64])
     a.add_argument("--repeats", type=int, default=5)
     e = sub.add_parser("engine", help="the engine's prefill step")
     e.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 16, 32])
-    e.add_argument("--formulations", nargs="+", default=["per-row", "blocked"], choices=["per-row", "blocked"])
+    e.add_argument("--formulations", nargs="+", default=["per-row", "blocked"], choices=["per-row", "blocked", "none"])
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--repeats", type=int, default=3)
     h = sub.add_parser("http", help="TTFT through HTTP: --max-prefill-seqs 1 against the default")

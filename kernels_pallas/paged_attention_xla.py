@@ -241,7 +241,9 @@ def paged_prefill_attention_xla(
     blk_kv_len = jnp.where(b < blk_cu[max_seqs], kv_lens[blk_row], 0)  # [NB]
     k = _gather_pages(k_pages, page_table[blk_row], layer)  # [NB, kv, L, d]
     v = _gather_pages(v_pages, page_table[blk_row], layer)
-    qb = q[tok].reshape(num_blocks, bq, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)  # [NB, kv, bq, G, d]
+    single = num_blocks == 1 and bq == num_tokens  # one row: the block is the step, in order
+    qb = (q if single else q[tok]).reshape(num_blocks, bq, kv_heads, group, head_dim)
+    qb = qb.transpose(0, 2, 1, 3, 4)  # [NB, kv, bq, G, d]: the KV head leads with the block
     scores = jnp.einsum("bkqgd,bkld->bkqgl", qb, k, preferred_element_type=jnp.float32) * scale
     k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     key_ok = k_pos[None, :] < blk_kv_len[:, None]  # [NB, L]
@@ -249,15 +251,16 @@ def paged_prefill_attention_xla(
             & key_ok[:, None, :] & real[:, :, None])  # [NB, bq, L]
     probs = _softmax_weighted_sum(scores, mask[:, None, :, None, :], v, soft_cap, ordered_sums)
     v = jnp.where(key_ok[:, None, :, None], v, 0)
-    out = jnp.einsum("bkqgl,bkld->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out.reshape(num_blocks * bq, num_heads, head_dim)
+    out = jnp.einsum("bkqgl,bkld->bkqgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * bq, num_heads, head_dim)
     # Back to the ragged token order: token t is row s's token t - cu[s].
     seq = token_sequence_ids(cu_q_lens, num_tokens)
     valid_tok = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)
     seq = jnp.minimum(seq, max_seqs - 1)
     off = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq]
-    slot = jnp.where(valid_tok, (blk_cu[seq] + off // bq) * bq + off % bq, 0)
-    out = jnp.where(valid_tok[:, None, None], out[slot], 0)
+    if not single:
+        out = out[jnp.where(valid_tok, (blk_cu[seq] + off // bq) * bq + off % bq, 0)]
+    out = jnp.where(valid_tok[:, None, None], out, 0)
     return out.astype(q.dtype)
 
 
