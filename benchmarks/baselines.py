@@ -56,6 +56,45 @@ def make_runner(name: str, gguf: Path, max_seqs: int, max_len: int, threads: int
     raise ValueError(f"unknown baseline {name!r}")
 
 
+def deny_amx_permission() -> None:
+    """Makes this process's request for AMX tile state fail (Linux x86-64), for good.
+
+    llama.cpp built for a CPU with AMX asks the kernel for the tile state
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) and, when granted, runs its AMX
+    matmuls; on a machine that advertises AMX but cannot run it (some VMs) the
+    first ``llama_decode`` dies of SIGILL. With this seccomp filter installed
+    first, that request gets EPERM, and llama.cpp keeps every other kernel
+    (its repacked AVX-512 ones included). Call it only in a child process:
+    the filter cannot be removed.
+
+    Raises:
+      OSError: the kernel refused the filter (no seccomp, or not x86-64).
+    """
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    arch_prctl, req_xcomp_perm, audit_arch_x86_64 = 158, 0x1023, 0xC000003E
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    program = [
+        (ld, 0, 0, 4), (jeq, 0, 5, audit_arch_x86_64),  # seccomp_data.arch; other arch: allow
+        (ld, 0, 0, 0), (jeq, 0, 3, arch_prctl),  # .nr
+        (ld, 0, 0, 16), (jeq, 0, 1, req_xcomp_perm),  # .args[0], low 32 bits
+        (ret, 0, 0, 0x00050000 | 1),  # SECCOMP_RET_ERRNO | EPERM
+        (ret, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    ]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program), ctypes.addressof(code))
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    if (libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0
+            or libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(fprog), 0, 0) != 0):
+        err = ctypes.get_errno()
+        raise OSError(err, f"seccomp filter refused: {os.strerror(err)}")
+
+
 class LlamaCppBatched:
     """llama.cpp's batched decode of N sequences through llama-cpp-python's low-level API."""
 

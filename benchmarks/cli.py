@@ -3,6 +3,7 @@
     xlaserve bench engine [args of python -m benchmarks.engine]
     xlaserve bench load   [args of python -m benchmarks.load]
     xlaserve bench kernels [args of python -m benchmarks.kernels]
+    xlaserve bench vs-llamacpp [args of python -m benchmarks.vs_llamacpp]
 
 Each subcommand hands its remaining arguments, unchanged, to the module's
 ``main(argv)``; ``xlaserve bench engine --help`` shows them.
@@ -17,6 +18,8 @@ _COMMANDS = {
     "engine": ("benchmarks.engine", "offline prefill/decode tokens/s with a roofline; optional baselines"),
     "load": ("benchmarks.load", "load generator for any OpenAI-compatible endpoint"),
     "kernels": ("benchmarks.kernels", "paged-attention kernels against the XLA reference"),
+    "vs-llamacpp": ("benchmarks.vs_llamacpp", "xlaserve serve variants through HTTP against llama.cpp's "
+                    "batched decode"),
 }
 
 

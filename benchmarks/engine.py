@@ -4,6 +4,7 @@ context, each with a roofline line against limits measured in the same run.
     python -m benchmarks.engine                                  # Gemma 3 270M, server dtype
     python -m benchmarks.engine --dtype float32 bfloat16         # both, interleaved
     python -m benchmarks.engine --shape gemma3-270m --dtype bfloat16   # random weights, no GGUF
+    python -m benchmarks.engine --quantization none int8         # bf16 against int8 weights, interleaved
     python -m benchmarks.engine --baselines llama.cpp transformers --streams 1 8 32
     xlaserve bench engine ...                                    # the same
 
@@ -69,7 +70,8 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, dtype: str, layers: int | None = None, seed: int = 0):
+def random_model(shape: str, dtype: str, layers: int | None = None, seed: int = 0,
+                 quantization: str = "none"):
     """A Gemma3 with random weights in a named shape (SHAPES). Needs no GGUF or tokenizer."""
     from flax import nnx
 
@@ -78,16 +80,31 @@ def random_model(shape: str, dtype: str, layers: int | None = None, seed: int = 
     cfg = SHAPES[shape]
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
-    return Gemma3(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+    model = Gemma3(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+    if quantization == "none":
+        return model
+    params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return Gemma3(cfg, dtype=jnp.dtype(dtype), params=params, quantization=quantization)
 
 
-def load_named_model(name: str, dtype: str):
+def variant(dtype: str, quantization: str) -> str:
+    """The label of a (dtype, quantization) pair: "bfloat16", "bfloat16+int8"."""
+    return dtype if quantization == "none" else f"{dtype}+{quantization}"
+
+
+def variant_parts(label: str) -> tuple[str, str]:
+    """(dtype, the dtype whose item size the weights take) of a :func:`variant` label."""
+    dtype, _, quantization = label.partition("+")
+    return dtype, quantization or dtype
+
+
+def load_named_model(name: str, dtype: str, quantization: str = "none"):
     """(model, tokenizer) from configs/models.yaml or a GGUF path (needs the gguf extra)."""
     from serving.model_registry import load_model
     from serving.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
-    return load_model(name, dtype=dtype, progress=False)
+    return load_model(name, dtype=dtype, progress=False, quantization=quantization)
 
 
 def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: int = 16,
@@ -143,29 +160,31 @@ def time_prefill(engine, tokens: int, repeats: int) -> float:
 
 def run_engine_rows(models: dict, args, limits, report: dict) -> None:
     """The prefill and decode tables, every dtype per cell in turn."""
-    engines = {dt: make_engine(m, dt, max(args.slots), max(max(args.context), max(args.prefill)),
-                               prefill_chunk=max(args.prefill))
-               for dt, m in models.items()}
+    engines = {label: make_engine(m, variant_parts(label)[0], max(args.slots),
+                                  max(max(args.context), max(args.prefill)), prefill_chunk=max(args.prefill))
+               for label, m in models.items()}
     cfg = next(iter(models.values())).cfg
     print(f"\nprefill (one prompt per step, logits for its last token)")
     for T in args.prefill:
         for dt, eng in engines.items():
             t = time_prefill(eng, T, args.repeats)
-            cost = step_cost(cfg, dt, dt, queries=[(0, T)], logits_rows=1)
-            print(f"  bucket {T:5} {dt:8}: {t * 1e3:8.1f} ms, {T / t:8.0f} tokens/s | "
-                  f"{roofline_line(cost, t, limits, dt)}", flush=True)
+            kv_dt, w_dt = variant_parts(dt)
+            cost = step_cost(cfg, w_dt, kv_dt, queries=[(0, T)], logits_rows=1)
+            print(f"  bucket {T:5} {dt:13}: {t * 1e3:8.1f} ms, {T / t:8.0f} tokens/s | "
+                  f"{roofline_line(cost, t, limits, kv_dt)}", flush=True)
             report["prefill"].append(dict(bucket=T, dtype=dt, seconds=t, tokens_per_s=T / t,
-                                          **fractions(cost, t, limits, dt)))
+                                          **fractions(cost, t, limits, kv_dt)))
     print(f"\ndecode (one token per slot per step)")
     for C in args.context:
         for B in args.slots:
             for dt, eng in engines.items():
                 t = time_decode(eng, B, C, args.steps, args.repeats)
-                cost = step_cost(cfg, dt, dt, queries=[(C - 1, 1)] * B, logits_rows=B)
-                print(f"  slots {B:3} context {C:5} {dt:8}: {t * 1e3:8.1f} ms/step, "
-                      f"{B / t:8.1f} tokens/s | {roofline_line(cost, t, limits, dt)}", flush=True)
+                kv_dt, w_dt = variant_parts(dt)
+                cost = step_cost(cfg, w_dt, kv_dt, queries=[(C - 1, 1)] * B, logits_rows=B)
+                print(f"  slots {B:3} context {C:5} {dt:13}: {t * 1e3:8.1f} ms/step, "
+                      f"{B / t:8.1f} tokens/s | {roofline_line(cost, t, limits, kv_dt)}", flush=True)
                 report["decode"].append(dict(slots=B, context=C, dtype=dt, seconds=t, tokens_per_s=B / t,
-                                             **fractions(cost, t, limits, dt)))
+                                             **fractions(cost, t, limits, kv_dt)))
     for eng in engines.values():
         del eng.state
 
@@ -245,6 +264,9 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), help="random weights in a named shape instead of --model")
     ap.add_argument("--layers", type=int, help="override the layer count of --shape")
     ap.add_argument("--dtype", nargs="+", default=["bfloat16"], help="weight/KV dtypes, measured interleaved")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+                    help="weight quantizations, measured interleaved with the dtypes (int8: "
+                         "model.quantization, the backend policy's dot)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")
@@ -269,10 +291,12 @@ def main(argv=None) -> None:
     report = dict(limits=dataclasses.asdict(limits), prefill=[], decode=[], end_to_end=[],
                   jax=jax.__version__, backend=jax.default_backend())
     if args.engine:
+        combos = [(dt, q) for dt in args.dtype for q in args.quantization]
         if args.shape:
-            models = {dt: random_model(args.shape, dt, args.layers) for dt in args.dtype}
+            models = {variant(dt, q): random_model(args.shape, dt, args.layers, quantization=q)
+                      for dt, q in combos}
         else:
-            models = {dt: load_named_model(args.model, dt)[0] for dt in args.dtype}
+            models = {variant(dt, q): load_named_model(args.model, dt, q)[0] for dt, q in combos}
         m = next(iter(models.values()))
         print(f"model {m.cfg.name}: {m.cfg.num_layers} layers, hidden {m.cfg.hidden_size}, "
               f"vocab {m.cfg.vocab_size}; backend {jax.default_backend()}")

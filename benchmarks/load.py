@@ -103,6 +103,7 @@ class RequestResult:
     end: float | None = None
     first_content: float | None = None  # arrival of the first non-empty text chunk
     content_times: list[float] = field(default_factory=list)  # every non-empty text chunk
+    text: str = ""  # the streamed completion text (choice 0), for comparing outputs across servers
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     max_tokens: int | None = None
@@ -341,6 +342,7 @@ async def send_request(client, url: str, body: dict[str, Any]) -> RequestResult:
                         if r.first_content is None:
                             r.first_content = now
                         r.content_times.append(now)
+                        r.text += choice["text"]
                         break
                 usage = chunk.get("usage")
                 if usage:

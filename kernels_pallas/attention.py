@@ -18,7 +18,10 @@ the platform (no function here asks JAX which platform it is on)::
 Block sizes come from ``kernels_pallas.block_sizes``, the row of the platform
 the kernel runs on. ``batch_invariant`` (the XLA reference only) sums each
 query's softmax in a fixed order (``paged_attention_xla``), so its output does
-not depend on the step's other rows, its bucket or prefill versus decode.
+not depend on the step's other rows, its bucket or prefill versus decode; with
+it, ``dot_rows`` pads a decode step's per-(slot, KV head) dots, whose rows are
+the head group's queries, to rows that run on the prefill dots' kernel
+(``kernels_pallas.dot_rows``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 import jax
 
 from kernels_pallas.block_sizes import decode_block_sizes, prefill_block_sizes
+from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.paged_attention_tpu import (
     paged_decode_attention_tpu,
     paged_prefill_attention_tpu,
@@ -57,12 +61,15 @@ class AttentionConfig:
       block_sizes_row: the row of ``kernels_pallas.block_sizes`` to use: "cpu", "gpu" or "tpu".
       batch_invariant: fixed-order softmax sums (the "xla" kernel only: the Pallas
         kernels' online softmax runs over blocks that differ between prefill and decode).
+      dot_rows: with ``batch_invariant``, the row padding of the decode dots
+        (``paged_attention_xla.paged_decode_attention_xla``'s ``group_rows``).
     """
 
     kernel: str = "xla"
     interpret: bool = False
     block_sizes_row: str = "gpu"
     batch_invariant: bool = False
+    dot_rows: DotRows = DotRows()
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -130,6 +137,9 @@ def paged_attention(
         opts["interpret"] = config.interpret
     elif config.batch_invariant:
         opts["ordered_sums"] = True
+        if md.mode == "decode":
+            group = q.shape[1] // k_pages.shape[-4]
+            opts["group_rows"] = config.dot_rows.count(group)
     if config.kernel == "triton":
         if md.mode == "decode":
             opts["pages_per_block"] = decode_block_sizes(

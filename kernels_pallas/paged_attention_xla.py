@@ -22,7 +22,11 @@ With ``ordered_sums`` the softmax denominator is summed in the fixed order of
 the number of rows in the step, on its place among them, nor on the page-table
 bucket (trailing masked keys add exact zeros), so decode and prefill give a
 token bitwise the same attention output (the backend policy's batch-invariant
-mode; the weighted sums are dots whose reduction runs over the key axis).
+mode; the weighted sums are dots whose reduction runs over the key axis). A
+decode step's dots have the KV head's query group as rows (1 to 8 for common
+models), and a backend may run so few rows on another kernel than a prefill
+chunk's (tokens x group rows, a multiple of 16): ``group_rows`` pads them
+(``kernels_pallas.dot_rows``).
 
 Sliding window semantics (Gemma 3, see the reference README): query at
 position i sees key j iff ``j <= i and i - j < window``; ``window <= 0``
@@ -35,6 +39,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.dot_rows import repeat_last
 from kernels_pallas.kv_storage import from_storage, to_storage
 from kernels_pallas.ordered_sum import ordered_sum
 
@@ -93,6 +98,7 @@ def paged_decode_attention_xla(
     soft_cap: float | None = None,
     layer=None,
     ordered_sums: bool = False,
+    group_rows: int | None = None,
 ) -> jax.Array:
     """One query token per slot against that slot's pages.
 
@@ -110,6 +116,9 @@ def paged_decode_attention_xla(
         and this layer's pages are read (a layer scan passes its index).
       ordered_sums: sum the softmax denominator in a fixed order (see the module
         docstring; the batch-invariant mode).
+      group_rows: compute each (slot, KV head) dot with this many query rows, the
+        group's last query repeated (None or <= num_heads / kv_heads: as is); the
+        batch-invariant mode's ``kernels_pallas.dot_rows`` padding.
 
     Returns:
       [slots, num_heads, head_dim] in q's dtype.
@@ -119,7 +128,7 @@ def paged_decode_attention_xla(
     group = num_heads // kv_heads
     k = _gather_pages(k_pages, page_table, layer)  # [slots, kv, L, d]
     v = _gather_pages(v_pages, page_table, layer)
-    qg = q.reshape(slots, kv_heads, group, head_dim)
+    qg = repeat_last(q.reshape(slots, kv_heads, group, head_dim), group_rows or group, axis=2)
     scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
     k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
     q_pos = (lengths - 1)[:, None]
@@ -127,7 +136,7 @@ def paged_decode_attention_xla(
     probs = _softmax_weighted_sum(scores, mask[:, None, None, :], v, soft_cap, ordered_sums)
     v = jnp.where(mask[:, None, :, None], v, 0)
     out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(slots, num_heads, head_dim).astype(q.dtype)
+    return out[:, :, :group].reshape(slots, num_heads, head_dim).astype(q.dtype)
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:

@@ -5,18 +5,20 @@ platform they run on. Every backend-specific choice they depend on arrives in
 one static :class:`Compute` argument of ``__call__``, made once by the engine's
 backend policy (``serving.backend_policy``):
 
-  * how a matmul with very few rows is computed (``pad_single_row``),
+  * how a matmul with very few rows is computed (``pad_single_row``, ``dot_rows``),
   * which paged-attention implementation and block sizes run (``attention``),
   * how the MoE expert matmuls run and over which mesh axes (``moe``),
   * whether a row's reductions keep one order whatever shares its batch
-    (``batch_invariant``: the norms here, the attention softmax in ``attention``).
+    (``batch_invariant``: the norms here, the attention softmax in ``attention``),
+  * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``).
 
 The defaults are the plain reference path (what a reader of the model expects):
 ``einsum`` dots, the pure-XLA attention, ``ragged_dot`` experts, no mesh axes.
 
 Weights may arrive in a storage representation (bfloat16 held as uint16 bits,
 ``kernels_pallas.kv_storage``); :meth:`Compute.load` turns a stored array back
-into its logical dtype and is a no-op for everything else.
+into its logical dtype and is a no-op for everything else (int8 weights,
+``model.quantization.QuantizedArray``, stay int8 until their dot).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention import AttentionConfig
+from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
+from model.quantization import DOT_FORMULATIONS, QuantizedArray, quantized_dot
 
 MOE_IMPLS = ("auto", "ragged", "capacity")
 
@@ -68,16 +72,29 @@ class Compute:
         products; the backend policy knows which).
       attention: the paged-attention implementation (``kernels_pallas.attention``).
       moe: the MoE implementation and mesh axes.
+      dot_rows: the rows a low-precision matmul of few rows runs with, so a row's
+        result does not depend on how many rows share it (``kernels_pallas.dot_rows``;
+        the backend policy sets it with batch invariance).
       batch_invariant: the reductions of the decoder's own layers (the RMSNorm mean,
         :meth:`mean`) run in the fixed order of ``kernels_pallas.ordered_sum``, so
         a row's result never depends on how many rows share the step (the
         attention's softmax follows ``attention.batch_invariant``).
+      quantized_dot: how :meth:`dot` computes with an int8 weight: "dequantize"
+        (convert it to the matmul-input dtype; exact for any scale layout) or
+        "int8" (dynamically quantized int8 activations, int32 accumulation;
+        per-channel scales only). See ``model.quantization``.
     """
 
     pad_single_row: bool = False
     attention: AttentionConfig = AttentionConfig()
     moe: MoEConfig = MoEConfig()
     batch_invariant: bool = False
+    dot_rows: DotRows = DotRows()
+    quantized_dot: str = "dequantize"
+
+    def __post_init__(self):
+        if self.quantized_dot not in DOT_FORMULATIONS:
+            raise ValueError(f"quantized_dot must be one of {DOT_FORMULATIONS}, got {self.quantized_dot!r}")
 
     def mean(self, x: jax.Array) -> jax.Array:
         """Mean over the last axis, keepdims: ``x: [..., n]`` -> ``[..., 1]`` in x's dtype
@@ -86,26 +103,40 @@ class Compute:
             return ordered_sum(x, keepdims=True) / x.shape[-1]
         return jnp.mean(x, axis=-1, keepdims=True)
 
-    def dot(self, eq: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    def dot(self, eq: str, a: jax.Array, b, dtype) -> jax.Array:
         """``einsum(eq, a, b)`` with both inputs in ``dtype`` and float32 accumulation.
+
+        A low-precision ``a`` whose leading axis is rows (not in ``b``) is computed with
+        ``dot_rows.count(rows)`` rows (at least 2 with ``pad_single_row``), its last row
+        repeated; only the real rows come back.
 
         Args:
           eq: an einsum equation whose first operand's leading axis is the rows (tokens).
-          a, b: the operands (any float dtype; cast to ``dtype``).
+          a, b: the operands (any float dtype; cast to ``dtype``); ``b`` may be a 2-D
+            ``QuantizedArray``, computed as ``quantized_dot`` says.
           dtype: the matmul-input dtype (float32 or bfloat16).
 
         Returns:
           float32 result.
         """
+        if isinstance(b, QuantizedArray):
+            return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row)
         a, b = a.astype(dtype), b.astype(dtype)
-        if self.pad_single_row and a.shape[0] == 1 and a.dtype != jnp.float32:
-            return jnp.einsum(eq, jnp.concatenate([a, a]), b, preferred_element_type=jnp.float32)[:1]
+        rows = a.shape[0]
+        padded = rows
+        if a.dtype != jnp.float32 and eq[0] not in eq.split("->")[0].split(",")[1]:  # rows: not in b
+            padded = self.dot_rows.count(rows)
+            if self.pad_single_row and padded == 1:
+                padded = 2
+        if padded > rows:
+            return jnp.einsum(eq, repeat_last(a, padded), b, preferred_element_type=jnp.float32)[:rows]
         return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
     @staticmethod
-    def load(w: jax.Array) -> jax.Array:
-        """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16)."""
-        return from_storage(w)
+    def load(w):
+        """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16); a
+        ``QuantizedArray`` as it is."""
+        return w if isinstance(w, QuantizedArray) else from_storage(w)
 
 
 REFERENCE = Compute()

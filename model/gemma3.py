@@ -45,9 +45,9 @@ from model.layers import (
     check_params,
     embed_lookup_param,
     embed_tokens,
-    param,
-    param_dtype,
     rms_norm,
+    set_params,
+    weight,
 )
 
 __all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
@@ -64,7 +64,7 @@ class Gemma3(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 params: dict | None = None):
+                 params: dict | None = None, quantization: str = "none"):
         """Builds the model from ``params`` (a dict of arrays in the layout above,
         e.g. from ``model.gguf_loader``) or with random weights from ``rngs``.
 
@@ -72,9 +72,12 @@ class Gemma3(nnx.Module):
           cfg: shapes.
           dtype: weight and matmul-input dtype (float32 or bfloat16); norms,
             softmax and accumulation are float32 regardless.
+          quantization: "none", or "int8": the layer matrices and the tied output
+            head held as int8 with scales (``model.layers.set_params``; the
+            embedding lookup keeps a float32 copy).
 
         Raises:
-          ValueError: missing or misshapen parameters.
+          ValueError: missing or misshapen parameters, an unknown quantization.
         """
         self.cfg = cfg
         self.dtype = dtype
@@ -100,9 +103,10 @@ class Gemma3(nnx.Module):
             "w_down": ((L, F, D), ("layers", "mlp", "embed")),
         }
         check_params(params, expected)
-        for name, (_, axes) in expected.items():
-            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype)), axes))
-        self.embed_lookup = embed_lookup_param(params["embed"], dtype, tied=True)
+        self.quantization = quantization
+        set_params(self, params, expected, dtype, quantization)
+        self.embed_lookup = embed_lookup_param(params["embed"], dtype, tied=True,
+                                               quantized=quantization != "none")
 
     def __call__(
         self,
@@ -132,7 +136,7 @@ class Gemma3(nnx.Module):
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
         thetas = jnp.asarray(cfg.layer_rope_thetas(), jnp.float32)
         layer_params = {
-            name: getattr(self, name)[...]
+            name: weight(self, name)
             for name in ("attn_norm", "post_attn_norm", "ffw_norm", "post_ffw_norm", "q_norm",
                          "k_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         }
@@ -166,7 +170,7 @@ class Gemma3(nnx.Module):
             xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
         x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
-        logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
+        logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
         if cfg.final_logit_softcap is not None:
             c = cfg.final_logit_softcap
             logits = c * jnp.tanh(logits / c)

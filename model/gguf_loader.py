@@ -13,9 +13,16 @@ Q4_K, ...). GGUF stores a linear layer as ``[ne0 = in, ne1 = out]``, so the
 dequantized row-major array is ``(out, in)`` and ``y = x @ W.T``; we transpose
 once here into einsum-friendly layouts.
 
-The dequantized float32 arrays are cached as ``.npy`` files (loaded with
-``mmap_mode``) under ``cache_dir``, keyed by the GGUF's name, size and mtime,
-so a restart skips dequantization.
+With ``quantization="int8"``, a matmul weight stored in a block type whose
+32-value blocks are ``d * q`` with small integers q (Q8_0, Q4_0, Q5_0; every
+layer of a stacked weight) loads as a ``model.quantization.QuantizedArray``
+of those integers and block scales instead, which dequantizes to exactly the
+float32 values above (``model.quantization.gguf_blocks``); other types (Q4_K,
+Q6_K, F16, ...) load as float32 and the model quantizes them per channel.
+
+The loaded arrays are cached as ``.npy`` files (loaded with ``mmap_mode``)
+under ``cache_dir``, keyed by the GGUF's name, size and mtime (and the
+quantization), so a restart skips dequantization.
 """
 
 from __future__ import annotations
@@ -32,10 +39,14 @@ import numpy as np
 
 from model import gguf_tensor_map as tmap
 from model.config import ModelConfig
+from model.quantization import CONTRACTION_AXES, GGUF_BLOCK, QuantizedArray, check_quantization, gguf_blocks
 
 log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 1
+EXACT_INT8_TYPES = ("Q8_0", "Q4_0", "Q5_0")
+"""GGUF types held exactly as int8 with one float scale per 32 values."""
+_EXACT_LAYOUTS = ("q", "kv", "in")  # layout kinds whose contraction is one axis (not "out", "experts")
 
 
 def _config_from_reader(reader, name: str | None, tensors: dict) -> ModelConfig:
@@ -73,6 +84,19 @@ def _dequantize(tensor) -> np.ndarray:
     return arr.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
+def _blocks(tensor) -> QuantizedArray:
+    """A 2-D Q8_0 / Q4_0 / Q5_0 tensor's integers and block scales, ``(out, in)`` order."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    deq = _dequantize(tensor)
+    values, scales = gguf_blocks(np.asarray(tensor.data), deq, GGML_QUANT_SIZES[tensor.tensor_type][1])
+    return QuantizedArray(values, scales)
+
+
+def _exact_int8(tensor) -> bool:
+    return tensor.tensor_type.name in EXACT_INT8_TYPES and len(tensor.shape) == 2
+
+
 def _cache_key(path: Path) -> str:
     st = path.stat()
     raw = f"{path.name}:{st.st_size}:{int(st.st_mtime)}:{_CACHE_FORMAT}"
@@ -84,6 +108,7 @@ def load_gguf(
     name: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
+    quantization: str = "none",
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Loads a GGUF: its config and its weights in our decoder's layout.
 
@@ -95,6 +120,8 @@ def load_gguf(
         disables caching. A cache hit never opens the GGUF (parsing its
         262k-entry vocabulary alone takes ~12 s on a 2-core machine).
       progress: show a tqdm bar while dequantizing.
+      quantization: "none", or "int8": matmul weights of the types in
+        ``EXACT_INT8_TYPES`` come back as ``QuantizedArray`` (module docstring).
 
     Returns:
       (config, params) with float32 numpy arrays. gemma3: {"embed": [V, D],
@@ -102,14 +129,18 @@ def load_gguf(
       llama family: ``model.llama.param_layout(config)``, e.g. wq [L, D, N, H]
       (rows un-permuted for "llama"), lm_head [D, V] when untied, and for MoE
       router [L, D, E], w_gate / w_up [L, E, D, F], w_down [L, E, F, D].
+      With int8, ``QuantizedArray`` entries of numpy int8 values and float32
+      scales [..., in / 32 on the contraction axis, ...] in the same layouts.
 
     Raises:
       ValueError: an unsupported architecture (naming it), a missing tensor
         (naming it), a tensor this decoder would ignore (e.g. biases, shared
-        experts), or unsupported RoPE scaling.
+        experts), unsupported RoPE scaling, or an unknown quantization.
     """
     path = Path(path)
-    cache = Path(cache_dir) / f"gguf-{_cache_key(path)}" if cache_dir is not None else None
+    int8 = check_quantization(quantization) == "int8"
+    prefix = "gguf-int8-" if int8 else "gguf-"
+    cache = Path(cache_dir) / f"{prefix}{_cache_key(path)}" if cache_dir is not None else None
     if cache is not None:
         cached = _load_cache(cache)
         if cached is not None:
@@ -128,11 +159,15 @@ def load_gguf(
     arch = str(reader.fields["general.architecture"].contents())
     used: set[str] = set()
 
-    def get(tname: str) -> np.ndarray:
+    def get(tname: str, blocks: bool = False):
+        """The tensor dequantized, or with ``blocks`` as a QuantizedArray (an exact type)."""
         if tname not in tensors:
             raise ValueError(f"GGUF {path.name} ({arch}) lacks tensor {tname!r}")
         used.add(tname)
-        return _dequantize(tensors[tname])
+        return _blocks(tensors[tname]) if blocks else _dequantize(tensors[tname])
+
+    def exact(tname: str) -> bool:
+        return int8 and tname in tensors and _exact_int8(tensors[tname])
 
     if arch == "gemma3":
         if "output.weight" in tensors:
@@ -150,34 +185,48 @@ def load_gguf(
                     head_dim=cfg.head_dim)
     permuted = arch in tmap.PERMUTED_QK
 
-    def layer_tensor(i: int, theirs: str, kind: str) -> np.ndarray:
+    def layer_tensor(i: int, theirs: str, kind: str, blocks: bool = False):
         tname = f"blk.{i}.{theirs}.weight"
         per_expert = f"blk.{i}.{theirs.removesuffix('_exps')}.{{}}.weight"
         if kind == "experts" and tname not in tensors and per_expert.format(0) in tensors:
             # older Mixtral GGUFs: one tensor per expert, blk.{i}.ffn_gate.{e}.weight
             arr = np.stack([get(per_expert.format(e)) for e in range(cfg.num_experts)])
         else:
-            arr = get(tname)
+            arr = get(tname, blocks)
+        parts = (arr.values, arr.scales) if blocks else (arr,)
         if permuted and theirs == "attn_q":
-            arr = tmap.unpermute_qk(arr, cfg.num_heads)
+            parts = tuple(tmap.unpermute_qk(a, cfg.num_heads) for a in parts)
         elif permuted and theirs == "attn_k":
-            arr = tmap.unpermute_qk(arr, cfg.num_kv_heads)
-        return tmap.to_layout(arr, kind, **shape_kw)
+            parts = tuple(tmap.unpermute_qk(a, cfg.num_kv_heads) for a in parts)
+        if not blocks:
+            return tmap.to_layout(parts[0], kind, **shape_kw)
+        # the scales' contraction axis is hidden / 32 long: the same layout with that width
+        block_kw = {**shape_kw, "hidden": shape_kw["hidden"] // GGUF_BLOCK}
+        return QuantizedArray(tmap.to_layout(parts[0], kind, **shape_kw),
+                              tmap.to_layout(parts[1], kind, **block_kw))
+
+    def stacked_exact(ours: str, theirs: str, kind: str) -> bool:
+        return (ours in CONTRACTION_AXES and kind in _EXACT_LAYOUTS
+                and all(exact(f"blk.{i}.{theirs}.weight") for i in range(cfg.num_layers)))
 
     total = 3 + cfg.num_layers * len(layer_tensors)
     bar = tqdm(total=total, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
-    params["embed"] = get("token_embd.weight")
+    params["embed"] = get("token_embd.weight", exact("token_embd.weight"))
     params["final_norm"] = get("output_norm.weight")
     if not cfg.tie_embeddings:
-        params["lm_head"] = get("output.weight").T  # (V, D) -> [D, V]
+        head = get("output.weight", exact("output.weight"))  # (V, D) -> [D, V]
+        params["lm_head"] = QuantizedArray(head.values.T, head.scales.T) if exact("output.weight") else head.T
     bar.update(3)
     for ours, (theirs, kind) in layer_tensors.items():
+        blocks = stacked_exact(ours, theirs, kind)
         stacked = []
         for i in range(cfg.num_layers):
-            stacked.append(layer_tensor(i, theirs, kind))
+            stacked.append(layer_tensor(i, theirs, kind, blocks))
             bar.update()
-        params[ours] = np.stack(stacked)
+        params[ours] = (QuantizedArray(np.stack([a.values for a in stacked]),
+                                       np.stack([a.scales for a in stacked]))
+                        if blocks else np.stack(stacked))
     bar.close()
     unused = sorted(set(tensors) - used)
     if unused:
@@ -200,7 +249,11 @@ def _load_cache(d: Path) -> tuple[dict, dict[str, np.ndarray]] | None:
         return None
     try:
         idx = json.loads(index.read_text())
-        return idx["config"], {n: np.load(d / f"{n}.npy", mmap_mode="r") for n in idx["arrays"]}
+        params = {n: np.load(d / f"{n}.npy", mmap_mode="r") for n in idx["arrays"]}
+        for n in idx.get("quantized", ()):  # int8 integers and their block scales
+            params[n] = QuantizedArray(np.load(d / f"{n}.values.npy", mmap_mode="r"),
+                                       np.load(d / f"{n}.scales.npy", mmap_mode="r"))
+        return idx["config"], params
     except (OSError, ValueError, KeyError) as e:
         log.warning("ignoring unreadable weight cache %s: %s", d, e)
         return None
@@ -209,10 +262,16 @@ def _load_cache(d: Path) -> tuple[dict, dict[str, np.ndarray]] | None:
 def _save_cache(d: Path, cfg: ModelConfig, params: dict[str, np.ndarray]) -> None:
     tmp = d.with_name(d.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    quantized = sorted(n for n, a in params.items() if isinstance(a, QuantizedArray))
     for n, a in params.items():
-        np.save(tmp / f"{n}.npy", a)
-    (tmp / "index.json").write_text(
-        json.dumps({"arrays": sorted(params), "config": dataclasses.asdict(cfg)}))
+        if isinstance(a, QuantizedArray):
+            np.save(tmp / f"{n}.values.npy", np.asarray(a.values))
+            np.save(tmp / f"{n}.scales.npy", np.asarray(a.scales))
+        else:
+            np.save(tmp / f"{n}.npy", a)
+    (tmp / "index.json").write_text(json.dumps({
+        "arrays": sorted(set(params) - set(quantized)), "quantized": quantized,
+        "config": dataclasses.asdict(cfg)}))
     try:
         tmp.rename(d)
     except OSError:  # another process won the race; theirs is as good as ours

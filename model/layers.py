@@ -19,6 +19,16 @@ from kernels_pallas.kv_storage import logical_dtype
 from model.attention_metadata import AttentionMetadata
 from model.compute import REFERENCE, Compute
 from model.config import ModelConfig
+from model.quantization import (
+    CONTRACTION_AXES,
+    QuantizedArray,
+    check_quantization,
+    quantize_per_channel,
+    scale_axes,
+)
+
+SCALE_SUFFIX = "_scale"
+"""An int8 parameter ``name`` keeps its scales in ``name + SCALE_SUFFIX``."""
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, compute: Compute = REFERENCE) -> jax.Array:
@@ -172,11 +182,51 @@ def param_dtype(name: str, dtype):
     return dtype
 
 
-def embed_lookup_param(embed, dtype, tied: bool) -> nnx.Param | None:
-    """The float32 lookup copy of a tied low-precision embedding table (None: the
-    lookup reads ``embed`` itself)."""
-    if not tied or jnp.dtype(dtype) == jnp.float32:
+def set_params(module: nnx.Module, params: dict, layout: dict, dtype, quantization: str = "none",
+               untied_embed: bool = False) -> None:
+    """Sets every parameter of ``layout`` ({name: (shape, logical axes)}) on ``module``.
+
+    Each is stored in ``param_dtype(name, dtype)``; with ``quantization`` "int8"
+    the matmul weights (``model.quantization.CONTRACTION_AXES``) are stored as
+    int8 ``name`` [the weight's shape] plus float32 ``name + "_scale"`` (logical
+    axes ``scale_axes``): per-channel scales when ``params[name]`` is a float
+    array, its own block scales when it is already a ``QuantizedArray`` (a GGUF
+    Q8_0 tensor). A ``QuantizedArray`` served unquantized is dequantized, and so is
+    an ``untied_embed`` table (only looked up, never a dot's operand).
+
+    Raises:
+      ValueError: an unknown quantization.
+    """
+    check_quantization(quantization)
+    for name, (_, axes) in layout.items():
+        value = params[name]
+        if quantization == "int8" and name in CONTRACTION_AXES and not (untied_embed and name == "embed"):
+            contract = CONTRACTION_AXES[name]
+            q = value if isinstance(value, QuantizedArray) else quantize_per_channel(value, contract)
+            setattr(module, name, param(jnp.asarray(q.values, jnp.int8), axes))
+            setattr(module, name + SCALE_SUFFIX,
+                    param(jnp.asarray(q.scales, jnp.float32), scale_axes(axes, contract)))
+            continue
+        if isinstance(value, QuantizedArray):
+            value = value.dequantize()
+        setattr(module, name, param(jnp.asarray(value, param_dtype(name, dtype)), axes))
+
+
+def weight(module: nnx.Module, name: str):
+    """Parameter ``name``'s value: an array, or a ``QuantizedArray`` when it has scales."""
+    value = getattr(module, name)[...]
+    scales = getattr(module, name + SCALE_SUFFIX, None)
+    return value if scales is None else QuantizedArray(value, scales[...])
+
+
+def embed_lookup_param(embed, dtype, tied: bool, quantized: bool = False) -> nnx.Param | None:
+    """The float32 lookup copy of a tied low-precision or int8 embedding table (None: the
+    lookup reads ``embed`` itself). An int8 table from a GGUF Q8_0 tensor dequantizes
+    exactly, so its lookup reads what a float32 model's does."""
+    if not tied or (jnp.dtype(dtype) == jnp.float32 and not quantized):
         return None
+    if isinstance(embed, QuantizedArray):
+        embed = embed.dequantize()
     return param(jnp.asarray(embed, jnp.float32), ("vocab", "embed"))
 
 

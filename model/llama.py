@@ -40,9 +40,9 @@ from model.layers import (
     check_params,
     embed_lookup_param,
     embed_tokens,
-    param,
-    param_dtype,
     rms_norm,
+    set_params,
+    weight,
 )
 from model.moe import moe_ffn
 
@@ -92,7 +92,7 @@ class Llama(nnx.Module):
     """Llama-family decoder (dense or MoE) with stacked layer weights; shapes in :func:`param_layout`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 params: dict | None = None):
+                 params: dict | None = None, quantization: str = "none"):
         """Builds the model from ``params`` (arrays in :func:`param_layout`, e.g.
         from ``model.gguf_loader`` or an orbax checkpoint) or random weights from ``rngs``.
 
@@ -100,21 +100,28 @@ class Llama(nnx.Module):
           dtype: weight and matmul-input dtype (float32 or bfloat16); norms, the
             router, softmax and accumulation are float32 regardless, and so is the
             lookup of a tied embedding table (``model.layers.param_dtype``).
+          quantization: "none", or "int8": the layer matrices and the output head
+            held as int8 with scales (``model.layers.set_params``); dense models only.
 
         Raises:
-          ValueError: wrong architecture, missing or misshapen parameters.
+          ValueError: wrong architecture, missing or misshapen parameters, an
+            unknown quantization, or int8 for a mixture-of-experts model.
         """
         if cfg.architecture != "llama":
             raise ValueError(f"Llama needs architecture: llama, got {cfg.architecture!r}")
+        if quantization == "int8" and cfg.is_moe:
+            raise ValueError(f"quantization int8 supports dense models only; {cfg.name} is a "
+                             f"mixture of experts (serve it with quantization none)")
         self.cfg = cfg
         self.dtype = dtype
         if params is None:
             params = init_random_params(cfg, rngs or nnx.Rngs(0))
         layout = param_layout(cfg)
         check_params(params, layout)
-        for name, (_, axes) in layout.items():
-            setattr(self, name, param(jnp.asarray(params[name], param_dtype(name, dtype)), axes))
-        self.embed_lookup = embed_lookup_param(params["embed"], dtype, cfg.tie_embeddings)
+        self.quantization = quantization
+        set_params(self, params, layout, dtype, quantization, untied_embed=not cfg.tie_embeddings)
+        self.embed_lookup = embed_lookup_param(params["embed"], dtype, cfg.tie_embeddings,
+                                               quantized=quantization != "none")
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, logits_indices: jax.Array,
@@ -132,7 +139,7 @@ class Llama(nnx.Module):
         cfg, dtype = self.cfg, self.dtype
         x = embed_tokens(self, tokens)
         layout = param_layout(cfg)
-        layer_params = {n: getattr(self, n)[...] for n in _LAYER_PARAMS if n in layout}
+        layer_params = {n: weight(self, n) for n in _LAYER_PARAMS if n in layout}
         eps = cfg.rms_norm_eps
         theta = cfg.rope_theta_global
         use_window = cfg.has_sliding_layers  # Mistral, Qwen3 with use_sliding_window
@@ -162,9 +169,9 @@ class Llama(nnx.Module):
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
         x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
         if cfg.tie_embeddings:
-            logits = compute.dot("sd,vd->sv", x, self.embed[...], dtype)
+            logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
         else:
-            logits = compute.dot("sd,dv->sv", x, self.lm_head[...], dtype)
+            logits = compute.dot("sd,dv->sv", x, weight(self, "lm_head"), dtype)
         return logits, KVCache(k_cache, v_cache)
 
 

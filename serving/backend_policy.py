@@ -22,6 +22,13 @@ piece what it needs:
                                   pool and can deadlock when queued)
     batch-invariant reductions    on (bfloat16 serving only)            on (bfloat16 serving only;
                                                                         untested on hardware)
+    dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
+      (--quantization int8)       activations split in two terms        converted to the matmul
+                                  (one dot, int32 accumulation):        dtype inside the dot
+                                  1.3-1.8x bf16 at 1-8 rows, even at    (exact for GGUF block
+                                  32; converting int8 inside the dot    scales)
+                                  runs the head 3-6x slower; GGUF
+                                  block scales requantized per channel
 
 Batch invariance: in a low-precision serving dtype the RMSNorm means and the
 attention softmax sums run in the fixed order of ``kernels_pallas.ordered_sum``
@@ -31,6 +38,10 @@ otherwise picks a row's summation order by the size of the whole array
 logits changed with its batch. The matmuls are left to the backend: on XLA:CPU
 (YNNPACK) a bfloat16 row's product was measured bitwise the same at every row
 count. A float32 model keeps the backend's reductions (``compute(dtype=...)``).
+An int8 model keeps the property: the "int8" / "int8x2" dots quantize each row
+on their own and accumulate integers (exact in any order), whatever the row
+count (one formulation for every bucket, so a row never changes formulation
+with its batch); the "dequantize" dot is a plain dot of the dtype's.
 
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
@@ -47,12 +58,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.attention import AttentionConfig, select_attention
+from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.kv_storage import storage_dtype, to_storage
 from model.compute import MOE_IMPLS, Compute, MoEConfig
+from model.quantization import DOT_FORMULATIONS, QuantizedArray, requantize_per_channel
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
+CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +85,11 @@ class BackendPolicy:
       sync_sharded_steps: a step on a multi-device mesh waits for the previous one
         before it is dispatched.
       batch_invariant: low-precision models reduce in a fixed order (see above).
+      invariant_dot_rows: with batch invariance, the row padding of low-precision
+        matmuls (model and decode attention; ``kernels_pallas.dot_rows``).
+      quantized_dot: how a dot with an int8 weight runs, "int8x2", "int8" or
+        "dequantize" (``model.quantization``); with the int8 ones,
+        :meth:`store_params` requantizes block-scaled weights per channel.
     """
 
     platform: str
@@ -82,10 +101,13 @@ class BackendPolicy:
     min_decode_batch: int = 1
     sync_sharded_steps: bool = False
     batch_invariant: bool = False
+    invariant_dot_rows: DotRows = DotRows()
+    quantized_dot: str = "dequantize"
 
     @classmethod
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
-                     moe_impl: str = "auto", batch_invariant: bool | None = None) -> "BackendPolicy":
+                     moe_impl: str = "auto", batch_invariant: bool | None = None,
+                     quantized_dot: str = "auto") -> "BackendPolicy":
         """The policy for a platform.
 
         Args:
@@ -94,15 +116,22 @@ class BackendPolicy:
           moe_impl: "auto", "ragged" or "capacity" (``model.moe``).
           batch_invariant: fixed-order reductions for low-precision models (None: on
             unless the attention is a Pallas kernel, which has no such mode).
+          quantized_dot: "auto" (the table above), "int8x2", "int8" or "dequantize"
+            (benchmarks compare them).
 
         Raises:
-          ValueError: an unknown platform, attention_impl or moe_impl.
+          ValueError: an unknown platform, attention_impl, moe_impl or quantized_dot.
         """
         platform = "gpu" if platform in ("cuda", "rocm") else platform
         if platform not in PLATFORMS:
             raise ValueError(f"unknown platform {platform!r}; one of {PLATFORMS}")
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        if quantized_dot != "auto" and quantized_dot not in DOT_FORMULATIONS:
+            raise ValueError(f"quantized_dot must be auto or one of {DOT_FORMULATIONS}, "
+                             f"got {quantized_dot!r}")
+        if quantized_dot == "auto":
+            quantized_dot = "int8x2" if platform == "cpu" else "dequantize"
         attention = select_attention(attention_impl, platform)
         if batch_invariant is None:
             batch_invariant = attention.kernel == "xla"
@@ -112,8 +141,10 @@ class BackendPolicy:
             return cls(platform, pad_single_row=True, argmax_block=CPU_ARGMAX_BLOCK,
                        attention=attention, moe_impl=moe_impl,
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
-                       batch_invariant=batch_invariant)
-        return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, invariant_dot_rows=CPU_INVARIANT_DOT_ROWS,
+                       quantized_dot=quantized_dot)
+        return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant,
+                   quantized_dot=quantized_dot)
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
@@ -142,10 +173,11 @@ class BackendPolicy:
             axes = dict(expert_axis=rules.mesh_axis("expert"), tensor_axis=rules.mesh_axis("mlp"),
                         batch_axis=rules.mesh_axis("batch"))
         invariant = self.batch_invariant and jnp.dtype(dtype) != jnp.float32
-        attention = dataclasses.replace(self.attention, batch_invariant=invariant)
+        dot_rows = self.invariant_dot_rows if invariant else DotRows()
+        attention = dataclasses.replace(self.attention, batch_invariant=invariant, dot_rows=dot_rows)
         return Compute(pad_single_row=self.pad_single_row, attention=attention,
                        moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes),
-                       batch_invariant=invariant)
+                       batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot)
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""
@@ -153,9 +185,14 @@ class BackendPolicy:
 
     def store_params(self, state: nnx.State) -> nnx.State:
         """The parameters with every stacked layer weight (leading logical axis "layers")
-        in its storage dtype; other parameters unchanged."""
+        in its storage dtype (int8 stays int8), and with the "int8" dot every int8 weight
+        with block scales (a GGUF Q8_0 tensor; ``name`` + ``name_scale``) requantized per
+        channel; other parameters unchanged."""
+        flat = list(nnx.to_flat_state(state))
+        if self.quantized_dot != "dequantize":
+            flat = _requantize_blocks(flat)
         out = []
-        for path, v in nnx.to_flat_state(state):
+        for path, v in flat:
             axes = v.get_metadata().get("logical_axes") or ()
             value = v.get_value()
             stored = self.storage_dtype(value.dtype)
@@ -163,3 +200,26 @@ class BackendPolicy:
                 v = v.replace(to_storage(value, stored))
             out.append((path, v))
         return nnx.from_flat_state(out)
+
+
+def _requantize_blocks(flat: list) -> list:
+    """Flat ``(path, Param)`` pairs with every block-scaled int8 weight (its values at
+    ``path``, its scales at ``path[:-1] + (name + "_scale",)``) requantized per channel."""
+    from model.layers import SCALE_SUFFIX
+
+    index = {path: i for i, (path, _) in enumerate(flat)}
+    out = list(flat)
+    for path, v in flat:
+        name = str(path[-1])
+        if not name.endswith(SCALE_SUFFIX):
+            continue
+        vpath = path[:-1] + (name[:-len(SCALE_SUFFIX)],)
+        if vpath not in index:
+            continue
+        values = flat[index[vpath]][1]
+        q = QuantizedArray(values.get_value(), v.get_value())
+        r = requantize_per_channel(q)
+        if r is not q:  # placed where the block-scaled arrays were (same logical axes)
+            out[index[vpath]] = (vpath, values.replace(jax.device_put(r.values, q.values.sharding)))
+            out[index[path]] = (path, v.replace(jax.device_put(r.scales, q.scales.sharding)))
+    return out

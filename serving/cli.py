@@ -47,6 +47,8 @@ _SETTINGS = [
     ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
     ("chat_template", str, "Jinja chat template FILE (or JSON with a chat_template field) served "
                            "instead of the model's own"),
+    ("quantization", str, "none | int8: int8 weights (layer matrices and output head) with float "
+                          "scales; GGUF Q8_0 blocks exactly"),
 ]
 
 

@@ -59,8 +59,8 @@ def gguf_tokenizer(path: str | Path) -> TextTokenizer:
 
 
 def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh=None,
-               revision: str | None = None, chat_template: str | None = None
-               ) -> tuple[nnx.Module, TextTokenizer]:
+               revision: str | None = None, chat_template: str | None = None,
+               quantization: str = "none") -> tuple[nnx.Module, TextTokenizer]:
     """Builds the model a ``--model`` value names, and its tokenizer with the chat template to serve.
 
     Args:
@@ -81,6 +81,8 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
         other sources are placed by the engine.
       revision: a Hub id's branch, tag or commit.
       chat_template: a ``--chat-template`` file served instead of the model's own.
+      quantization: "none" or "int8" (``model.quantization``): int8 layer matrices and
+        output head, from a GGUF's Q8_0 / Q4_0 / Q5_0 blocks exactly where it has them.
 
     Returns:
       (model, tokenizer); the tokenizer's ``apply_chat_template`` renders
@@ -91,9 +93,13 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
     Raises:
       ValueError: a value that is none of the forms (the message lists them), a
         GGUF or checkpoint this loader cannot read, one without a usable
-        tokenizer, or an unreadable chat template.
+        tokenizer, an unreadable chat template, an unknown quantization, or int8
+        for a mixture-of-experts model.
     """
+    from model.quantization import check_quantization
     from serving.model_source import resolve_model
+
+    check_quantization(quantization)
 
     t0 = time.perf_counter()
     jdtype = jnp.dtype(dtype)
@@ -103,25 +109,28 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
         spec = models[name]
         if spec["source"] == "random":
             cfg = ModelConfig.from_dict(spec["config"])
-            model = build_model(cfg, dtype=jdtype, rngs=nnx.Rngs(int(spec.get("seed", 0))))
+            model = build_model(cfg, dtype=jdtype, rngs=nnx.Rngs(int(spec.get("seed", 0))),
+                                quantization=quantization)
             return model, serve_chat_template(Tokenizer.tiny(cfg.vocab_size), chat_template)
         if spec["source"] != "gguf-package":
             raise ValueError(f"model {name!r}: unknown source {spec['source']!r}")
         path = importlib.import_module(spec["package"]).assemble()
     elif source.is_hf:
-        model, tokenizer = _load_hf(source, jdtype, mesh, progress, chat_template)
+        model, tokenizer = _load_hf(source, jdtype, mesh, progress, chat_template, quantization)
         log.info("loaded %s (%s) in %.1f s", source.name, dtype, time.perf_counter() - t0)
         return model, tokenizer
     else:
         path, name = source.path, source.name
     tokenizer = gguf_tokenizer(path)
-    cfg, params = load_gguf(path, name=name, cache_dir=cache_dir("weights"), progress=progress)
-    model = build_model(cfg, params=params, dtype=jdtype)
+    cfg, params = load_gguf(path, name=name, cache_dir=cache_dir("weights"), progress=progress,
+                            quantization=quantization)
+    model = build_model(cfg, params=params, dtype=jdtype, quantization=quantization)
     log.info("loaded %s (%s) in %.1f s", name, dtype, time.perf_counter() - t0)
     return model, serve_chat_template(tokenizer, chat_template, gguf_chat_template(tokenizer, path))
 
 
-def _load_hf(source, jdtype, mesh, progress: bool, chat_template: str | None):
+def _load_hf(source, jdtype, mesh, progress: bool, chat_template: str | None,
+             quantization: str = "none"):
     """A Hugging Face checkpoint directory: its tokenizer and template first (cheap, so a
     checkpoint without them fails before its weights are read), then its weights."""
     from model.chat_template_source import load_checkpoint_chat_template
@@ -139,7 +148,7 @@ def _load_hf(source, jdtype, mesh, progress: bool, chat_template: str | None):
         rules = ShardingRules.default()
     cfg, params = load_hf_checkpoint(directory, jdtype.name, mesh=mesh, rules=rules, name=source.name,
                                      progress=progress)
-    return build_model(cfg, params=params, dtype=jdtype), served
+    return build_model(cfg, params=params, dtype=jdtype, quantization=quantization), served
 
 
 def hf_tokenizer(directory: str | Path, vocab_size: int | None = None) -> TextTokenizer:

@@ -61,10 +61,13 @@ class ServerConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8"):  # model.quantization.QUANTIZATIONS (no JAX here)
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
