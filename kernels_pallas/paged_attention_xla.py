@@ -11,7 +11,8 @@ signatures)::
     and it is never read unmasked.
 
 Both functions gather the pages named by ``page_table`` (its width is the
-caller's length bucket, so work follows the longest sequence in the step),
+caller's length bucket, so work follows the longest sequence in the step;
+prefill per query block of one row, see :func:`paged_prefill_attention_xla`),
 mask by length, causality and sliding window, and run a dense softmax in
 float32. Masked probabilities are exactly zero and masked values are replaced
 by zero before the weighted sum, so garbage (even NaN) in pages a sequence
@@ -25,8 +26,8 @@ token bitwise the same attention output (the backend policy's batch-invariant
 mode; the weighted sums are dots whose reduction runs over the key axis). A
 decode step's dots have the KV head's query group as rows (1 to 8 for common
 models), and a backend may run so few rows on another kernel than a prefill
-chunk's (tokens x group rows, a multiple of 16): ``group_rows`` pads them
-(``kernels_pallas.dot_rows``).
+query block's (block tokens x group rows, a size ``dot_rows`` leaves as it is):
+``group_rows`` pads them (``kernels_pallas.dot_rows``).
 
 Sliding window semantics (Gemma 3, see the reference README): query at
 position i sees key j iff ``j <= i and i - j < window``; ``window <= 0``
@@ -39,7 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.dot_rows import repeat_last
+from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage, to_storage
 from kernels_pallas.ordered_sum import ordered_sum
 
@@ -151,16 +152,20 @@ the block-size rule of :func:`prefill_query_blocks` (measured on XLA:CPU,
 ``python -m benchmarks.prefill_packing attention``, benchmarks/RESULTS.md)."""
 
 
-def prefill_query_blocks(num_tokens: int, max_seqs: int, block_q: int | None = None) -> tuple[int, int]:
+def prefill_query_blocks(num_tokens: int, max_seqs: int, block_q: int | None = None, *, group: int = 1,
+                         dot_rows: DotRows = DotRows()) -> tuple[int, int]:
     """(block_q, num_blocks) of the blocked prefill below for a step of ``num_tokens`` tokens
-    (the token bucket T) in at most ``max_seqs`` rows (S).
+    (the token bucket T) in at most ``max_seqs`` rows (S), ``group`` query heads per KV head.
 
     Each row's chunk is cut into blocks of ``block_q`` tokens (its last one partial), so
     ``num_blocks`` covers the worst case: every row wastes at most ``block_q - 1`` query
     slots, and no step has more rows than tokens. With one row the block is the whole
     step (the single-sequence form). Otherwise ``block_q`` is the power of two minimising
     ``num_blocks * (block_q + PREFILL_BLOCK_GATHER_ROWS)``: scored query slots plus each
-    block's gather of its row's pages, counted in query rows' worth of work.
+    block's gather of its row's pages, counted in query rows' worth of work; among the
+    sizes whose dots (``block_q * group`` rows) ``dot_rows`` leaves unpadded, so every
+    block's rows run on the kernel of a long chunk's (batch invariance,
+    ``kernels_pallas.dot_rows``).
 
     Raises:
       ValueError: num_tokens or max_seqs below 1, or a block_q below 1.
@@ -177,7 +182,8 @@ def prefill_query_blocks(num_tokens: int, max_seqs: int, block_q: int | None = N
     if block_q is None:
         if rows == 1:
             return num_tokens, 1
-        candidates = [1 << i for i in range(num_tokens.bit_length()) if 1 << i <= num_tokens]
+        candidates = [1 << i for i in range(num_tokens.bit_length())
+                      if dot_rows.count((1 << i) * group) == (1 << i) * group] or [num_tokens]
         block_q = min(candidates, key=lambda bq: (blocks(bq) * (bq + PREFILL_BLOCK_GATHER_ROWS), bq))
     return block_q, blocks(block_q)
 
@@ -197,6 +203,7 @@ def paged_prefill_attention_xla(
     layer=None,
     ordered_sums: bool = False,
     block_q: int | None = None,
+    dot_rows: DotRows = DotRows(),
 ) -> jax.Array:
     """A ragged batch of prompt chunks against their sequences' pages (chunk included).
 
@@ -220,12 +227,14 @@ def paged_prefill_attention_xla(
     Args:
       q: [num_tokens, num_heads, head_dim]; tokens past cu_q_lens[num_seqs] are padding.
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
-      cu_q_lens: [S + 1] int32, cumulative query lengths (non-decreasing).
+      cu_q_lens: [S + 1] int32, cumulative query lengths (non-decreasing, from 0).
       kv_lens: [S] int32, tokens in the cache for sequence i after this chunk.
       page_table: [S, P] int32.
       num_seqs: [] int32, rows that are real.
       scale, sliding_window, soft_cap, layer, ordered_sums: as in :func:`paged_decode_attention_xla`.
       block_q: query tokens per block (None: :func:`prefill_query_blocks`'s rule).
+      dot_rows: the batch-invariant mode's row padding of low-precision dots: block
+        sizes whose dots it would pad are not chosen (see :func:`prefill_query_blocks`).
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
@@ -234,7 +243,7 @@ def paged_prefill_attention_xla(
     kv_heads = k_pages.shape[-4]
     group = num_heads // kv_heads
     max_seqs = kv_lens.shape[0]
-    bq, num_blocks = prefill_query_blocks(num_tokens, max_seqs, block_q)
+    bq, num_blocks = prefill_query_blocks(num_tokens, max_seqs, block_q, group=group, dot_rows=dot_rows)
     rows = jnp.arange(max_seqs, dtype=jnp.int32)
     q_len = jnp.where(rows < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     row_blocks = (q_len + bq - 1) // bq
