@@ -147,6 +147,8 @@ def paged_attention(
         if md.mode == "decode":
             group = q.shape[1] // k_pages.shape[-4]
             opts["group_rows"] = config.dot_rows.count(group)
+        else:  # query blocks whose dots keep the prefill rows' kernel
+            opts["dot_rows"] = config.dot_rows
     if config.kernel == "triton":
         if md.mode == "decode":
             opts["pages_per_block"] = decode_block_sizes(

@@ -13,7 +13,8 @@ signatures)::
 Both functions gather the pages named by ``page_table`` (its width is the
 caller's length bucket, so work follows the longest sequence in the step;
 in decode a sliding-window layer gathers only two aligned blocks of pages
-around its window when that is narrower, see ``paged_decode_attention_xla``),
+around its window when that is narrower, see ``paged_decode_attention_xla``;
+prefill per query block of one row, see :func:`paged_prefill_attention_xla`),
 mask by length, causality and sliding window, and run a dense softmax in
 float32. Masked probabilities are exactly zero and masked values are replaced
 by zero before the weighted sum, so garbage (even NaN) in pages a sequence
@@ -27,8 +28,8 @@ token bitwise the same attention output (the backend policy's batch-invariant
 mode; the weighted sums are dots whose reduction runs over the key axis). A
 decode step's dots have the KV head's query group as rows (1 to 8 for common
 models), and a backend may run so few rows on another kernel than a prefill
-chunk's (tokens x group rows, a multiple of 16): ``group_rows`` pads them
-(``kernels_pallas.dot_rows``).
+query block's (block tokens x group rows, a size ``dot_rows`` leaves as it is):
+``group_rows`` pads them (``kernels_pallas.dot_rows``).
 
 Sliding window semantics (Gemma 3, see the reference README): query at
 position i sees key j iff ``j <= i and i - j < window``; ``window <= 0``
@@ -41,7 +42,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.dot_rows import repeat_last
+from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage, to_storage
 from kernels_pallas.ordered_sum import ordered_sum
 
@@ -213,6 +214,48 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
 
 
+PREFILL_BLOCK_GATHER_ROWS = 32
+"""What gathering one query block's pages costs, in scored query rows (rows x heads x keys):
+the block-size rule of :func:`prefill_query_blocks` (measured on XLA:CPU,
+``python -m benchmarks.prefill_packing attention``, benchmarks/RESULTS.md)."""
+
+
+def prefill_query_blocks(num_tokens: int, max_seqs: int, block_q: int | None = None, *, group: int = 1,
+                         dot_rows: DotRows = DotRows()) -> tuple[int, int]:
+    """(block_q, num_blocks) of the blocked prefill below for a step of ``num_tokens`` tokens
+    (the token bucket T) in at most ``max_seqs`` rows (S), ``group`` query heads per KV head.
+
+    Each row's chunk is cut into blocks of ``block_q`` tokens (its last one partial), so
+    ``num_blocks`` covers the worst case: every row wastes at most ``block_q - 1`` query
+    slots, and no step has more rows than tokens. With one row the block is the whole
+    step (the single-sequence form). Otherwise ``block_q`` is the power of two minimising
+    ``num_blocks * (block_q + PREFILL_BLOCK_GATHER_ROWS)``: scored query slots plus each
+    block's gather of its row's pages, counted in query rows' worth of work; among the
+    sizes whose dots (``block_q * group`` rows) ``dot_rows`` leaves unpadded, so every
+    block's rows run on the kernel of a long chunk's (batch invariance,
+    ``kernels_pallas.dot_rows``).
+
+    Raises:
+      ValueError: num_tokens or max_seqs below 1, or a block_q below 1.
+    """
+    if num_tokens < 1 or max_seqs < 1:
+        raise ValueError(f"num_tokens and max_seqs must be >= 1, got {num_tokens}, {max_seqs}")
+    if block_q is not None and block_q < 1:
+        raise ValueError(f"block_q must be >= 1, got {block_q}")
+    rows = min(max_seqs, num_tokens)
+
+    def blocks(bq: int) -> int:
+        return min(num_tokens, (num_tokens + rows * (bq - 1)) // bq) if rows > 1 else -(-num_tokens // bq)
+
+    if block_q is None:
+        if rows == 1:
+            return num_tokens, 1
+        candidates = [1 << i for i in range(num_tokens.bit_length())
+                      if dot_rows.count((1 << i) * group) == (1 << i) * group] or [num_tokens]
+        block_q = min(candidates, key=lambda bq: (blocks(bq) * (bq + PREFILL_BLOCK_GATHER_ROWS), bq))
+    return block_q, blocks(block_q)
+
+
 def paged_prefill_attention_xla(
     q: jax.Array,
     k_pages: jax.Array,
@@ -227,6 +270,8 @@ def paged_prefill_attention_xla(
     soft_cap: float | None = None,
     layer=None,
     ordered_sums: bool = False,
+    block_q: int | None = None,
+    dot_rows: DotRows = DotRows(),
 ) -> jax.Array:
     """A ragged batch of prompt chunks against their sequences' pages (chunk included).
 
@@ -235,53 +280,74 @@ def paged_prefill_attention_xla(
     ``q_len_i`` positions before ``kv_lens[i]``; so a chunk may start mid-sequence
     (a later chunk, or a prompt that hit the prefix cache).
 
+    Blocked ragged form (the work of ragged paged attention, e.g. vLLM's
+    ``ragged_paged_attention`` for TPU, in dense XLA ops): each row's chunk is cut
+    into query blocks of ``block_q`` tokens aligned to the row's first token, and
+    each block gathers only its own row's pages and scores its tokens against
+    them. A step's work is then about ``(T + S * block_q) x L`` scores (L = the
+    page-table width) instead of ``S x T x L`` when every token is scored against
+    every packed row. The block table is computed on the device from
+    ``cu_q_lens``; the static block count covers the worst case
+    (:func:`prefill_query_blocks`). A key's index in its block's score row is its
+    position in the sequence, as in decode, so with ``ordered_sums`` a token's
+    output does not depend on the other rows of the step.
+
     Args:
       q: [num_tokens, num_heads, head_dim]; tokens past cu_q_lens[num_seqs] are padding.
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
-      cu_q_lens: [S + 1] int32, cumulative query lengths (non-decreasing).
+      cu_q_lens: [S + 1] int32, cumulative query lengths (non-decreasing, from 0).
       kv_lens: [S] int32, tokens in the cache for sequence i after this chunk.
       page_table: [S, P] int32.
       num_seqs: [] int32, rows that are real.
       scale, sliding_window, soft_cap, layer, ordered_sums: as in :func:`paged_decode_attention_xla`.
+      block_q: query tokens per block (None: :func:`prefill_query_blocks`'s rule).
+      dot_rows: the batch-invariant mode's row padding of low-precision dots: block
+        sizes whose dots it would pad are not chosen (see :func:`prefill_query_blocks`).
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
-
-    Cost: this dense reference scores every token against every sequence's
-    pages (S x the useful work), so the engine keeps S small on CPU.
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pages.shape[-4]
     group = num_heads // kv_heads
     max_seqs = kv_lens.shape[0]
-    k = _gather_pages(k_pages, page_table, layer)  # [S, kv, L, d]
-    v = _gather_pages(v_pages, page_table, layer)
-    seq = token_sequence_ids(cu_q_lens, num_tokens)  # [T]
+    bq, num_blocks = prefill_query_blocks(num_tokens, max_seqs, block_q, group=group, dot_rows=dot_rows)
+    rows = jnp.arange(max_seqs, dtype=jnp.int32)
+    q_len = jnp.where(rows < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    row_blocks = (q_len + bq - 1) // bq
+    blk_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(row_blocks, dtype=jnp.int32)])  # [S + 1]
+    # The block table: block b is the j-th block of row blk_row[b].
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    blk_row = jnp.minimum(jnp.searchsorted(blk_cu[1:], b, side="right"), max_seqs - 1).astype(jnp.int32)
+    first = (b - blk_cu[blk_row]) * bq  # [NB] the block's first token, counted in its chunk
+    in_chunk = first[:, None] + jnp.arange(bq, dtype=jnp.int32)[None, :]  # [NB, bq]
+    real = (b < blk_cu[max_seqs])[:, None] & (in_chunk < q_len[blk_row][:, None])  # [NB, bq]
+    tok = jnp.where(real, cu_q_lens[blk_row][:, None] + in_chunk, 0)
+    q_pos = (kv_lens - q_len)[blk_row][:, None] + in_chunk  # [NB, bq]
+    blk_kv_len = jnp.where(b < blk_cu[max_seqs], kv_lens[blk_row], 0)  # [NB]
+    k = _gather_pages(k_pages, page_table[blk_row], layer)  # [NB, kv, L, d]
+    v = _gather_pages(v_pages, page_table[blk_row], layer)
+    single = num_blocks == 1 and bq == num_tokens  # one row: the block is the step, in order
+    qb = (q if single else q[tok]).reshape(num_blocks, bq, kv_heads, group, head_dim)
+    qb = qb.transpose(0, 2, 1, 3, 4)  # [NB, kv, bq, G, d]: the KV head leads with the block
+    scores = jnp.einsum("bkqgd,bkld->bkqgl", qb, k, preferred_element_type=jnp.float32) * scale
+    k_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
+    key_ok = k_pos[None, :] < blk_kv_len[:, None]  # [NB, L]
+    mask = (_window_mask(q_pos[:, :, None], k_pos[None, None, :], sliding_window)
+            & key_ok[:, None, :] & real[:, :, None])  # [NB, bq, L]
+    probs = _softmax_weighted_sum(scores, mask[:, None, :, None, :], v, soft_cap, ordered_sums)
+    v = jnp.where(key_ok[:, None, :, None], v, 0)
+    out = jnp.einsum("bkqgl,bkld->bkqgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * bq, num_heads, head_dim)
+    # Back to the ragged token order: token t is row s's token t - cu[s].
+    seq = token_sequence_ids(cu_q_lens, num_tokens)
     valid_tok = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)
     seq = jnp.minimum(seq, max_seqs - 1)
-    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
-    q_pos = kv_lens[seq] - q_len[seq] + (jnp.arange(num_tokens) - cu_q_lens[seq])  # [T]
-    # KV-head-major layout, so every dot has its batch axis (the KV head) leading on
-    # both operands: the canonical batched-matmul form.
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [K, T, G, d]
-    L = k.shape[2]
-    k_pos = jnp.arange(L, dtype=jnp.int32)
-    out = jnp.zeros((kv_heads, num_tokens, group, head_dim), jnp.float32)
-    # One pass per sequence slot (S is small and static); each token only
-    # keeps the pass of its own sequence.
-    for s in range(max_seqs):
-        scores = jnp.einsum("ktgd,kld->ktgl", qg, k[s], preferred_element_type=jnp.float32) * scale
-        mask = (
-            _window_mask(q_pos[:, None], k_pos[None, :], sliding_window)
-            & (k_pos[None, :] < kv_lens[s])
-            & ((seq == s) & valid_tok)[:, None]
-        )  # [T, L]
-        probs = _softmax_weighted_sum(scores, mask[None, :, None, :], v, soft_cap, ordered_sums)
-        vs = jnp.where(((k_pos < kv_lens[s]) & (s < num_seqs))[None, :, None], v[s], 0)
-        out = out + jnp.einsum("ktgl,kld->ktgd", probs.astype(vs.dtype), vs,
-                               preferred_element_type=jnp.float32)
-    out = out.transpose(1, 0, 2, 3)  # [T, K, G, d]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    off = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq]
+    if not single:
+        out = out[jnp.where(valid_tok, (blk_cu[seq] + off // bq) * bq + off % bq, 0)]
+    out = jnp.where(valid_tok[:, None, None], out, 0)
+    return out.astype(q.dtype)
 
 
 def write_kv_pages(

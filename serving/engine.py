@@ -75,7 +75,7 @@ from flax import nnx
 from model.compute import Compute
 from model.kv_cache import KVCache
 from serving.backend_policy import BackendPolicy
-from serving.engine_config import EngineConfig, batch_bucket, page_bucket
+from serving.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket
 from serving import token_counts
 from serving.logits_processors import sample_processed
 from serving.logprobs import StepOutput, prompt_logprobs, token_logprobs
@@ -332,7 +332,8 @@ class Engine:
 
     def warmup(self) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:
-        every prefill token bucket for a fresh prompt, and every decode
+        every prefill (token bucket, page-table width) that fresh prompts packed
+        up to ``max_prefill_seqs`` per step can reach, and every decode
         (batch, page-table width) bucket, so no running stream stalls on a
         compile. Prefill of later chunks (a prefix in the cache) compiles on
         first use. Writes go to the null page 0 only, so the cache is unaffected."""
@@ -340,7 +341,14 @@ class Engine:
         null_pages = (0,) * cfg.max_pages_per_seq
         T = 16
         while T <= cfg.prefill_chunk:
-            self.prefill([PrefillRow("warmup", 0, 0, (0,) * T, null_pages, True, GREEDY)])
+            widths = {prefill_page_bucket(n, cfg) for n in range(1, -(-T // cfg.page_size) + 1)}
+            for P in sorted(widths):
+                per_row = min(P * cfg.page_size, T)  # rows of at most P pages fill the T tokens
+                if -(-T // per_row) > cfg.max_prefill_seqs:
+                    continue  # more rows than a step takes: fresh prompts never make this shape
+                lens = [per_row] * (T // per_row) + ([T % per_row] if T % per_row else [])
+                self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
+                              for i, n in enumerate(lens)])
             T *= 2
         for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}):
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):

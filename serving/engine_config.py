@@ -8,8 +8,11 @@ approach), so the number of compiled programs stays small:
     slot count; a step's rows are the running slots, so a lone stream does not
     pay for 32 slots.
   * P: page-table width buckets, powers of two (in pages) from 512 tokens'
-    worth up to ``max_pages_per_seq``, covering the longest sequence in the
-    step, so attention work follows the real context length.
+    worth (64 in a prefill step) up to ``max_pages_per_seq``, covering the
+    longest sequence in the step, so attention work follows the real context
+    length.
+  * S: prefill rows, ``max_prefill_seqs`` (at most ``max_slots``: each row is a
+    running request in its own slot).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class EngineConfig:
       num_pages: KV pool size in pages, including the null page 0.
       max_model_len: context window in tokens (prompt + generated).
       prefill_chunk: most tokens in one prefill step (a power of two >= 16).
-      max_prefill_seqs: sequences packed into one prefill step (S).
+      max_prefill_seqs: sequences packed into one prefill step (S); above
+        ``max_slots`` it is lowered to ``max_slots`` (each row takes a slot).
       min_decode_batch: smallest decode batch bucket in rows (None: the backend
         policy's, ``serving.backend_policy``).
       kv_dtype: KV cache dtype name ("float32" or "bfloat16"); the backend
@@ -43,7 +47,7 @@ class EngineConfig:
     num_pages: int = 4096
     max_model_len: int = 8192
     prefill_chunk: int = 512
-    max_prefill_seqs: int = 1
+    max_prefill_seqs: int = 32
     min_decode_batch: int | None = None
     kv_dtype: str = "float32"
     speculative: SpeculativeConfig | None = None
@@ -55,6 +59,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be a multiple of page_size")
         if self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
+        if self.max_prefill_seqs > self.max_slots:
+            object.__setattr__(self, "max_prefill_seqs", self.max_slots)
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
         # A pool smaller than one full context is allowed: requests that could
@@ -103,6 +111,21 @@ little next to reading the weights, and fewer buckets mean fewer programs."""
 def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
     """Page-table width bucket covering num_pages (powers of two, >= 512 tokens' worth)."""
     lo = max(1, min(MIN_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
+    return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
+
+
+MIN_PREFILL_PAGE_BUCKET_TOKENS = 64
+"""The narrowest page-table bucket of a prefill step, in tokens. The XLA prefill
+gathers the table's width once per query block (``paged_prefill_attention_xla``),
+so a step of short packed prompts over a 512-token table did 8x the attention
+work of one over 64 tokens (``python -m benchmarks.prefill_packing attention``,
+benchmarks/RESULTS.md); decode keeps :data:`MIN_PAGE_BUCKET_TOKENS`."""
+
+
+def prefill_page_bucket(num_pages: int, cfg: EngineConfig) -> int:
+    """Page-table width bucket of a prefill step covering num_pages (powers of two,
+    >= 64 tokens' worth)."""
+    lo = max(1, min(MIN_PREFILL_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
     return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
 
 

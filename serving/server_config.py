@@ -33,7 +33,7 @@ class ServerConfig:
     page_size: int = 16
     num_pages: int = 4096
     prefill_chunk: int = 512
-    max_prefill_seqs: int = 1
+    max_prefill_seqs: int = 32
     min_decode_batch: int | None = None
     max_waiting: int = 256
     max_waiting_tokens: int | None = None

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.attention_metadata import AttentionMetadata
-from serving.engine_config import EngineConfig, batch_bucket, page_bucket, token_bucket
+from serving.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket, token_bucket
 from serving.sampling import SamplingArrays
 from serving.step_plan import DecodeRow, PrefillRow
 
@@ -100,7 +100,7 @@ class PrefillBatch:
             raise ValueError(f"a prefill step takes 1..{S} rows and <= {cfg.prefill_chunk} tokens, "
                              f"got {len(rows)} rows of {n_tok} tokens")
         T = token_bucket(n_tok, cfg)
-        P = page_bucket(_pages_for(max(r.end for r in rows), cfg.page_size), cfg)
+        P = prefill_page_bucket(_pages_for(max(r.end for r in rows), cfg.page_size), cfg)
         tokens = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         cu = np.full(S + 1, n_tok, np.int32)
