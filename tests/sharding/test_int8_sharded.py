@@ -26,9 +26,9 @@ def test_int8_values_and_scales_shard_by_the_logical_axes():
     placed = place_params(nnx.state(_int8_llama(), nnx.Param), mesh, ShardingRules.default())
     wq, wq_scale = placed["wq"].get_value(), placed["wq_scale"].get_value()
     assert wq.dtype == jnp.int8 and wq_scale.dtype == jnp.float32
-    assert wq.sharding.spec == wq_scale.sharding.spec[:1] + (wq.sharding.spec[1],) + wq_scale.sharding.spec[2:]
-    assert "tensor" in str(wq.sharding.spec) and "tensor" in str(wq_scale.sharding.spec)  # heads split
-    assert wq_scale.sharding.spec[1] is None  # the contraction axis of the scales is not split
+    spec, scale_spec = tuple(wq.sharding.spec) + (None,) * 4, tuple(wq_scale.sharding.spec) + (None,) * 4
+    assert spec[2] == scale_spec[2] == "tensor"  # [layers, embed, heads, head_dim]: heads split
+    assert scale_spec[1] is None  # the scales' contraction axis (size 1) is not split
     assert wq.addressable_shards[0].data.shape[2] == wq.shape[2] // 4
 
 
