@@ -50,18 +50,21 @@ def loop_bf16(gemma_params):
     loop.stop()
 
 
-def test_golden_greedy_batched(loop_f32, golden):
-    prompts = golden["prompts"]
-    outs = generate(loop_f32, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
-    for p, ids in zip(prompts, outs):
+@pytest.fixture(scope="module")
+def batched_f32(loop_f32, golden):
+    """The 8 golden prompts' greedy ids, all 8 submitted at once (one decode batch), float32."""
+    return generate(loop_f32, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in golden["prompts"]])
+
+
+def test_golden_greedy_batched(batched_f32, golden):
+    for p, ids in zip(golden["prompts"], batched_f32):
         agree_until_near_tie(ids, p)
 
 
-def test_batch_invariance_greedy(loop_f32, golden):
+def test_batch_invariance_greedy(loop_f32, batched_f32, golden):
     """Each prompt alone gives the ids it gives alongside 7 others of different lengths."""
     prompts = golden["prompts"]
-    batched = generate(loop_f32, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
-    for p, together in zip(prompts, batched):
+    for p, together in zip(prompts, batched_f32):
         alone = generate(loop_f32, [request(p["ids"], max_tokens=24, ignore_eos=True)])[0]
         margins = p["greedy"]["step_top1_top2_margin"]
         for step, (a, b) in enumerate(zip(alone, together)):

@@ -1,6 +1,6 @@
 """Weight-only int8 (``--quantization int8``): quantize / dequantize bounds, the quantized dot in
 both formulations, exact GGUF Q8_0 / Q4_0 / Q5_0 loading, the backend policy's requantization,
-the refusals, and the real Gemma 3 270M's golden greedy ids in int8."""
+the refusals, and the real Gemma 3 270M in int8 against the golden margins and greedy ids."""
 
 from __future__ import annotations
 
@@ -211,40 +211,76 @@ def test_gguf_blocks_load_exactly(tmp_path, arch, spec, qtype):
 # -- the real model ------------------------------------------------------------------------
 
 
-# Where int8 departs from the golden ids before a near tie (measured 2026-12-01 with the CPU
-# policy's "int8x2" dot): prompt -> the step (and the golden top1-top2 margin there). The
-# per-channel rounding of the layer matrices does it: int8 weights with bf16 activations depart
-# at the same steps, an int8 head alone (layers bf16) nowhere the bf16 model does not.
-KNOWN_DEPARTURES = {"english": (21, 0.094), "code": (23, 0.263), "whitespace_padded": (4, 0.097)}
+# How far int8's top1-top2 logit margins may move from the golden ones (logits). int8 weights with
+# bf16 activations move them by rounding: over the 8 prompts x 24 steps teacher-forced, measured
+# 2026-12-02 on an AVX-512 EPYC, at most 0.56 and 0.19 root mean square. The bounds sit above
+# that. Free-running greedy ids must agree up to the first golden step whose margin is below the
+# bound: before it no error within the bound can flip an argmax. (The test before listed the
+# steps where int8 departed on one CPU, an AMX Xeon; on the EPYC a 0.094 margin at step 3 of
+# "code" flipped that had held there: which near tie a CPU's rounding tips is not a property of
+# int8, its error's size is.)
+INT8_MARGIN_BOUND = 0.75
+INT8_MARGIN_RMS_BOUND = 0.3
+
+
+def _teacher_forced_margins(events, prompt, steps):
+    """int8's margin of the golden id at each golden greedy step: its logprob minus the best other
+    id's (negative where int8 ranks another id first), from the prompt logprobs of the request
+    ``prompt ids + golden greedy ids``."""
+    entries = events[0].prompt_logprobs[prompt["num_tokens"]:prompt["num_tokens"] + steps]
+    margins = []
+    for s, entry in enumerate(entries):
+        assert entry.token_id == prompt["greedy"]["ids"][s]
+        best_other = max(lp for tok, lp in entry.top if tok != entry.token_id)
+        margins.append(entry.logprob - best_other)
+    return margins
 
 
 @pytest.mark.gemma
-def test_int8_reproduces_golden_where_bf16_simulation_did(gemma_params, golden):
+def test_int8_margins_stay_within_the_bound_of_the_golden_ones(gemma_params, golden):
     """Gemma 3 270M with int8 layer matrices and head (per-channel, the CPU policy's "int8x2"
-    dot), bfloat16 activations and KV cache, the bf16 golden test's prompts and engine config:
-    the golden greedy ids up to the near-tie cutoff, and for the prompts of
-    ``KNOWN_DEPARTURES`` up to their listed step (benchmarks/RESULTS.md, issue 17 int8)."""
+    dot), bfloat16 activations and KV cache, the bf16 golden test's engine config.
+
+    Teacher-forced: each golden prompt followed by its 24 golden greedy ids is scored in one
+    request (prompt logprobs, top 2); at every step int8's margin of the golden id (its logit
+    minus the best other's) is within ``INT8_MARGIN_BOUND`` of the golden top1-top2 margin, so
+    int8 ranks the golden id first wherever the golden margin exceeds the bound, and the moves'
+    root mean square is within ``INT8_MARGIN_RMS_BOUND``. Free-running:
+    greedy ids equal the golden ones up to the first step whose golden margin is below the bound."""
+    import asyncio
+
     from model.gemma3 import Gemma3
     from serving.engine import Engine
     from serving.engine_loop import EngineLoop
-    from tests.engine_helpers import agree_until_near_tie, generate, request
+    from tests.engine_helpers import agree_until_near_tie, collect, generate, request
     from tests.test_engine_gemma import CFG
 
     cfg, params = gemma_params
     model = Gemma3(cfg, params=params, dtype=jnp.bfloat16, quantization="int8")
     loop = EngineLoop(Engine(model, dataclasses.replace(CFG, kv_dtype="bfloat16")))
     loop.start(warmup=False)
+    prompts = golden["prompts"]
+    scored = [request(p["ids"] + p["greedy"]["ids"], max_tokens=1, ignore_eos=True, prompt_logprobs=2)
+              for p in prompts]
+
+    async def score():
+        return await asyncio.gather(*(collect(loop, r) for r in scored))
+
     try:
-        prompts = [p for p in golden["prompts"] if p["greedy"]["bf16_sim_argmax_agrees"]]
-        outs = generate(loop, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
+        forced = [events for _, events in asyncio.run(score())]
+        free = generate(loop, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
     finally:
         loop.stop()
     assert loop.engine.policy.quantized_dot == "int8x2"
-    for p, ids in zip(prompts, outs):
-        step, margin = KNOWN_DEPARTURES.get(p["name"], (None, None))
-        if step is None:
-            agree_until_near_tie(ids, p)
-            continue
-        assert p["greedy"]["step_top1_top2_margin"][step] == pytest.approx(margin, abs=1e-3)
-        cut = {**p, "greedy": {k: (v[:step] if isinstance(v, list) else v) for k, v in p["greedy"].items()}}
-        agree_until_near_tie(ids[:step], cut)
+    departures = []
+    for p, events, ids in zip(prompts, forced, free):
+        golden_margins = p["greedy"]["step_top1_top2_margin"]
+        ours = _teacher_forced_margins(events, p, len(golden_margins))
+        assert len(ours) == len(golden_margins) == 24
+        for step, (m8, m) in enumerate(zip(ours, golden_margins)):
+            departures.append(m8 - m)
+            assert abs(m8 - m) <= INT8_MARGIN_BOUND, (
+                f"{p['name']} step {step}: int8 margin {m8:.3f}, golden {m:.3f}")
+        agree_until_near_tie(ids, p, cutoff=INT8_MARGIN_BOUND)
+    rms = float(np.sqrt(np.mean(np.square(departures))))
+    assert rms <= INT8_MARGIN_RMS_BOUND, f"margins moved by {rms:.3f} root mean square"
