@@ -7,7 +7,7 @@ approach), so the number of compiled programs stays small:
   * B: decode batch buckets, powers of two from ``min_decode_batch`` up to the
     slot count; a step's rows are the running slots, so a lone stream does not
     pay for 32 slots.
-  * P: page-table width buckets, powers of two (in pages) from 512 tokens'
+  * P: page-table width buckets, powers of two (in pages) from 128 tokens'
     worth (64 in a prefill step) up to ``max_pages_per_seq``, covering the
     longest sequence in the step, so attention work follows the real context
     length.
@@ -103,13 +103,17 @@ def token_bucket(n: int, cfg: EngineConfig) -> int:
     return _pow2_at_least(n, 16, cfg.prefill_chunk)
 
 
-MIN_PAGE_BUCKET_TOKENS = 512
-"""The narrowest page-table bucket, in tokens: attention over 512 tokens costs
-little next to reading the weights, and fewer buckets mean fewer programs."""
+MIN_PAGE_BUCKET_TOKENS = 128
+"""The narrowest page-table bucket of a decode (and verify) step, in tokens. The
+XLA decode attention gathers and scores the table's whole width for every row,
+so at 32 slots of ~150-token contexts a 512-token table made the attention
+about a third of Gemma 3 270M's bf16 step on a 2-core CPU; 128 cuts that work
+4x for short contexts at the cost of two more decode widths (128, 256) to
+compile per batch bucket (benchmarks/RESULTS.md, issue 17)."""
 
 
 def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
-    """Page-table width bucket covering num_pages (powers of two, >= 512 tokens' worth)."""
+    """Page-table width bucket covering num_pages (powers of two, >= 128 tokens' worth)."""
     lo = max(1, min(MIN_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
     return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
 
