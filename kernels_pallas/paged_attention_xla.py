@@ -39,6 +39,8 @@ carry one window per layer.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -308,10 +310,34 @@ def paged_prefill_attention_xla(
       [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
     """
     num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k_pages.shape[-4]
+    max_seqs = kv_lens.shape[0]
+    bq, num_blocks = prefill_query_blocks(num_tokens, max_seqs, block_q, group=group, dot_rows=dot_rows)
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+                ordered_sums=ordered_sums)
+    blocked = functools.partial(_blocked_prefill, q, k_pages, v_pages, bq=bq, num_blocks=num_blocks, **opts)
+    if max_seqs == 1 or block_q is not None or (num_blocks == 1 and bq == num_tokens):
+        return blocked(cu_q_lens, kv_lens, page_table, num_seqs)
+    # A step of one row (a lone prompt in a program compiled for S rows) takes the
+    # single-sequence form: one block of the whole step against the row's pages, instead
+    # of the worst case's many small blocks each gathering that row's whole table (a
+    # 512-token prompt took 2.2x as long in a 32-row program as in a one-row one;
+    # benchmarks/RESULTS.md). Both forms score each token against the same keys with
+    # dots of rows DotRows leaves unpadded, so a token's output is the same either way.
+    one = functools.partial(_blocked_prefill, q, k_pages, v_pages, bq=num_tokens, num_blocks=1, **opts)
+    return jax.lax.cond(num_seqs == 1,
+                        lambda: one(cu_q_lens[:2], kv_lens[:1], page_table[:1], jnp.int32(1)),
+                        lambda: blocked(cu_q_lens, kv_lens, page_table, num_seqs))
+
+
+def _blocked_prefill(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, *, bq: int,
+                     num_blocks: int, scale: float, sliding_window, soft_cap, layer, ordered_sums: bool):
+    """The blocked ragged form of :func:`paged_prefill_attention_xla` with its block size
+    ``bq`` and block count ``num_blocks`` resolved (operands as there)."""
+    num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pages.shape[-4]
     group = num_heads // kv_heads
     max_seqs = kv_lens.shape[0]
-    bq, num_blocks = prefill_query_blocks(num_tokens, max_seqs, block_q, group=group, dot_rows=dot_rows)
     rows = jnp.arange(max_seqs, dtype=jnp.int32)
     q_len = jnp.where(rows < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     row_blocks = (q_len + bq - 1) // bq

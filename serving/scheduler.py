@@ -389,6 +389,8 @@ class Scheduler:
                 if source is None and (family_runs or req.parent_id in self._live):
                     kept += family_runs
                     continue  # waits for its family's prompt (see the module docstring)
+            if plan.prefill and self._would_split(req, source, prefill_budget):
+                break  # it starts whole in the next step (see _would_split); the queue waits behind it
             copies = self._admit(req, prefill_budget, source)
             if copies is None:
                 self._head_waits_for_pages = True
@@ -443,6 +445,26 @@ class Scheduler:
                  if r.request_id not in admitted and r.num_computed >= len(req.prompt_ids) - 1]
         source = next((r for r in ready if r.parent_id is None), ready[0] if ready else None)
         return source, bool(family)
+
+    def _would_split(self, req: SchedRequest, source: SchedRequest | None, budget: int) -> bool:
+        """Whether admitting waiting ``req`` now would start a prompt that one later step
+        could take whole: its uncached tokens exceed what this step has left (``budget``)
+        but not ``max_prefill_tokens``. Such a prompt waits for the next step instead of
+        filling this one with its first chunk: the chunk would make this step's prompts
+        (and the decode rows) wait for it, and the prompt's first token still comes only
+        after its last chunk, one step later either way. (Several ~400-token prompts
+        arriving at once, in 512-token steps: the first prompt's TTFT paid for a chunk of
+        the second, and every later one for a chunk of the next; benchmarks/RESULTS.md.)
+        A prompt longer than ``max_prefill_tokens`` is chunked anyway and starts now.
+        Pure: looks up the prefix cache, allocates nothing."""
+        tokens = req.token_ids()
+        if source is not None:
+            start = len(req.prompt_ids) - 1  # a fork computes the last prompt token (see _admit)
+        else:
+            max_hit = len(tokens) - 1 if req.prefix_cache else 0
+            start = self.kv.lookup_prefix(tokens, req.salt, max_tokens=max_hit).num_tokens
+        remaining = len(tokens) - start
+        return budget < remaining <= self.max_prefill_tokens
 
     def _admit(self, req: SchedRequest, budget: int,
                source: SchedRequest | None = None) -> tuple[PageCopy, ...] | None:

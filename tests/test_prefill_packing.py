@@ -123,16 +123,35 @@ def test_bf16_token_output_is_the_same_packed_or_alone(num_heads, kv_heads):
 
 def test_scheduler_packs_up_to_max_prefill_seqs_within_the_budget():
     """Seven waiting 6-token prompts, 3 rows and 16 prompt tokens per step: the first step
-    packs three rows (6 + 6 + the first 4 of the third), the next ones continue."""
+    packs two whole prompts; the third, which would need 6 of the 4 tokens left, waits for
+    the next step rather than filling this one with its first chunk (Scheduler._would_split)."""
     kv = KVCacheManager(64, 4, enable_prefix_caching=False)
     sched = Scheduler(kv, num_slots=8, token_budget=24, max_prefill_tokens=16, max_prefill_seqs=3)
     for i in range(7):
         sched.add(SchedRequest(f"r{i}", [10 * i + j for j in range(6)], max_tokens=4))
     plan = sched.schedule()
-    assert [len(r.token_ids) for r in plan.prefill] == [6, 6, 4]
-    assert [r.samples for r in plan.prefill] == [True, True, False]
+    assert [(r.request_id, len(r.token_ids)) for r in plan.prefill] == [("r0", 6), ("r1", 6)]
+    assert [r.samples for r in plan.prefill] == [True, True]
     sched.check_invariants()
-    plan = sched.schedule()  # two decode rows; the third's last 2 tokens, then two new prompts
+    plan = sched.schedule()  # two decode rows, then the next two whole prompts
     assert [r.request_id for r in plan.decode] == ["r0", "r1"]
-    assert [len(r.token_ids) for r in plan.prefill] == [2, 6, 6] and plan.num_tokens <= 24
+    assert [(r.request_id, len(r.token_ids)) for r in plan.prefill] == [("r2", 6), ("r3", 6)]
+    assert plan.num_tokens <= 24
     sched.check_invariants()
+
+
+def test_a_prompt_longer_than_a_step_starts_in_the_rest_of_one_and_the_first_is_chunked():
+    """What still splits: the step's first prompt when it exceeds the step, and a waiting
+    prompt longer than ``max_prefill_tokens`` (it is chunked wherever it starts)."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, num_slots=8, token_budget=24, max_prefill_tokens=16, max_prefill_seqs=3)
+    sched.add(SchedRequest("short", list(range(6)), max_tokens=4))
+    sched.add(SchedRequest("long", list(range(100, 140)), max_tokens=4))
+    plan = sched.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in plan.prefill] == [("short", 6), ("long", 10)]
+    sched.check_invariants()
+    kv2 = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched2 = Scheduler(kv2, num_slots=8, token_budget=24, max_prefill_tokens=16, max_prefill_seqs=3)
+    sched2.add(SchedRequest("first", list(range(20)), max_tokens=4))
+    plan = sched2.schedule()
+    assert [(r.request_id, len(r.token_ids), r.samples) for r in plan.prefill] == [("first", 16, False)]

@@ -204,6 +204,25 @@ def test_prefix_hits_are_reported_and_scoped_by_salt():
     assert same.output_ids == run_alone(same.prompt_ids, 3, ())
 
 
+def test_a_waiting_prompt_joins_a_step_when_its_uncached_rest_fits():
+    """A waiting prompt that fits no whole step's rest waits (Scheduler._would_split), but
+    what counts is its uncached rest: with its first page in the prefix cache it joins."""
+    rng = random.Random(5)
+    sched, engine = make(num_pages=40, budget=12, prefill=8, seqs=2)
+    system = [rng.randrange(VOCAB) for _ in range(4)]  # one page of 4
+    drive(sched, engine, [(0, SchedRequest("warm", system + [1], 1))], rng, 0.0)
+    sched.add(SchedRequest("x", [rng.randrange(VOCAB) for _ in range(5)], 2))
+    sched.add(SchedRequest("cached", system + [2, 3, 4], 2))  # 7 tokens, 4 cached: 3 left of 3
+    plan = sched.schedule()
+    assert [(r.request_id, r.start, len(r.token_ids)) for r in plan.prefill] == [("x", 0, 5), ("cached", 4, 3)]
+    sched.check_invariants()
+    sched2, _ = make(num_pages=40, budget=12, prefill=8, seqs=2)
+    sched2.add(SchedRequest("x", [rng.randrange(VOCAB) for _ in range(5)], 2))
+    sched2.add(SchedRequest("cold", system + [2, 3, 4], 2))  # nothing cached: 7 of 3 left
+    plan = sched2.schedule()
+    assert [r.request_id for r in plan.prefill] == ["x"]
+
+
 def test_full_hit_recomputes_the_last_token():
     rng = random.Random(3)
     sched, engine = make(num_pages=40)
