@@ -26,6 +26,11 @@ prefix-cache hit (``SchedRequest.prefix_cache``). ``max_tokens`` 0 (only
 with prompt log probabilities) finishes with "length" and no token once the
 prompt is computed (the token the step sampled is dropped).
 
+Bursts: while prompts (not ``n`` choices) wait for open slots, the loop reads
+back the step in flight before planning and takes in what arrived meanwhile,
+so prompts arriving together share a few packed prefill steps instead of each
+waiting behind one more small step (the pipelining is given up only then).
+
 Structured output: a constrained request's mask for step n+1 depends on its
 token of step n, so while one runs, the loop reads back the previous turn's
 tokens *before* planning (the pipelining above is given up only then), feeds

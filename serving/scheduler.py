@@ -23,7 +23,8 @@ Each step (:meth:`Scheduler.schedule`): every running request that is one
 token behind gets a decode row (one budget token each); then the rest of the
 budget goes to prompt chunks: running requests first, then waiting ones in
 (priority, arrival) order, admitted while a slot is free and their pages fit
-above a small watermark. When a running request needs a page and none is free
+above a small watermark; a waiting prompt that a later step could take whole is
+not started in the rest of this one (:meth:`Scheduler._would_split`). When a running request needs a page and none is free
 or evictable, the lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits
 at the front of its priority class to be recomputed.
