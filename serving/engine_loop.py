@@ -424,7 +424,16 @@ class EngineLoop:
         sched = self.scheduler
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
-        if pending and (any(s.sched.status is Status.RUNNING for s in self._constrained)
+        # Prompts wait for open slots (a burst arriving): plan after the step in flight
+        # ends, taking in what arrives meanwhile, instead of queueing a step of only the
+        # prompts here now behind it. Pipelined, every arrival waited for one more step:
+        # 32 prompts arriving at once got their first token after ~3 small prefill steps
+        # instead of ~2 packed ones (benchmarks/RESULTS.md). Decode-only turns (nothing
+        # waiting) stay pipelined, and so do turns where only ``n`` choices wait: they fork
+        # from their parent while it runs, which reading it back first could end (a parent
+        # with max_tokens 1).
+        burst = bool(pending) and sched.num_open_slots > 0 and any(r.parent_id is None for r in sched.waiting)
+        if pending and (burst or any(s.sched.status is Status.RUNNING for s in self._constrained)
                         or any(isinstance(step[0], VerifyOutput) for step in pending)
                         or sched.speculation_wants_tokens()):
             # A constrained request's next mask needs its last token, drafts need the
@@ -432,19 +441,8 @@ class EngineLoop:
             for step in pending:
                 self._process(*step)
             pending = []
-        if pending and sched.num_open_slots and any(r.parent_id is None for r in sched.waiting):
-            # Prompts wait for open slots (a burst arriving): plan after the step in flight
-            # ends, taking in what arrives meanwhile, instead of queueing a step of only the
-            # prompts here now behind it. Pipelined, every arrival waited for one more step:
-            # 32 prompts arriving at once got their first token after ~3 small prefill
-            # steps instead of ~2 packed ones (benchmarks/RESULTS.md). Decode-only turns
-            # (nothing waiting) stay pipelined, and so do turns where only ``n`` choices
-            # wait: they fork from their parent while it runs, which reading it back
-            # first could end (a parent with max_tokens 1).
-            for step in pending:
-                self._process(*step)
-            pending = []
-            self._drain_inbox(block=False)
+            if burst:
+                self._drain_inbox(block=False)
         plan = sched.schedule()
         if plan.needs_sync:  # preemption needs every token id: read back first
             for step in pending:

@@ -24,8 +24,9 @@ token behind gets a decode row (one budget token each); then the rest of the
 budget goes to prompt chunks: running requests first, then waiting ones in
 (priority, arrival) order, admitted while a slot is free and their pages fit
 above a small watermark; a waiting prompt that a later step could take whole is
-not started in the rest of this one (:meth:`Scheduler._would_split`). When a running request needs a page and none is free
-or evictable, the lowest-priority, newest running request is preempted: its
+not started in the rest of this one (:meth:`Scheduler._would_split`). When a
+running request needs a page and none is free or evictable, the
+lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits
 at the front of its priority class to be recomputed.
 
@@ -103,7 +104,7 @@ import dataclasses
 import enum
 import itertools
 
-from serving.kv_cache_manager import KVCacheManager, PageCopy
+from serving.kv_cache_manager import KVCacheManager, PageCopy, PrefixHit
 from serving.speculative import SpeculativeConfig, may_speculate, propose_ngram
 from serving.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
@@ -390,9 +391,10 @@ class Scheduler:
                 if source is None and (family_runs or req.parent_id in self._live):
                     kept += family_runs
                     continue  # waits for its family's prompt (see the module docstring)
-            if plan.prefill and self._would_split(req, source, prefill_budget):
+            hit = self._prefix_hit(req)
+            if plan.prefill and self._would_split(req, source, hit, prefill_budget):
                 break  # it starts whole in the next step (see _would_split); the queue waits behind it
-            copies = self._admit(req, prefill_budget, source)
+            copies = self._admit(req, prefill_budget, hit, source)
             if copies is None:
                 self._head_waits_for_pages = True
                 break  # head of line waits (lower priorities wait behind it)
@@ -447,7 +449,23 @@ class Scheduler:
         source = next((r for r in ready if r.parent_id is None), ready[0] if ready else None)
         return source, bool(family)
 
-    def _would_split(self, req: SchedRequest, source: SchedRequest | None, budget: int) -> bool:
+    def _prefix_hit(self, req: SchedRequest) -> PrefixHit:
+        """Waiting ``req``'s prefix-cache hit (pure: takes no references). A full hit still
+        recomputes the last token, to get its logits."""
+        tokens = req.token_ids()
+        return self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0)
+
+    @staticmethod
+    def _admission_start(req: SchedRequest, hit: PrefixHit, source: SchedRequest | None) -> int:
+        """The first position waiting ``req`` computes: after its hit, or forked from
+        ``source``'s prompt at the last prompt token (computed again, for its logits) when
+        the hit does not reach that far (a preempted child's own cached pages may)."""
+        if source is not None and hit.num_tokens < len(req.prompt_ids) - 1:
+            return len(req.prompt_ids) - 1
+        return hit.num_tokens
+
+    def _would_split(self, req: SchedRequest, source: SchedRequest | None, hit: PrefixHit,
+                     budget: int) -> bool:
         """Whether admitting waiting ``req`` now would start a prompt that one later step
         could take whole: its uncached tokens exceed what this step has left (``budget``)
         but not ``max_prefill_tokens``. Such a prompt waits for the next step instead of
@@ -456,37 +474,27 @@ class Scheduler:
         after its last chunk, one step later either way. (Several ~400-token prompts
         arriving at once, in 512-token steps: the first prompt's TTFT paid for a chunk of
         the second, and every later one for a chunk of the next; benchmarks/RESULTS.md.)
-        A prompt longer than ``max_prefill_tokens`` is chunked anyway and starts now.
-        Pure: looks up the prefix cache, allocates nothing."""
-        tokens = req.token_ids()
-        if source is not None:
-            start = len(req.prompt_ids) - 1  # a fork computes the last prompt token (see _admit)
-        else:
-            max_hit = len(tokens) - 1 if req.prefix_cache else 0
-            start = self.kv.lookup_prefix(tokens, req.salt, max_tokens=max_hit).num_tokens
-        remaining = len(tokens) - start
+        A prompt longer than ``max_prefill_tokens`` is chunked anyway and starts now."""
+        remaining = req.num_tokens - self._admission_start(req, hit, source)
         return budget < remaining <= self.max_prefill_tokens
 
-    def _admit(self, req: SchedRequest, budget: int,
+    def _admit(self, req: SchedRequest, budget: int, hit: PrefixHit,
                source: SchedRequest | None = None) -> tuple[PageCopy, ...] | None:
-        """Gives req a slot and pages for its next chunk: from a prefix hit, or forked from
-        ``source``'s prompt. Returns the page copies the chunk's row carries (None: no room)."""
+        """Gives req a slot and pages for its next chunk: from its prefix ``hit``
+        (:meth:`_prefix_hit`), or forked from ``source``'s prompt. Returns the page copies
+        the chunk's row carries (None: no room)."""
         tokens = req.token_ids()
         assert len(tokens) == req.num_tokens, "a waiting request has no tokens in flight"
         # The watermark only holds back admissions next to running requests.
         watermark = self.watermark_pages if self.running else 0
-        # A full hit still recomputes the last token, to get its logits.
-        hit = self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0)
-        if source is not None and hit.num_tokens < len(req.prompt_ids) - 1:
-            # (a preempted child's own cached pages may reach further: then the hit serves it)
-            start = len(req.prompt_ids) - 1  # the last prompt token is computed again, for its logits
-            n = min(len(tokens) - start, budget)
+        start = self._admission_start(req, hit, source)
+        n = min(len(tokens) - start, budget)
+        if start != hit.num_tokens:
             copies = self.kv.fork(req.request_id, source.request_id, start, start + n, watermark)
             if copies is None:
                 return None
         else:
-            start, copies = hit.num_tokens, ()
-            n = min(len(tokens) - start, budget)
+            copies = ()
             if not self.kv.allocate_pages(req.request_id, start + n, prefix=hit, watermark=watermark):
                 return None
         self.waiting.remove(req)
