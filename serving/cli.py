@@ -1,9 +1,11 @@
-"""The ``xlaserve`` command: ``serve``, ``generate``, the gateway's ``keys``, ``tenants``, ``usage``
+"""The ``xlaserve`` command: ``serve``, ``engine``, ``generate``, the gateway's ``keys``, ``tenants``, ``usage``
 (serving/admin_cli.py), and ``convert``, ``shard-plan`` (serving/sharding_cli.py).
 
     xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
     xlaserve serve --model tiny-random --port 8100
     xlaserve serve --model path/to/hf_checkpoint_dir     # or a .gguf file, or a Hub id org/name
+    xlaserve engine --grpc-port 50051                    # a replica behind gRPC (serving/replica_cli.py)
+    xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052
     xlaserve generate "The capital of France is" --max-tokens 24
     xlaserve keys create --tenant acme --rpm 60
     xlaserve usage --group-by day
@@ -159,14 +161,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
         return run_follower(cfg)
     services = open_gateway_services(cfg)  # before the engine: a refused start is quick
+    loop = None
     try:
-        loop, tokenizer, name = build_engine(cfg)
+        if args.engines:  # a gateway over remote replicas: no weights here
+            from serving.replica_cli import build_router
+
+            engine, tokenizer, name, _ = build_router(args.engines, args.router)
+        else:
+            loop, tokenizer, name = build_engine(cfg)
+            engine = loop
         name = cfg.served_model_name or name
         limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
                                stream_write_timeout=cfg.stream_write_timeout)
-        app = create_app({name: ServedModel(name=name, engine=loop, tokenizer=tokenizer,
-                                             max_model_len=loop.max_model_len,
-                                             kv_capacity_tokens=loop.kv_capacity_tokens,
+        app = create_app({name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
+                                             max_model_len=engine.max_model_len,
+                                             kv_capacity_tokens=engine.kv_capacity_tokens,
                                              default_chat_max_tokens=cfg.default_chat_max_tokens)},
                          services, limits)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
@@ -176,12 +185,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
                         timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
         finally:
-            loop.stop()
-            if loop.engine.lockstep is not None:
-                loop.engine.lockstep.stop()
+            if loop is not None:
+                loop.stop()
+                if loop.engine.lockstep is not None:
+                    loop.engine.lockstep.stop()
     finally:
         services.close()
     return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from serving.replica_cli import cmd_engine as run_engine
+
+    return run_engine(args, _overrides(args, ("enable_prefix_caching", "served_model_name",
+                                              "stream_buffer_events")))
 
 
 def freeze_startup_heap() -> None:
@@ -314,7 +331,26 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--stream-write-timeout", type=float, default=None,
                        help="seconds a streaming client may leave a write unaccepted before its request "
                        "is cancelled (default 30)")
+    serve.add_argument("--engines", metavar="grpc://HOST:PORT,...",
+                       help="serve remote engine replicas (`xlaserve engine`) instead of loading a model: "
+                       "the model, tokenizer and chat template come from them")
+    serve.add_argument("--router", default="kv-aware", choices=("kv-aware", "least-load", "round-robin"),
+                       help="with --engines: how a replica is chosen (default kv-aware: where the prompt's "
+                       "pages are cached, against load, with an imbalance guard)")
     serve.set_defaults(func=cmd_serve)
+
+    engine = sub.add_parser("engine", help="run one engine replica as a gRPC service (no HTTP), for "
+                            "`serve --engines`")
+    _add_settings(engine)
+    engine.add_argument("--grpc-port", type=int, required=True, help="port of the engine service (0: any free one)")
+    engine.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    engine.add_argument("--role", default="both", help="both: prefill and decode (the only role so far)")
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=None, help="turn the automatic prefix cache off")
+    engine.add_argument("--served-model-name", help="the model id the gateway serves it as")
+    engine.add_argument("--stream-buffer-events", type=int, default=None,
+                        help="events a stream may fall behind before the request is cancelled (default 1024)")
+    engine.set_defaults(func=cmd_engine)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
     _add_settings(gen)

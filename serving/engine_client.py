@@ -2,9 +2,9 @@
 
 The gateway (HTTP, auth, detokenization, stop strings) talks to an engine only
 through :class:`EngineClient`: submit a tokenized request, receive an async
-stream of :class:`TokenEvent`, cancel by id. The in-process engine implements it
-today; the gRPC engine service exposes the same three calls so a gateway can
-drive remote replicas. Nothing here imports JAX.
+stream of :class:`TokenEvent`, cancel by id. The in-process engine loop implements it;
+so does the router over remote replicas (``serving.gateway.router``, each
+replica an engine loop behind the gRPC engine service, ``serving/rpc/``). Nothing here imports JAX.
 
 Token-level contract (as in vLLM v1's EngineCore / OutputProcessor split):
 the engine deals in token ids only. Text (detokenization, stop strings) is the
@@ -175,6 +175,8 @@ class TokenEvent:
         for the first (nothing precedes it).
       num_draft_tokens: speculative decoding: draft tokens verified for the request so far.
       num_accepted_tokens: of those, accepted (each saved a decode step).
+      replica: the engine replica that produced it (its URL), when a router
+        chose one (``serving.gateway.router``); None in process.
     """
 
     request_id: str
@@ -191,6 +193,7 @@ class TokenEvent:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    replica: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +203,10 @@ class EngineStats:
     Attributes:
       num_running: requests holding a slot.
       num_waiting: requests waiting for admission.
+      waiting_prompt_tokens: prompt tokens of those waiting requests.
       kv_cache_usage: fraction of KV-cache pages in use, 0..1.
+      kv_pages_used: KV-cache pages held by requests.
+      kv_pages_total: KV-cache pages that can be held (the pool less the null page).
       prefix_cache_queries: prompt tokens looked up in the prefix cache (lifetime).
       prefix_cache_hits: prompt tokens served from it (lifetime).
       num_preemptions: preemptions so far (lifetime).
@@ -212,7 +218,10 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    waiting_prompt_tokens: int = 0
     kv_cache_usage: float = 0.0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0

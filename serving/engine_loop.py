@@ -81,6 +81,7 @@ from serving.engine_client import (
     TokenLogprobs,
 )
 from serving.kv_cache_manager import KVCacheManager
+from serving.kv_events import KvEventJournal
 from serving.logprobs import PromptLogprobs, StepOutput
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.speculative_steps import SpecCounters, dispatch_verify, process_verify
@@ -145,7 +146,8 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.max_queued_events = max_queued_events
         self.max_waiting_tokens = max_waiting_tokens or max_waiting * cfg.max_model_len
-        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching)
+        self.kv_events = KvEventJournal()  # the prefix cache's page hashes, for routers
+        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(
             self.kv, num_slots=cfg.max_slots,
             token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
@@ -243,6 +245,12 @@ class EngineLoop:
 
     async def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
+
+    def ping(self) -> asyncio.Future:
+        """A future the loop thread resolves (to None) at its next turn: proof that it turns."""
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("ping", fut))
+        return fut
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -402,6 +410,8 @@ class EngineLoop:
                 seq = self._by_id.get(item)
                 if seq is not None:
                     self._finish(seq, "cancelled")
+            elif kind == "ping":
+                item.get_loop().call_soon_threadsafe(lambda f=item: f.done() or f.set_result(None))
 
     def _run(self) -> None:
         pending: list = []
@@ -461,7 +471,9 @@ class EngineLoop:
         kv, spec = self.kv, self.spec_counters
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_cache_usage=kv.usage,
+            waiting_prompt_tokens=sum(r.num_tokens for r in sched.waiting),
+            kv_cache_usage=kv.usage, kv_pages_used=kv.num_pages - 1 - kv.num_free,
+            kv_pages_total=kv.num_pages - 1,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens)

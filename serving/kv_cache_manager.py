@@ -60,6 +60,8 @@ import dataclasses
 import hashlib
 from typing import Sequence
 
+from serving.kv_events import KvEventJournal
+
 
 def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
     """Chained key of one full page: H(parent key, the page's token ids, salt); 16 bytes."""
@@ -69,6 +71,16 @@ def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> 
     h.update(b"|")
     h.update(",".join(map(str, tokens)).encode())
     return h.digest()
+
+
+def prompt_page_hashes(token_ids: Sequence[int], page_size: int, salt: str | None) -> list[bytes]:
+    """The chained keys of the full pages of ``token_ids`` (what a router looks up in
+    a replica's KV events); ``len(token_ids) // page_size`` of them."""
+    keys, key = [], None
+    for i in range(len(token_ids) // page_size):
+        key = page_hash(key, token_ids[i * page_size:(i + 1) * page_size], salt)
+        keys.append(key)
+    return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +131,15 @@ class KVCacheManager:
       page_size: tokens per page.
       enable_prefix_caching: when False, pages are plain allocations (lookups
         find nothing, nothing is hashed).
+      events: publishes every page hash added to or evicted from the prefix
+        cache (``serving.kv_events``, for routers); None: nothing is published.
 
     Raises:
       ValueError: num_pages < 2 or page_size < 1.
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 events: KvEventJournal | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -132,6 +147,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
         self._ref_count = [0] * num_pages
         # Free pages, least recently freed first (OrderedDict as an LRU queue).
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
@@ -239,13 +255,17 @@ class KVCacheManager:
                     del self._free[p]
                 self._ref_count[p] += 1
                 held.pages.append(p)
+        evicted = []
         for _ in range(need):
             p, _ = self._free.popitem(last=False)
             key = self._hash_of.pop(p, None)
             if key is not None:
                 del self._page_of[key]
+                evicted.append(key)
             self._ref_count[p] = 1
             held.pages.append(p)
+        if evicted and self.events is not None:
+            self.events.publish(removed=evicted)
         return True
 
     def fork(self, request_id: str, parent_id: str, num_computed: int, num_tokens: int,
@@ -349,6 +369,7 @@ class KVCacheManager:
             return
         ps = self.page_size
         key = held.keys[-1] if held.keys else None
+        stored = []
         for i in range(len(held.keys), full):
             key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt)
             held.keys.append(key)
@@ -357,6 +378,9 @@ class KVCacheManager:
                 continue
             self._page_of[key] = p
             self._hash_of[p] = key
+            stored.append(key)
+        if stored and self.events is not None:
+            self.events.publish(stored=stored)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         """Adds one admission's prompt tokens and cache-served tokens to ``queries`` and ``hits``."""
@@ -380,6 +404,8 @@ class KVCacheManager:
                 f"page {p}: free={p in self._free} but ref count {self._ref_count[p]}")
         assert all(0 < p < self.num_pages for p in self._free), "the free queue holds a page id out of range"
         assert len(self._page_of) == len(self._hash_of), "hash maps differ in size"
+        if self.events is not None:
+            assert self.events.cached() == set(self._page_of), "published page hashes differ from the cache"
         for key, p in self._page_of.items():
             assert self._hash_of.get(p) == key, f"page {p}: hash maps disagree"
         for rid, held in self._held.items():

@@ -12,7 +12,7 @@ Routes:
     routes at the root, as lm-evaluation-harness's remote tokenizer calls
     them; see ``tokenizer_routes.py``),
   GET /metrics (Prometheus text format), GET /health (200 when every engine
-  is ready, else 503),
+  is ready, else 503; behind a router: while some replica is up),
   GET /openapi.json (request and response schemas of every route, errors
   included; see ``openapi.py``).
 
@@ -28,6 +28,7 @@ Run with e.g.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import uuid
@@ -174,7 +175,21 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     services = services or GatewayServices()
     limits = limits or GatewayLimits()
     serving = OpenAIServing(models, services, limits)
-    app = FastAPI(title="xlaserve", summary="OpenAI-compatible LLM serving on JAX/XLA")
+    # Engines that need the serving event loop (a router's gRPC channels) open in the lifespan.
+    engines = list({id(m.engine): m.engine for m in models.values()}.values())
+    async_engines = [e for e in engines if callable(getattr(e, "open", None))]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for e in async_engines:
+            await e.open()
+        try:
+            yield
+        finally:
+            for e in async_engines:
+                await e.close()
+
+    app = FastAPI(title="xlaserve", summary="OpenAI-compatible LLM serving on JAX/XLA", lifespan=lifespan)
     install_error_handlers(app)
     # Inside the request-id middleware, so a 413 carries X-Request-ID too.
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_bytes)
@@ -184,6 +199,9 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     metrics = services.metering.metrics
     metrics.add_engine_collector(EngineStatsCollector(
         lambda: {name: getattr(m.engine, "stats", None) for name, m in serving.models.items()}))
+    for name, m in models.items():
+        if callable(getattr(m.engine, "collector", None)):  # a router: per-replica series
+            metrics.add_engine_collector(m.engine.collector(name))
 
     async def principal(request: Request) -> Principal:
         p = await services.authenticator.authenticate(request.headers.get("authorization"))
@@ -324,6 +342,7 @@ def _trace_body(row: dict) -> dict:
         "tool_calls": row["tool_calls"],
         "cost_usd": row["cost_usd"],
         "prefix_cache": trace.get("prefix_cache"),
+        "replica": trace.get("replica"),
         "num_preemptions": trace.get("num_preemptions", 0),
         "speculative": trace.get("speculative", {"draft_tokens": 0, "accepted_tokens": 0}),
         "retries": row.get("retries", 0),

@@ -65,6 +65,7 @@ class RequestMeter:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    replica: str | None = None  # the engine replica's URL, when a router chose one
     itls: list[float] = dataclasses.field(default_factory=list)
     events: list[dict] = dataclasses.field(default_factory=list)
     finished: bool = False
@@ -80,6 +81,8 @@ class RequestMeter:
         if ev.scheduled_time is not None and self.scheduled_time is None:
             self.scheduled_time = ev.scheduled_time
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+        if ev.replica is not None:
+            self.replica = ev.replica
         self.num_preemptions = max(self.num_preemptions, ev.num_preemptions)
         self.num_draft_tokens = max(self.num_draft_tokens, ev.num_draft_tokens)
         self.num_accepted_tokens = max(self.num_accepted_tokens, ev.num_accepted_tokens)
@@ -191,6 +194,7 @@ class Metering:
             "settled_tokens": used,
             "requested_prompt_tokens": m.prompt_tokens,
             "prefix_cache": prefix_cache,
+            "replica": m.replica,
             "num_preemptions": m.num_preemptions,
             "speculative": {"draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens},
             "scheduled_at": m.scheduled_time,
@@ -212,6 +216,7 @@ class Metering:
                 "xlaserve.request_id": m.request_id, "xlaserve.x_request_id": m.x_request_id,
                 "xlaserve.model": m.model, "xlaserve.tenant": m.principal.tenant,
                 "xlaserve.status": status, "xlaserve.finish_reason": finish_reason,
+                "xlaserve.replica": m.replica,
                 "gen_ai.usage.input_tokens": prompt_tokens,
                 "gen_ai.usage.output_tokens": completion_tokens,
                 "xlaserve.spec_decode.draft_tokens": m.num_draft_tokens or None,

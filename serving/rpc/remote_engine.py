@@ -1,0 +1,321 @@
+"""One engine replica over gRPC, as the gateway's router sees it.
+
+:class:`RemoteEngine` calls a replica's engine service (``serving/rpc/engine.proto``,
+served by ``xlaserve engine``): ``Generate`` as an async stream of
+``TokenEvent``, ``Abort``, and, in background tasks while it is open,
+
+- a **probe** every ``probe_interval`` seconds: ``GetLoad`` while the replica
+  is up (its load, for routing and metrics), ``Health`` while it is down (it
+  is taken back in once its engine answers);
+- a **KV-event follower** (``SubscribeKvEvents``): a snapshot of the
+  replica's cached page hashes, then the pages stored and removed, applied to
+  :attr:`kv_index`; a gap in the batch numbers (a batch lost) is noticed and
+  answered by subscribing again, which brings a fresh snapshot.
+
+A replica is taken out (:attr:`up` False) when a call fails with a transport
+error or a stream breaks; a request it was running ends with an "error" event
+saying so, never a hang: keepalive pings (every 10 s, 5 s to answer) notice a
+peer that vanished without closing its connection, and the replica's own
+connection reset ends its streams at once. A request whose stream fails before
+any event raises :class:`ReplicaUnavailable` instead, so the router can send it
+to another replica.
+
+No JAX here: the gateway uses this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from serving.engine_client import (
+    EngineOverloadedError,
+    EngineRequest,
+    EngineStats,
+    RequestRejectedError,
+    TokenEvent,
+)
+from serving.rpc import convert
+from serving.rpc import engine_pb2 as pb
+from serving.rpc import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger("xlaserve.remote")
+
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # GetModelInfo carries the tokenizer
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+"""Client channel settings: keepalive pings, the tokenizer-sized message limit, reconnect backoff."""
+
+RPC_TIMEOUT_S = 5.0
+"""Deadline of the unary calls (Abort, Health, GetLoad)."""
+
+
+class ReplicaUnavailable(RuntimeError):
+    """The replica could not take a request (its stream failed before any event)."""
+
+
+def parse_engine_url(url: str) -> str:
+    """``grpc://host:port`` (or ``host:port``) as the gRPC target ``host:port``.
+
+    Raises:
+      ValueError: another scheme, or no port.
+    """
+    target = url.removeprefix("grpc://")
+    if "://" in target:
+        raise ValueError(f"engine URL {url!r}: only grpc://host:port is supported")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"engine URL {url!r} must be grpc://host:port")
+    return target
+
+
+def fetch_model_info(url: str, timeout: float = 10.0) -> pb.ModelInfo:
+    """``GetModelInfo`` of the replica at ``url``, over a short-lived blocking channel.
+
+    Raises:
+      ValueError: a malformed URL.
+      grpc.RpcError: the replica did not answer within ``timeout`` seconds.
+    """
+    with grpc.insecure_channel(parse_engine_url(url), options=CHANNEL_OPTIONS) as channel:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return pb_grpc.EngineServiceStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+
+
+def info_mismatch(a: pb.ModelInfo, b: pb.ModelInfo) -> str | None:
+    """Why two replicas cannot serve one model behind one router (None: they can)."""
+    for field in ("model", "tokenizer_id", "page_size"):
+        if getattr(a, field) != getattr(b, field):
+            return f"{field} {getattr(a, field)!r} != {getattr(b, field)!r}"
+    return None
+
+
+class ReplicaKvIndex:
+    """The cached page hashes of one replica, as its KV events tell them.
+
+    Attributes:
+      seq: the number of the last batch applied (None: no snapshot yet).
+      keys: the cached page hashes.
+      resyncs: snapshots taken after the first (gaps, broken streams).
+    """
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+        self.keys: set[bytes] = set()
+        self.resyncs = 0
+
+    def reset(self, seq: int | None, keys=()) -> None:
+        """Starts over from a snapshot (None: nothing known)."""
+        if seq is not None and self.seq is not None:
+            self.resyncs += 1
+        self.seq = seq
+        self.keys = set(keys)
+
+    def apply(self, seq: int, stored=(), removed=()) -> bool:
+        """Applies batch ``seq``; False (nothing applied) when it is not the next one."""
+        if self.seq is None or seq != self.seq + 1:
+            return False
+        self.keys.difference_update(removed)
+        self.keys.update(stored)
+        self.seq = seq
+        return True
+
+    def matched_pages(self, hashes) -> int:
+        """How many of the leading page ``hashes`` are cached."""
+        n = 0
+        for h in hashes:
+            if h not in self.keys:
+                break
+            n += 1
+        return n
+
+
+class RemoteEngine:
+    """An engine replica behind gRPC: one channel, its load, its cached pages.
+
+    Args:
+      url: ``grpc://host:port``.
+      info: its ``GetModelInfo`` answer (:func:`fetch_model_info`), or None
+        when it has not answered yet: it is then asked before it is taken in.
+      probe_interval: seconds between load or health probes.
+      expected: the model info every replica of the router must match
+        (:func:`info_mismatch`); default: ``info``.
+
+    Attributes:
+      url: as given.
+      info: as given.
+      up: whether requests may be sent to it.
+      load: its last ``GetLoad`` answer, and ``load_time`` (time.monotonic()) when it came.
+      kv_index: its cached page hashes (:class:`ReplicaKvIndex`).
+      drop_next_kv_batch: testing aid: discard the next KV batch received, as
+        if it were lost on the way (the follower must notice the gap).
+    """
+
+    def __init__(self, url: str, info: pb.ModelInfo | None, probe_interval: float = 0.5,
+                 expected: pb.ModelInfo | None = None) -> None:
+        if info is None and expected is None:
+            raise ValueError("a replica that has not answered needs the expected model info")
+        self.url = url
+        self.target = parse_engine_url(url)
+        self.expected = expected or info
+        self.info = info or self.expected  # the expected one until it answers
+        self._verified = info is not None
+        self.probe_interval = probe_interval
+        self.up = False
+        self.load = EngineStats()
+        self.load_time = 0.0
+        self.kv_index = ReplicaKvIndex()
+        self.drop_next_kv_batch = False
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.EngineServiceStub | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._kv_call = None
+        self._up_event: asyncio.Event | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.info.page_size
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Opens the channel (on the running event loop) and starts the probe and KV follower."""
+        self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._up_event = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._probe(), name=f"probe {self.url}"),
+                       asyncio.create_task(self._follow_kv(), name=f"kv events {self.url}")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+    def mark_down(self, why: str) -> None:
+        """Takes the replica out until a health probe answers ready."""
+        if self.up:
+            log.warning("engine replica %s taken out: %s", self.url, why)
+        self.up = False
+        if self._up_event is not None:
+            self._up_event.clear()
+        if self._kv_call is not None:
+            self._kv_call.cancel()
+
+    def _mark_up(self) -> None:
+        if not self.up:
+            log.info("engine replica %s is up", self.url)
+        self.up = True
+        self._up_event.set()
+
+    async def _probe(self) -> None:
+        while True:
+            try:
+                if self.up:
+                    m = await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S)
+                    self.load, self.load_time = convert.load_from_proto(m), time.monotonic()
+                elif await self._verify():
+                    h = await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
+                    if h.ready:
+                        m = await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S)
+                        self.load, self.load_time = convert.load_from_proto(m), time.monotonic()
+                        self._mark_up()
+            except grpc.aio.AioRpcError as e:
+                self.mark_down(f"{e.code().name}: {e.details()}")
+            await asyncio.sleep(self.probe_interval)
+
+    async def _verify(self) -> bool:
+        """Whether the replica serves the expected model (asks it once, when it first answers)."""
+        if not self._verified:
+            info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+            why = info_mismatch(info, self.expected)
+            if why is not None:
+                log.error("engine replica %s is not taken in: it serves another model (%s)", self.url, why)
+                return False
+            self.info, self._verified = info, True
+        return True
+
+    async def _follow_kv(self) -> None:
+        while True:
+            await self._up_event.wait()
+            self._kv_call = call = self._stub.SubscribeKvEvents(pb.KvEventsRequest())
+            try:
+                async for batch in call:
+                    if batch.snapshot:
+                        self.kv_index.reset(batch.seq, batch.stored)
+                    elif self.drop_next_kv_batch:
+                        self.drop_next_kv_batch = False
+                    elif not self.kv_index.apply(batch.seq, batch.stored, batch.removed):
+                        log.warning("engine replica %s: KV event %d after %s: events lost, resubscribing",
+                                    self.url, batch.seq, self.kv_index.seq)
+                        break
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    self.mark_down(f"KV events stream failed: {e.code().name}: {e.details()}")
+            finally:
+                call.cancel()
+                self._kv_call = None
+            if not self.up:
+                self.kv_index.reset(None)  # stale: nothing is known until the next snapshot
+
+    # -- requests ------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """The request's events; leaving early cancels the call (the replica cancels the request).
+
+        Raises:
+          ReplicaUnavailable: the stream failed before its first message.
+          EngineOverloadedError, RequestRejectedError: the replica did not admit it.
+        """
+        rid = request.request_id
+        call = self._stub.Generate(convert.request_to_proto(request))
+        received = False
+        try:
+            async for m in call:
+                received = True
+                kind = m.WhichOneof("event")
+                if kind == "tokens":
+                    yield convert.event_from_proto(rid, m.tokens)
+                elif kind == "complete":
+                    yield convert.event_from_proto(rid, m.complete.last, m.complete.finish_reason,
+                                                   m.complete.message or None)
+                    return
+                else:
+                    if m.error.code == pb.Error.OVERLOADED:
+                        raise EngineOverloadedError(m.error.message)
+                    if m.error.code == pb.Error.REJECTED:
+                        raise RequestRejectedError(m.error.message)
+                    yield convert.event_from_proto(rid, m.error.last, "error", m.error.message)
+                    return
+            yield TokenEvent(rid, (), "error", error=f"engine replica {self.url} ended the stream early")
+        except grpc.aio.AioRpcError as e:
+            self.mark_down(f"Generate failed: {e.code().name}: {e.details()}")
+            if not received:
+                raise ReplicaUnavailable(f"{self.url}: {e.code().name}: {e.details()}") from None
+            yield TokenEvent(rid, (), "error", error=f"engine replica {self.url} failed mid-stream: "
+                                                      f"{e.code().name}: {e.details()}")
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        """Asks the replica to end the request (errors are logged: a broken replica ends it anyway)."""
+        try:
+            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("Abort(%s) on %s failed: %s", request_id, self.url, e.code().name)
+
+    async def health(self) -> pb.HealthResponse:
+        return await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
+
+    async def get_load(self) -> EngineStats:
+        return convert.load_from_proto(await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S))
