@@ -1,0 +1,104 @@
+"""Replicas: ``xlaserve engine`` (one engine over gRPC) and the router a gateway builds for ``--engines``.
+
+    xlaserve engine --grpc-port 50051 --model tiny-random          # a replica, no HTTP
+    xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
+
+``engine`` takes every model and engine setting ``serve`` takes; multi-host
+slices run it on every process, and process 0 serves gRPC while the others
+follow in lockstep, as ``serve`` does with HTTP. SIGTERM drains: new requests
+get OVERLOADED, open streams get ``drain_timeout`` seconds.
+
+``serve --engines`` loads no weights: it asks each replica for its model,
+limits, tokenizer and chat template (``GetModelInfo``), waits until one
+answers, checks the others serve the same model, tokenizer and page size when
+they answer, and routes with :class:`serving.gateway.router.Router`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+
+log = logging.getLogger("xlaserve")
+
+ROLES = ("both",)
+"""Replica roles: "both" does prefill and decode (prefill/decode pools come later)."""
+
+
+def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
+    """Runs one engine replica behind the gRPC engine service until SIGTERM / SIGINT."""
+    from serving.cli import _is_leader, build_engine, freeze_startup_heap
+    from serving.rpc.engine_service import EngineService, model_info, start_server
+    from serving.server_config import load_server_config
+    from serving.sharding_cli import join_processes, run_follower
+
+    if args.role not in ROLES:
+        raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {args.role!r}")
+    cfg = load_server_config(args.config, **overrides)
+    if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves gRPC
+        return run_follower(cfg)
+    loop, tokenizer, name = build_engine(cfg)
+    info = model_info(loop, cfg.served_model_name or name, tokenizer, role=args.role)
+
+    async def serve() -> None:
+        service = EngineService(loop, info)
+        server, port = await start_server(service, args.host, args.grpc_port)
+        log.info("engine replica of %s serving gRPC on %s:%d", info.model, args.host, port)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        freeze_startup_heap()
+        await stop.wait()
+        log.info("draining: open streams get %.0f s", cfg.drain_timeout)
+        loop.drain()
+        await server.stop(grace=cfg.drain_timeout)
+
+    try:
+        asyncio.run(serve())
+    finally:
+        loop.stop()
+        if loop.engine.lockstep is not None:
+            loop.engine.lockstep.stop()
+    return 0
+
+
+def build_router(engine_urls: str, policy: str, wait_log_s: float = 10.0):
+    """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers.
+
+    Returns:
+      (router, tokenizer, model name, the first replica's ModelInfo).
+
+    Raises:
+      ValueError: a malformed URL, an unknown policy, replicas that disagree.
+    """
+    import grpc
+
+    from model.tokenizer_files import tokenizer_from_files
+    from serving.gateway.router import Router
+    from serving.rpc.remote_engine import RemoteEngine, fetch_model_info, parse_engine_url
+
+    urls = [u.strip() for u in engine_urls.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("--engines needs at least one grpc://host:port")
+    for u in urls:
+        parse_engine_url(u)
+    infos: dict[str, object] = {}
+    last_log = time.monotonic()
+    while not infos:
+        for u in urls:
+            try:
+                infos[u] = fetch_model_info(u, timeout=2.0)
+            except grpc.RpcError as e:
+                if time.monotonic() - last_log > wait_log_s:
+                    log.info("waiting for engine replica %s (%s)", u, getattr(e, "code", lambda: e)())
+        if time.monotonic() - last_log > wait_log_s:
+            last_log = time.monotonic()
+    first = next(iter(infos.values()))
+    replicas = [RemoteEngine(u, infos.get(u), expected=first) for u in urls]
+    router = Router(replicas, policy=policy)
+    tokenizer = tokenizer_from_files(dict(first.tokenizer_files))
+    log.info("routing %s (%s) over %d engine replicas, %d answering", first.model, policy, len(urls), len(infos))
+    return router, tokenizer, first.model, first
