@@ -166,7 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.engines:  # a gateway over remote replicas: no weights here
             from serving.replica_cli import build_router
 
-            engine, tokenizer, name, _ = build_router(args.engines, args.router)
+            engine, tokenizer, name, _ = build_router(
+                args.engines, args.router, prefill_weight=args.router_prefill_weight,
+                balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel)
         else:
             loop, tokenizer, name = build_engine(cfg)
             engine = loop
@@ -337,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--router", default="kv-aware", choices=("kv-aware", "least-load", "round-robin"),
                        help="with --engines: how a replica is chosen (default kv-aware: where the prompt's "
                        "pages are cached, against load, with an imbalance guard)")
+    serve.add_argument("--router-prefill-weight", type=float, default=1.0,
+                       help="kv-aware: the cost of one prompt page a replica would compute, against one KV page "
+                       "of its load (default 1.0, Dynamo's)")
+    serve.add_argument("--router-balance-abs", type=int, default=8,
+                       help="kv-aware routing gives way to least-load when the busiest replica has more than "
+                       "this many requests more than the idlest (default 8) ...")
+    serve.add_argument("--router-balance-rel", type=float, default=1.5,
+                       help="... and more than this many times as many (default 1.5)")
     serve.set_defaults(func=cmd_serve)
 
     engine = sub.add_parser("engine", help="run one engine replica as a gRPC service (no HTTP), for "

@@ -65,7 +65,8 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
     return 0
 
 
-def build_router(engine_urls: str, policy: str, wait_log_s: float = 10.0):
+def build_router(engine_urls: str, policy: str, prefill_weight: float = 1.0, balance_abs: int = 8,
+                 balance_rel: float = 1.5, wait_log_s: float = 10.0):
     """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers.
 
     Returns:
@@ -98,7 +99,8 @@ def build_router(engine_urls: str, policy: str, wait_log_s: float = 10.0):
             last_log = time.monotonic()
     first = next(iter(infos.values()))
     replicas = [RemoteEngine(u, infos.get(u), expected=first) for u in urls]
-    router = Router(replicas, policy=policy)
+    router = Router(replicas, policy=policy, prefill_weight=prefill_weight, balance_abs=balance_abs,
+                    balance_rel=balance_rel)
     tokenizer = tokenizer_from_files(dict(first.tokenizer_files))
     log.info("routing %s (%s) over %d engine replicas, %d answering", first.model, policy, len(urls), len(infos))
     return router, tokenizer, first.model, first

@@ -198,6 +198,9 @@ async def test_engine_error_mid_request(client, engine):
     events = parse_sse(r.text)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "engine_error"
+    # The completion is closed first, with finish_reason "error".
+    assert events[-3]["choices"][0]["finish_reason"] == "error"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-3]] == [None] * (len(events) - 3)
     engine.fail_after = None
     await assert_still_serving(client)
 

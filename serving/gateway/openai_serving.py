@@ -45,7 +45,7 @@ from serving.gateway.errors import (
     no_room_for_completion,
     rate_limited,
 )
-from serving.gateway.generation import MeteredGeneration
+from serving.gateway.generation import EngineFailure, MeteredGeneration
 from serving.gateway.limits import GatewayLimits
 from serving.gateway.logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
 from serving.gateway.policy import PolicyViolation
@@ -331,7 +331,7 @@ class OpenAIServing:
 
         return self._sse_body(
             gen, req.include_usage, opening=None, delta=piece,
-            closing=lambda k: piece(k, "", gen.outputs[k].finish_reason),
+            closing=lambda k, reason=None: piece(k, "", reason or gen.outputs[k].finish_reason),
             usage=lambda: chunk([], usage=gen.usage()))
 
     async def _sse_body(self, gen: MeteredGeneration, include_usage: bool, opening, delta, closing,
@@ -340,10 +340,12 @@ class OpenAIServing:
         optional opening chunk, one chunk per text delta (completions
         interleaved, each chunk naming its ``index``), its finish chunk; then the
         usage chunk if asked for, then ``[DONE]``. Errors after the first byte
-        become an SSE error event; the engine requests always end
-        (``gen.abort``) and the request is metered before ``[DONE]`` (or when the
-        client goes away)."""
+        become an SSE error event; an engine failure (e.g. its replica died) first
+        closes each unfinished completion with ``finish_reason: "error"``. The
+        engine requests always end (``gen.abort``) and the request is metered
+        before ``[DONE]`` (or when the client goes away)."""
         parts: list[list[str]] | None = [[] for _ in gen.outputs] if self.services.log_text else None
+        closed: set[int] = set()
         try:
             if opening is not None:
                 for k in range(len(gen.outputs)):
@@ -351,6 +353,7 @@ class OpenAIServing:
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for k, text in deltas:
                     if text is None:
+                        closed.add(k)
                         yield closing(k)
                         continue
                     if parts is not None:
@@ -363,6 +366,10 @@ class OpenAIServing:
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
             await gen.settle_exception(e)
+            if isinstance(e, EngineFailure):
+                for k in range(len(gen.outputs)):
+                    if k not in closed:
+                        yield closing(k, "error")
             yield sse_event(e.to_body())
         except Exception as e:
             logger.exception("request %s failed mid-stream", gen.id)
@@ -441,7 +448,7 @@ class OpenAIServing:
             gen, req.include_usage,
             opening=lambda k: piece(k, DeltaMessage(role="assistant", content=""), logprobs=False),
             delta=lambda k, text: piece(k, DeltaMessage(content=text)),
-            closing=lambda k: piece(k, DeltaMessage(), gen.outputs[k].finish_reason),
+            closing=lambda k, reason=None: piece(k, DeltaMessage(), reason or gen.outputs[k].finish_reason),
             usage=lambda: chunk([], usage=gen.usage()))
 
 
