@@ -17,9 +17,10 @@ Design:
   request takes from all of them or from none, whichever gateway asks.
   Settlement (release the lease, give back unused tokens) is one script too.
   This is the token-bucket-in-Lua pattern of Stripe's "Scaling your API with
-  rate limiters" (2017); GCRA (redis-cell, Brandur Leach's "Rate limiting,
-  cells, and GCRA") stores one timestamp instead of a level and an update
-  time, but cannot give tokens back, which settlement needs.
+  rate limiters" (2017). GCRA (redis-cell; Brandur Leach, "Rate limiting,
+  cells, and GCRA") would store one timestamp per bucket instead of a level
+  and its update time; a level keeps settlement's give-back a plain addition
+  and the arithmetic that of ``rate_limit.TokenBucket``.
 * **Buckets are hashes** ``{level, updated, capacity}``, refilled lazily when
   read. Times are Redis's own clock (``TIME`` inside the script; Redis >= 5
   replicates scripts by their effects, so a script may read the time before
@@ -51,8 +52,9 @@ Design:
   admission Redis made is attempted even then; if it fails its lease lapses
   by its TTL and its unused tokens are not given back.
 
-Keys (all under ``xlaserve:rl:``; the tenant in braces is a Redis Cluster
-hash tag, so a key's and its tenant's keys share a slot, as one script needs)::
+Keys (all under ``xlaserve:rl:``; the tenant in braces is a Redis Cluster hash
+tag, so that a key's and its tenant's keys, which one script uses, would share
+a slot; the client here talks to one Redis server)::
 
     xlaserve:rl:{TENANT}:key:KEY_ID:requests | :tokens | :leases
     xlaserve:rl:{TENANT}:tenant:requests     | :tokens | :leases
