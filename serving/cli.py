@@ -116,7 +116,7 @@ def open_gateway_services(cfg):
         database_url=cfg.database_url, prices_path=cfg.prices, blocklist=cfg.policy_blocklist,
         blocklist_applies_to=cfg.policy_blocklist_applies_to, policy_plugins=cfg.policy_plugins,
         otel_traces=cfg.otel_traces, log_text=cfg.log_text,
-        prefix_cache_groups=dict(cfg.prefix_cache_groups))
+        prefix_cache_groups=dict(cfg.prefix_cache_groups), redis_url=cfg.redis_url)
     store = services.authenticator.key_store
     if not store.has_keys():
         if not _is_loopback(cfg.host) and not cfg.allow_unauthenticated:
@@ -154,7 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
-                                  "stream_write_timeout", "default_chat_max_tokens"))
+                                  "stream_write_timeout", "default_chat_max_tokens",
+                                  "redis_url"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                        default=None, help="turn the automatic prefix cache off")
     serve.add_argument("--database-url", help="SQLAlchemy URL of the keys + usage ledger "
                        "(default: $XLASERVE_DATABASE_URL, else SQLite under the data dir)")
+    serve.add_argument("--redis-url", help="Redis that holds rate limits shared by every gateway using "
+                       "it, redis://host:port/db (default: $XLASERVE_REDIS_URL, else limits per process)")
     serve.add_argument("--prices", help="price table YAML (default: configs/prices.yaml)")
     serve.add_argument("--served-model-name", help="the model id clients send as \"model\" "
                        "(default: the model's own name)")

@@ -48,6 +48,7 @@ class ServerConfig:
     stream_write_timeout: float = 30.0
     served_model_name: str | None = None
     database_url: str | None = None
+    redis_url: str | None = None
     prices: str | None = None
     allow_unauthenticated: bool = False
     policy_blocklist: tuple[str, ...] = ()

@@ -35,7 +35,7 @@ from serving.gateway.api_keys import Principal
 from serving.gateway.ledger import Ledger
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pricing import PriceTable
-from serving.gateway.rate_limit import Admission, RateLimited, RateLimiter
+from serving.gateway.rate_limit import Admission, Limiter, RateLimited
 from serving.gateway.tracing import RequestTracer
 
 log = logging.getLogger("xlaserve.gateway")
@@ -126,12 +126,12 @@ class Metering:
       ledger: where rows go (None: not recorded, e.g. in unit tests).
       prices: the price table.
       metrics: Prometheus metrics.
-      limiter: rate limits.
+      limiter: rate limits (per process, or shared through Redis).
       tracer: OpenTelemetry spans (may be disabled).
     """
 
     def __init__(self, ledger: Ledger | None, prices: PriceTable, metrics: GatewayMetrics,
-                 limiter: RateLimiter, tracer: RequestTracer) -> None:
+                 limiter: Limiter, tracer: RequestTracer) -> None:
         self.ledger = ledger
         self.prices = prices
         self.metrics = metrics

@@ -9,8 +9,8 @@ admission (prompt tokens + ``max_tokens``) and settled at the end to the real
 Decisions are all-or-nothing: a request is admitted only if every applicable
 limit (key and tenant; requests, tokens, concurrency) has room, and then it
 takes from all of them. State is in process memory: each gateway process
-enforces its own share (a multi-gateway deployment divides limits by the
-number of gateways, or puts a shared limiter in front).
+enforces its own share. Several gateways share limits through Redis instead
+(``redis_rate_limit.py``, the same semantics behind the :class:`Limiter` interface).
 
 Response headers follow OpenAI's: ``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests`` (time until
@@ -24,7 +24,7 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from serving.gateway.api_keys import Limits, Principal
 
@@ -94,8 +94,8 @@ def format_duration(seconds: float) -> str:
 
 
 @dataclasses.dataclass
-class _Scope:
-    """The buckets and concurrency counter of one key or tenant."""
+class ScopeState:
+    """The buckets and concurrency counter of one key or tenant (``active``: requests in flight)."""
 
     limits: Limits
     requests: TokenBucket | None
@@ -117,8 +117,8 @@ class Admission:
     reserved_tokens: int
     decisions: list[dict]
     headers: dict[str, str]
-    _limiter: "RateLimiter"
-    _scopes: list[_Scope]
+    _limiter: "Limiter"
+    _scopes: list[Any]  # what the limiter took, for its _settle: ScopeStates, or a Redis lease
     settled_tokens: int | None = None
 
     def settle(self, used_tokens: int) -> None:
@@ -129,8 +129,21 @@ class Admission:
         self._limiter._settle(self, used_tokens)
 
 
+class Limiter(Protocol):
+    """What metering asks of rate limits: :class:`RateLimiter` (per process) or
+    :class:`~serving.gateway.redis_rate_limit.RedisRateLimiter` (shared through Redis)."""
+
+    def admit(self, principal: Principal, tokens: int) -> Admission: ...
+
+    def headers(self, principal: Principal) -> dict[str, str]: ...
+
+    def close(self) -> None: ...
+
+    def _settle(self, adm: Admission, used: int) -> None: ...
+
+
 class RateLimiter:
-    """Holds every key's and tenant's buckets (thread-safe).
+    """Holds every key's and tenant's buckets in process memory (thread-safe).
 
     Args:
       clock: seconds, monotonic (injectable for tests).
@@ -139,21 +152,21 @@ class RateLimiter:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._scopes: dict[tuple[str, str], _Scope] = {}
+        self._scopes: dict[tuple[str, str], ScopeState] = {}
 
-    def _scope(self, kind: str, name: str, limits: Limits, now: float) -> _Scope | None:
+    def _scope(self, kind: str, name: str, limits: Limits, now: float) -> ScopeState | None:
         if limits == Limits():
             return None
         s = self._scopes.get((kind, name))
         if s is None or s.limits != limits:  # new, or its limits were changed
-            s = _Scope(limits,
-                       TokenBucket(limits.rpm, now) if limits.rpm else None,
-                       TokenBucket(limits.tpm, now) if limits.tpm else None,
-                       active=s.active if s else 0)
+            s = ScopeState(limits,
+                           TokenBucket(limits.rpm, now) if limits.rpm else None,
+                           TokenBucket(limits.tpm, now) if limits.tpm else None,
+                           active=s.active if s else 0)
             self._scopes[(kind, name)] = s
         return s
 
-    def _scopes_of(self, p: Principal, now: float) -> list[tuple[str, _Scope]]:
+    def _scopes_of(self, p: Principal, now: float) -> list[tuple[str, ScopeState]]:
         out = []
         if p.key_id is not None:
             s = self._scope("key", p.key_id, p.key_limits, now)
@@ -164,7 +177,7 @@ class RateLimiter:
             out.append(("tenant", s))
         return out
 
-    def _refilled_scopes(self, p: Principal) -> list[tuple[str, _Scope]]:
+    def _refilled_scopes(self, p: Principal) -> list[tuple[str, ScopeState]]:
         now = self.clock()
         scopes = self._scopes_of(p, now)
         for _, s in scopes:
@@ -181,15 +194,9 @@ class RateLimiter:
         """
         with self._lock:
             scopes = self._refilled_scopes(principal)
-            for kind, s in scopes:
-                if s.requests and s.requests.level < 1:
-                    raise RateLimited(kind, "requests", s.limits.rpm, s.requests.wait_for(1),
-                                      _headers(scopes))
-                if s.tokens and s.tokens.level < tokens:
-                    raise RateLimited(kind, "tokens", s.limits.tpm, s.tokens.wait_for(tokens),
-                                      _headers(scopes), needed=tokens)
-                if s.limits.max_concurrent and s.active >= s.limits.max_concurrent:
-                    raise RateLimited(kind, "concurrent", s.limits.max_concurrent, 1.0, _headers(scopes))
+            exceeded = first_exceeded(scopes, tokens)
+            if exceeded is not None:
+                raise exceeded
             decisions = []
             for kind, s in scopes:
                 if s.requests:
@@ -197,21 +204,16 @@ class RateLimiter:
                 if s.tokens:
                     s.tokens.level -= tokens
                 s.active += 1
-                decisions.append({
-                    "scope": kind,
-                    "requests_limit": s.limits.rpm,
-                    "requests_remaining": None if not s.requests else int(s.requests.level),
-                    "tokens_limit": s.limits.tpm,
-                    "tokens_remaining": None if not s.tokens else int(s.tokens.level),
-                    "concurrent_limit": s.limits.max_concurrent,
-                    "concurrent_active": s.active,
-                })
-            return Admission(tokens, decisions, _headers(scopes), self, [s for _, s in scopes])
+                decisions.append(decision_of(kind, s))
+            return Admission(tokens, decisions, rate_limit_headers(scopes), self, [s for _, s in scopes])
 
     def headers(self, principal: Principal) -> dict[str, str]:
         """The current ``x-ratelimit-*`` headers of `principal` (empty when unlimited)."""
         with self._lock:
-            return _headers(self._refilled_scopes(principal))
+            return rate_limit_headers(self._refilled_scopes(principal))
+
+    def close(self) -> None:
+        """Nothing to release (the state is this process's memory)."""
 
     def _settle(self, adm: Admission, used: int) -> None:
         with self._lock:
@@ -223,7 +225,38 @@ class RateLimiter:
                     s.tokens.level = min(s.tokens.capacity, s.tokens.level + adm.reserved_tokens - used)
 
 
-def _headers(scopes: list[tuple[str, _Scope]]) -> dict[str, str]:
+def first_exceeded(scopes: list[tuple[str, ScopeState]], tokens: int) -> RateLimited | None:
+    """The first limit without room for one more request of `tokens` tokens (None: all have room).
+
+    Scopes are checked in order (key, then tenant), each for requests, tokens, then concurrency.
+    """
+    for kind, s in scopes:
+        if s.requests and s.requests.level < 1:
+            return RateLimited(kind, "requests", s.limits.rpm, s.requests.wait_for(1),
+                               rate_limit_headers(scopes))
+        if s.tokens and s.tokens.level < tokens:
+            return RateLimited(kind, "tokens", s.limits.tpm, s.tokens.wait_for(tokens),
+                               rate_limit_headers(scopes), needed=tokens)
+        if s.limits.max_concurrent and s.active >= s.limits.max_concurrent:
+            return RateLimited(kind, "concurrent", s.limits.max_concurrent, 1.0, rate_limit_headers(scopes))
+    return None
+
+
+def decision_of(kind: str, s: ScopeState) -> dict:
+    """A scope's entry in an admitted request's trace (remaining: whole units left)."""
+    return {
+        "scope": kind,
+        "requests_limit": s.limits.rpm,
+        "requests_remaining": None if not s.requests else int(s.requests.level),
+        "tokens_limit": s.limits.tpm,
+        "tokens_remaining": None if not s.tokens else int(s.tokens.level),
+        "concurrent_limit": s.limits.max_concurrent,
+        "concurrent_active": s.active,
+    }
+
+
+def rate_limit_headers(scopes: list[tuple[str, ScopeState]]) -> dict[str, str]:
+    """The ``x-ratelimit-*`` headers of (kind, state) scopes: per limit, the emptiest bucket's."""
     out: dict[str, str] = {}
     for name, attr, limit_attr in (("requests", "requests", "rpm"), ("tokens", "tokens", "tpm")):
         buckets = [(getattr(s, attr), getattr(s.limits, limit_attr)) for _, s in scopes if getattr(s, attr)]

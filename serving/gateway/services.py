@@ -3,7 +3,8 @@
 :class:`GatewayServices` bundles what a request passes through on its way to
 an engine. ``GatewayServices.open_server(...)`` builds the production set
 (database, price table, limits, metrics, policies); the default-constructed
-one runs open and records nothing, for in-process use and unit tests.
+one runs open and records nothing, for in-process use and unit tests. Rate
+limits are per process unless a Redis URL is given (``redis_rate_limit.py``).
 """
 
 from __future__ import annotations
@@ -48,28 +49,35 @@ class GatewayServices:
                     blocklist: Sequence[str] = (), blocklist_applies_to: Sequence[str] = ("input", "output"),
                     policy_plugins: Sequence[str] = (), otel_traces: bool = False,
                     log_text: bool = False,
-                    prefix_cache_groups: Mapping[str, Sequence[str]] | None = None) -> "GatewayServices":
+                    prefix_cache_groups: Mapping[str, Sequence[str]] | None = None,
+                    redis_url: str | None = None) -> "GatewayServices":
         """Opens the database (creating tables) and builds every service.
 
         Args:
           prefix_cache_groups: group name -> tenants that share prefix-cache
             pages (see ``cache_scope.py``); the rest share only within a tenant.
+          redis_url: Redis that holds the rate limits shared by every gateway
+            using it (None: ``$XLASERVE_REDIS_URL``, else limits per process).
 
         Raises:
-          ValueError: a bad price table, policy setting or prefix-cache group.
+          ValueError: a bad price table, policy setting, prefix-cache group or Redis URL.
           sqlalchemy.exc.SQLAlchemyError: the database cannot be opened.
         """
         from serving.gateway.database import open_database
+        from serving.gateway.redis_rate_limit import RedisRateLimiter, default_redis_url
 
         cache_scopes = PrefixCacheScopes(prefix_cache_groups)  # before the database: fail fast
         db = open_database(database_url)
         ledger = Ledger(db)
-        metering = Metering(ledger, load_price_table(prices_path), GatewayMetrics(), RateLimiter(),
+        redis_url = redis_url or default_redis_url()
+        limiter = RedisRateLimiter(redis_url) if redis_url else RateLimiter()
+        metering = Metering(ledger, load_price_table(prices_path), GatewayMetrics(), limiter,
                             RequestTracer(otel_traces))
         return cls(authenticator=Authenticator(KeyStore(db)), metering=metering,
                    policies=Policies.from_config(blocklist, blocklist_applies_to, policy_plugins),
                    ledger=ledger, log_text=log_text, cache_scopes=cache_scopes)
 
     def close(self) -> None:
+        self.metering.limiter.close()
         if self.ledger is not None:
             self.ledger.close()
