@@ -192,3 +192,45 @@ def test_golden_top5_logprobs_via_prompt_logprobs_and_the_first_token(loop_f32, 
                     assert j == 4 and logit - (min(ours.values()) + lse) < 1e-2, (p["name"], rec["pos"])
             if not rec["is_last"]:
                 assert entry.token_id == p["ids"][rec["pos"] + 1]
+
+
+def test_golden_greedy_through_a_remote_replica(loop_f32, golden, gemma_tokenizer):
+    """The float32 engine behind the gRPC engine service on loopback, called through the
+    router as ``serve --engines`` does: the 8 golden prompts' greedy ids as in process, and
+    the gateway's completion text, with the tokenizer rebuilt from the replica's files."""
+    import httpx
+
+    from model.tokenizer_files import tokenizer_from_files
+    from serving.gateway.app import ServedModel, create_app
+    from serving.gateway.router import Router
+    from serving.rpc.engine_service import EngineService, model_info, start_server
+    from serving.rpc.remote_engine import RemoteEngine
+
+    info = model_info(loop_f32, "gemma-3-270m", gemma_tokenizer)
+    english = next(p for p in golden["prompts"] if p["name"] == "english")
+
+    async def main():
+        server, port = await start_server(EngineService(loop_f32, info), "127.0.0.1", 0)
+        router = Router([RemoteEngine(f"grpc://127.0.0.1:{port}", info, probe_interval=0.05)])
+        await router.open()
+        try:
+            await router.wait_until_up()
+            reqs = [request(p["ids"], max_tokens=24, ignore_eos=True) for p in golden["prompts"]]
+            outs = await asyncio.gather(*(collect(router, r) for r in reqs))
+            tokenizer = tokenizer_from_files(dict(info.tokenizer_files))
+            app = create_app({"gemma-3-270m": ServedModel("gemma-3-270m", router, tokenizer,
+                                                         router.max_model_len)})
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={"model": "gemma-3-270m", "prompt": english["text"],
+                                                          "max_tokens": 24, "temperature": 0})
+            return [ids for ids, _ in outs], [evs[-1] for _, evs in outs], r.json(), router.replicas[0].url
+        finally:
+            await router.close()
+            await server.stop(grace=None)
+
+    ids, lasts, body, url = asyncio.run(main())
+    for p, got in zip(golden["prompts"], ids):
+        agree_until_near_tie(got, p)
+    assert {ev.replica for ev in lasts} == {url}
+    assert body["choices"][0]["text"] == english["greedy"]["text"]
+    assert body["usage"]["prompt_tokens"] == english["num_tokens"]

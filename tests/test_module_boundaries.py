@@ -7,7 +7,10 @@ from importing certain packages:
 
     serving.gateway             ↛ jax, flax, model, kernels_pallas, sharding
     serving.scheduler,
-    serving.kv_cache_manager    ↛ jax, flax
+    serving.kv_cache_manager,
+    serving.kv_events           ↛ jax, flax
+    serving.rpc.remote_engine,
+    serving.rpc.convert         ↛ jax, flax, model, kernels_pallas, sharding (the gateway's side of gRPC)
     model                       ↛ serving, sharding
     kernels_pallas              ↛ model, serving
     sharding                    ↛ serving
@@ -33,6 +36,9 @@ RULES = [
     ("serving.gateway", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
     ("serving.scheduler", ("jax", "jaxlib", "flax")),
     ("serving.kv_cache_manager", ("jax", "jaxlib", "flax")),
+    ("serving.kv_events", ("jax", "jaxlib", "flax")),
+    ("serving.rpc.remote_engine", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
+    ("serving.rpc.convert", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
     ("model", ("serving", "sharding")),
     ("kernels_pallas", ("model", "serving")),
     ("sharding", ("serving",)),
@@ -165,7 +171,8 @@ def test_a_platform_query_in_the_model_is_caught(tmp_path):
         "model/layer.py:4: .default_backend"]
 
 
-@pytest.mark.parametrize("module", ["serving.gateway.app", "serving.scheduler", "serving.output_processor"])
+@pytest.mark.parametrize("module", ["serving.gateway.app", "serving.scheduler", "serving.output_processor",
+                                    "serving.gateway.router", "serving.rpc.remote_engine"])
 def test_importing_leaves_jax_out(module):
     code = (f"import sys, {module}\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
