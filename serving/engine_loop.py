@@ -318,26 +318,8 @@ class EngineLoop:
 
     def _validate(self, request: EngineRequest) -> None:
         cfg = self.cfg
-        n = len(request.prompt_ids)
-        s = request.sampling
-        if n == 0:
-            raise RequestRejectedError("the prompt is empty")
-        vocab = self.engine.model_cfg.vocab_size
-        sampling_request.validate(s, vocab, () if s.ignore_eos else tuple(s.stop_token_ids))
-        if n + s.max_tokens > cfg.max_model_len:
-            raise RequestRejectedError(
-                f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) exceeds the context "
-                f"window of {cfg.max_model_len} tokens")
-        pages = self.scheduler.pages_needed_alone(n + s.max_tokens)
-        if pages > cfg.num_pages - 1:
-            raise RequestRejectedError(
-                f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) needs {pages} KV-cache pages "
-                f"but the cache has {cfg.num_pages - 1}; lower max_tokens")
-        if request.priority not in PRIORITIES:
-            raise RequestRejectedError(f"priority must be one of {sorted(PRIORITIES)}")
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejectedError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        sampling_request.validate_request(request, self.engine.model_cfg.vocab_size, cfg.max_model_len,
+                                          cfg.num_pages - 1, self.scheduler.pages_needed_alone, PRIORITIES)
 
     # -- engine thread -------------------------------------------------------------
 

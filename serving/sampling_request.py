@@ -1,4 +1,5 @@
-"""From a request's ``SamplingParams`` to the engine's per-row ``SamplingSettings`` (host side).
+"""A request as the engine takes it: checked (``validate_request``), and its ``SamplingParams``
+turned into the engine's per-row ``SamplingSettings`` (host side).
 
 Validates what the device arrays can hold (fixed widths, int32 and float32
 ranges, token ids inside the vocabulary) so that a bad value is a
@@ -10,8 +11,15 @@ API's own bounds first; these checks hold for every caller of the engine.
 from __future__ import annotations
 
 import math
+from typing import Callable, Container
 
-from serving.engine_client import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestRejectedError, SamplingParams
+from serving.engine_client import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    EngineRequest,
+    RequestRejectedError,
+    SamplingParams,
+)
 from serving.sampling import MAX_SUPPRESS_IDS
 from serving.step_plan import SamplingSettings
 
@@ -23,6 +31,36 @@ def _finite(name: str, value: float) -> float:
     if not math.isfinite(value):
         raise RequestRejectedError(f"{name} must be a finite number, got {value}")
     return value
+
+
+def validate_request(request: EngineRequest, vocab: int, max_model_len: int, usable_pages: int,
+                     pages_needed: Callable[[int], int], priorities: Container[str]) -> None:
+    """Checks a whole request against what the engine can serve: its prompt (non-empty, ids
+    inside the vocabulary), prompt plus ``max_tokens`` against the context window and the KV
+    cache (``pages_needed(tokens)`` of its ``usable_pages``), its priority, its sampling.
+
+    Raises:
+      RequestRejectedError: naming what does not fit.
+    """
+    n = len(request.prompt_ids)
+    s = request.sampling
+    if n == 0:
+        raise RequestRejectedError("the prompt is empty")
+    validate(s, vocab, () if s.ignore_eos else tuple(s.stop_token_ids))
+    if n + s.max_tokens > max_model_len:
+        raise RequestRejectedError(
+            f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) exceeds the context "
+            f"window of {max_model_len} tokens")
+    pages = pages_needed(n + s.max_tokens)
+    if pages > usable_pages:
+        raise RequestRejectedError(
+            f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) needs {pages} KV-cache pages "
+            f"but the cache has {usable_pages}; lower max_tokens")
+    if request.priority not in priorities:
+        raise RequestRejectedError(f"priority must be one of {sorted(priorities)}")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestRejectedError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
 
 def validate(s: SamplingParams, vocab: int, stop_ids: tuple[int, ...]) -> None:
