@@ -18,6 +18,7 @@ _COMMANDS = {
     "engine": ("benchmarks.engine", "offline prefill/decode tokens/s with a roofline; optional baselines"),
     "load": ("benchmarks.load", "load generator for any OpenAI-compatible endpoint"),
     "kernels": ("benchmarks.kernels", "paged-attention kernels against the XLA reference"),
+    "routing": ("benchmarks.routing", "kv-aware against round-robin routing over 2 replicas (shared prefixes)"),
     "vs-llamacpp": ("benchmarks.vs_llamacpp", "xlaserve serve variants through HTTP against llama.cpp's "
                     "batched decode"),
 }

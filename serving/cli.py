@@ -342,12 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--router", default="kv-aware", choices=("kv-aware", "least-load", "round-robin"),
                        help="with --engines: how a replica is chosen (default kv-aware: where the prompt's "
                        "pages are cached, against load, with an imbalance guard)")
-    serve.add_argument("--router-prefill-weight", type=float, default=1.0,
+    serve.add_argument("--router-prefill-weight", type=float, default=2.0,
                        help="kv-aware: the cost of one prompt page a replica would compute, against one KV page "
-                       "of its load (default 1.0, Dynamo's)")
-    serve.add_argument("--router-balance-abs", type=int, default=8,
+                       "of its load (default 2.0)")
+    serve.add_argument("--router-balance-abs", type=int, default=16,
                        help="kv-aware routing gives way to least-load when the busiest replica has more than "
-                       "this many requests more than the idlest (default 8) ...")
+                       "this many requests more than the idlest (default 16) ...")
     serve.add_argument("--router-balance-rel", type=float, default=1.5,
                        help="... and more than this many times as many (default 1.5)")
     serve.set_defaults(func=cmd_serve)

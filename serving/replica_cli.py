@@ -65,7 +65,7 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
     return 0
 
 
-def build_router(engine_urls: str, policy: str, prefill_weight: float = 1.0, balance_abs: int = 8,
+def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, balance_abs: int = 16,
                  balance_rel: float = 1.5, wait_log_s: float = 10.0):
     """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers.
 

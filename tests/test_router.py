@@ -86,14 +86,37 @@ def test_kv_aware_follows_the_cached_prefix_of_the_same_salt():
     assert (reason, hit) == ("load", 0)
 
 
+def test_a_burst_of_one_prefix_stays_together_before_any_kv_event():
+    """Requests routed while the first of their prefix is still computing (no KV event yet)
+    follow it: its prompt counts as pending on its replica; other prefixes go elsewhere."""
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = Router([a, b])
+    a.gate = b.gate = asyncio.Event()
+    p, q = prompt(64 * PS), prompt(64 * PS, offset=3)
+
+    async def burst():
+        gens = [router.submit(req(p + [k + 1] * 4, f"p{k}")) for k in range(4)]
+        gens += [router.submit(req(q + [k + 1] * 4, f"q{k}")) for k in range(4)]
+        for g in gens:
+            await anext(g)
+        a.gate.set()
+        for g in gens:
+            async for _ in g:
+                pass
+
+    asyncio.run(burst())
+    assert sorted(a.served) in (["p0", "p1", "p2", "p3"], ["q0", "q1", "q2", "q3"])
+    assert router._pending[id(a)] == {} and router._pending[id(b)] == {}
+
+
 def test_cost_weighs_pages_to_prefill_against_load():
     a, b = FakeReplica("a"), FakeReplica("b")
     router = Router([a, b], prefill_weight=1.0)
     p = prompt(8 * PS)
     a.cache(p)
-    a.load = EngineStats(kv_pages_used=5)  # cheaper than prefilling 8 pages on b
+    a.load = EngineStats(waiting_prompt_tokens=5 * PS)  # cheaper than prefilling 8 pages on b
     assert router.pick(req(p))[0] is a
-    a.load = EngineStats(kv_pages_used=20)  # dearer
+    a.load = EngineStats(waiting_prompt_tokens=20 * PS)  # dearer
     assert router.pick(req(p))[:2] == (b, "load")
 
 

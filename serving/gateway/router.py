@@ -8,12 +8,14 @@ in-process engine. Policies (``--router``):
 - ``kv-aware`` (default), after NVIDIA Dynamo's KV router: each replica's cost is
   ``prefill_weight * (prompt pages it would have to compute) + (its load in pages)``;
   the pages it would not compute are the request's leading prompt pages found
-  in the replica's cached page hashes (its KV events), hashed with the
-  request's prefix-cache salt (the tenant scope, ``cache_scope.py``) exactly as
-  the engine's prefix cache hashes them; its load is the larger of what the
-  replica last reported (KV pages held + waiting prompt pages, ``GetLoad``)
-  and the pages of the requests this gateway has in flight there. The lowest
-  cost wins.
+  in the replica's cached page hashes (its KV events) or in the prompts of
+  requests in flight there (computed soon: SGLang's router inserts a prompt
+  into its tree as it routes it), hashed with the request's prefix-cache salt
+  (the tenant scope, ``cache_scope.py``) exactly as the engine's prefix cache
+  hashes them; its load is the larger of the pages this gateway's requests in
+  flight there add (uncached prompt pages and their completions) and the
+  prompt pages waiting there (``GetLoad``, other gateways' requests
+  included). The lowest cost wins.
 - ``least-load``: the fewest requests (the larger of the replica's running +
   waiting and this gateway's in-flight count).
 - ``round-robin``: the next replica that is up.
@@ -44,7 +46,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import time
 from typing import AsyncIterator, Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -62,8 +63,8 @@ POLICIES = ("kv-aware", "least-load", "round-robin")
 @dataclasses.dataclass
 class _InFlight:
     replica: RemoteEngine
-    pages: int
-    routed_at: float  # time.monotonic()
+    pages: int  # pages it adds there: prompt pages not cached + its completion's
+    hashes: tuple[bytes, ...]  # its prompt's page hashes, pending there until it ends
 
 
 class Router:
@@ -73,6 +74,9 @@ class Router:
       replicas: the replicas (their ``info`` checked to serve one model with one tokenizer).
       policy: one of :data:`POLICIES`.
       prefill_weight: kv-aware: cost of one prompt page to compute, against one page of load.
+        Above Dynamo's 1.0 by default: at 1.0 the second request of a burst sharing a
+        prefix ties between waiting behind the first one's prefill and computing the
+        prefix again elsewhere, and half such bursts scatter (tests/test_router.py).
       balance_abs, balance_rel: the imbalance guard's thresholds (requests; a ratio).
 
     Raises:
@@ -81,7 +85,7 @@ class Router:
     """
 
     def __init__(self, replicas: Sequence[RemoteEngine], policy: str = "kv-aware",
-                 prefill_weight: float = 1.0, balance_abs: int = 8, balance_rel: float = 1.5) -> None:
+                 prefill_weight: float = 2.0, balance_abs: int = 16, balance_rel: float = 1.5) -> None:
         if not replicas:
             raise ValueError("a router needs at least one engine replica")
         if policy not in POLICIES:
@@ -97,6 +101,11 @@ class Router:
         self.balance_rel = balance_rel
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._inflight: dict[str, _InFlight] = {}
+        # Per replica: page hashes of prompts routed there and still in flight, as if cached
+        # (SGLang's router inserts a prompt into its tree when it routes it): the replica's
+        # KV events report them only once computed, and a burst of one prefix would
+        # otherwise scatter before its first request's events arrive.
+        self._pending: dict[int, collections.Counter[bytes]] = {id(r): collections.Counter() for r in replicas}
         self._rr = itertools.count()
 
     # -- EngineClient ---------------------------------------------------------------
@@ -159,12 +168,30 @@ class Router:
         return max(mine, r.load.num_running + r.load.num_waiting)
 
     def _pages_on(self, r: RemoteEngine) -> float:
+        """The replica's load in KV pages: what this gateway's requests there add (their
+        uncached prompt pages and completions), or the prompt pages waiting there (its last
+        GetLoad, other gateways' included), whichever is more. Pages of cached prefixes
+        shared by running requests are not load: taking one more request that shares them
+        costs no memory."""
         mine = sum(f.pages for f in self._inflight.values() if f.replica is r)
-        reported = r.load.kv_pages_used + r.load.waiting_prompt_tokens / max(1, r.page_size)
-        return max(mine, reported)
+        return max(mine, r.load.waiting_prompt_tokens / max(1, r.page_size))
 
-    def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = ()) -> tuple[RemoteEngine, str, int]:
-        """The replica for ``request``: (replica, reason, prompt pages it has cached).
+    def _matched(self, r: RemoteEngine, hashes: Sequence[bytes]) -> int:
+        """Leading prompt pages ``r`` holds, or will once the requests in flight there are computed."""
+        cached, pending = r.kv_index.keys, self._pending[id(r)]
+        n = 0
+        for h in hashes:
+            if h not in cached and not pending[h]:
+                break
+            n += 1
+        return n
+
+    def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = (),
+             hashes: Sequence[bytes] | None = None) -> tuple[RemoteEngine, str, int]:
+        """The replica for ``request``: (replica, reason, prompt pages it holds or will hold).
+
+        Args:
+          hashes: the prompt's page hashes (default: computed here).
 
         Raises:
           EngineOverloadedError: no replica is up (outside ``exclude``).
@@ -187,11 +214,12 @@ class Router:
         hi, lo = max(loads), loads[least]
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return up[least], "imbalance", 0
-        hashes = prompt_page_hashes(request.prompt_ids, up[0].page_size, request.cache_salt)
+        if hashes is None:
+            hashes = prompt_page_hashes(request.prompt_ids, up[0].page_size, request.cache_salt)
         pages = -(-len(request.prompt_ids) // up[0].page_size)
         best, best_cost, best_hit = None, None, 0
         for r in up:
-            hit = r.kv_index.matched_pages(hashes)
+            hit = self._matched(r, hashes)
             cost = self.prefill_weight * (pages - hit) + self._pages_on(r)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = r, cost, hit
@@ -200,11 +228,15 @@ class Router:
     async def _stream(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
         rid = request.request_id
         tried: list[RemoteEngine] = []
-        pages = -(-(len(request.prompt_ids) + request.sampling.max_tokens) // self.replicas[0].page_size)
+        ps = self.replicas[0].page_size
+        hashes = tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
+        prompt_pages = -(-len(request.prompt_ids) // ps)
         while True:
-            replica, reason, _ = self.pick(request, tried)
+            replica, reason, hit = self.pick(request, tried, hashes)
             self.decisions[(replica.url, "retry" if tried else reason)] += 1
-            self._inflight[rid] = _InFlight(replica, pages, time.monotonic())
+            pages = prompt_pages - hit + -(-request.sampling.max_tokens // ps)
+            self._inflight[rid] = _InFlight(replica, pages, hashes)
+            self._pending[id(replica)].update(hashes)
             try:
                 async for ev in replica.generate(request):
                     yield dataclasses.replace(ev, replica=replica.url)
@@ -214,6 +246,11 @@ class Router:
                 tried.append(replica)
             finally:
                 self._inflight.pop(rid, None)
+                pending = self._pending[id(replica)]
+                for h in hashes:
+                    pending[h] -= 1
+                    if pending[h] <= 0:
+                        del pending[h]
 
     # -- metrics ----------------------------------------------------------------------------
 

@@ -87,8 +87,8 @@ def fetch_model_info(url: str, timeout: float = 10.0) -> pb.ModelInfo:
       grpc.RpcError: the replica did not answer within ``timeout`` seconds.
     """
     with grpc.insecure_channel(parse_engine_url(url), options=CHANNEL_OPTIONS) as channel:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-        return pb_grpc.EngineServiceStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        return pb_grpc.EngineServiceStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+                                                               wait_for_ready=True)
 
 
 def info_mismatch(a: pb.ModelInfo, b: pb.ModelInfo) -> str | None:
