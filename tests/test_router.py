@@ -30,6 +30,7 @@ class FakeReplica:
         self.kv_index.reset(0)
         self.page_size = info.page_size
         self.fail_before_first = False
+        self.overloaded = False
         self.gate: asyncio.Event | None = None  # set: generate waits for it before finishing
         self.aborted: list[str] = []
         self.served: list[str] = []
@@ -41,6 +42,8 @@ class FakeReplica:
         if self.fail_before_first:
             self.up = False  # as RemoteEngine takes itself out
             raise ReplicaUnavailable(f"{self.url}: UNAVAILABLE")
+        if self.overloaded:
+            raise EngineOverloadedError(f"{self.url}: queue full")
         self.served.append(req.request_id)
         yield TokenEvent(req.request_id, (1,), prompt_tokens=len(req.prompt_ids), completion_tokens=1)
         if self.gate is not None:
@@ -193,6 +196,19 @@ def test_a_replica_failing_before_the_first_event_is_retried_elsewhere():
     for e in evs:
         assert [ev.replica for ev in e] == [b.url, b.url] and e[-1].finish_reason == "length"
     assert router.decisions[(b.url, "retry")] == 1  # the request that tried a first
+
+
+def test_an_overloaded_replica_passes_the_request_on_and_all_overloaded_is_503():
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = Router([a, b], policy="round-robin")
+    a.overloaded = True
+    for i in range(2):
+        evs = asyncio.run(drain(router, req(prompt(4), f"o{i}")))
+        assert evs[-1].replica == b.url
+    assert a.up  # overloaded is not down
+    b.overloaded = True
+    with pytest.raises(EngineOverloadedError, match="queue full"):
+        asyncio.run(drain(router, req(prompt(4), "o9")))
 
 
 def test_cancel_aborts_on_the_serving_replica():

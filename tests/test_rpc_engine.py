@@ -255,3 +255,23 @@ def test_model_info_carries_the_tokenizer(loop):
     assert tok.encode(text, add_bos=True) == loop.tokenizer.encode(text, add_bos=True)
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == loop.tokenizer.apply_chat_template(msgs)
+
+
+def test_a_replica_that_goes_away_is_taken_out_and_probed_back_in(loop):
+    async def main():
+        info = model_info(loop, "tiny-random", loop.tokenizer)
+        async with served(loop, info) as (server, remote):
+            port = int(remote.target.rsplit(":", 1)[1])
+            await server.stop(grace=None)
+            while remote.up:  # the next probe fails
+                await asyncio.sleep(0.01)
+            again, _ = await start_server(EngineService(loop, info), "127.0.0.1", port)
+            try:
+                while not remote.up:  # Health answers ready again
+                    await asyncio.sleep(0.01)
+                ids, events = await remote_collect(remote, request(prompt(6), max_tokens=3))
+                assert len(ids) == 3 and events[-1].finish_reason == "length"
+            finally:
+                await again.stop(grace=None)
+
+    asyncio.run(main())

@@ -29,7 +29,8 @@ prefix-only scoring under such load).
 
 The choices of one prompt (``parent_id``) go where their parent went. A
 replica that is down is skipped; a request whose replica fails before its
-first event is sent to the next one; a request it was running ends with an
+first event, or refuses it as overloaded, is sent to the next one (all
+overloaded: the gateway's 503); a request it was running ends with an
 "error" event. Decisions are counted by replica and reason (``cache_hit``,
 ``load``, ``imbalance``, ``least_load``, ``round_robin``, ``parent``,
 ``retry``), and each event carries the URL of the replica that served it
@@ -244,6 +245,10 @@ class Router:
             except ReplicaUnavailable as e:
                 log.warning("request %s: %s; trying another replica", rid, e)
                 tried.append(replica)
+            except EngineOverloadedError:  # its queue is full: another one may take it
+                tried.append(replica)
+                if not any(r.up for r in self.replicas if r not in tried):
+                    raise
             finally:
                 self._inflight.pop(rid, None)
                 pending = self._pending[id(replica)]
