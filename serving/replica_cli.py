@@ -30,7 +30,7 @@ ROLES = ("both",)
 
 def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
     """Runs one engine replica behind the gRPC engine service until SIGTERM / SIGINT."""
-    from serving.cli import _is_leader, build_engine, freeze_startup_heap
+    from serving.cli import _is_leader, _is_loopback, build_engine, freeze_startup_heap
     from serving.rpc.engine_service import EngineService, model_info, start_server
     from serving.server_config import load_server_config
     from serving.sharding_cli import join_processes, run_follower
@@ -47,6 +47,9 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
         service = EngineService(loop, info)
         server, port = await start_server(service, args.host, args.grpc_port)
         log.info("engine replica of %s serving gRPC on %s:%d", info.model, args.host, port)
+        if not _is_loopback(args.host):
+            log.warning("the engine service has no authentication: keep %s:%d on a private network",
+                        args.host, port)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
