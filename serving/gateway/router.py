@@ -230,7 +230,8 @@ class Router:
         rid = request.request_id
         tried: list[RemoteEngine] = []
         ps = self.replicas[0].page_size
-        hashes = tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
+        hashes = (tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
+                  if self.policy == "kv-aware" else ())
         prompt_pages = -(-len(request.prompt_ids) // ps)
         while True:
             replica, reason, hit = self.pick(request, tried, hashes)
