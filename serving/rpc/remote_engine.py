@@ -169,6 +169,7 @@ class RemoteEngine:
         self.expected = expected or info
         self.info = info or self.expected  # the expected one until it answers
         self._verified = info is not None
+        self._refused: str | None = None  # why it was last refused (logged once)
         self.probe_interval = probe_interval
         self.up = False
         self.load = EngineStats()
@@ -207,6 +208,7 @@ class RemoteEngine:
         if self.up:
             log.warning("engine replica %s taken out: %s", self.url, why)
         self.up = False
+        self._verified = False  # whatever answers there next is asked what it serves
         if self._up_event is not None:
             self._up_event.clear()
         if self._kv_call is not None:
@@ -240,9 +242,11 @@ class RemoteEngine:
             info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=RPC_TIMEOUT_S)
             why = info_mismatch(info, self.expected)
             if why is not None:
-                log.error("engine replica %s is not taken in: it serves another model (%s)", self.url, why)
+                if why != self._refused:
+                    log.error("engine replica %s is not taken in: it serves another model (%s)", self.url, why)
+                self._refused = why
                 return False
-            self.info, self._verified = info, True
+            self.info, self._verified, self._refused = info, True, None
         return True
 
     async def _follow_kv(self) -> None:
