@@ -15,6 +15,8 @@ import pytest
 # The gateway tests' shared fixtures (engine, client, anyio_backend).
 pytest_plugins = ["tests.gateway_harness"]
 
+# gRPC's C core logs a closed connection at INFO ("Got goaway") when a test stops a server.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault(
     "XLASERVE_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".xlaserve-test-data"))
 
