@@ -19,9 +19,13 @@ import pytest
 
 from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
+from serving.rpc.remote_engine import CHANNEL_OPTIONS
 from tests.server_process import free_port, serve_process
 
-ENGINE_ARGS = ["--model", "tiny-random", "--max-model-len", "4096", "--max-slots", "4", "--num-pages", "1100"]
+# TINY_SERVER_ARGS' pool and slots (their compiled programs are reused: only decode widths past
+# 512 tokens are new), a context for a 1024-token prefix and a long stream.
+ENGINE_ARGS = ["--model", "tiny-random", "--max-model-len", "2048", "--max-slots", "4", "--num-pages", "256",
+               "--min-decode-batch", "4"]
 PREFIX = [2] + [(13 * i) % 400 + 100 for i in range(1023)]  # a 1024-token shared prefix
 STARTUP_TIMEOUT_S = 240
 
@@ -37,7 +41,8 @@ def start_engine(log_path: Path) -> tuple[subprocess.Popen, str]:
 
 def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
+    # The client's own reconnect backoff (at most 2 s), not gRPC's default (up to 120 s).
+    with grpc.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS) as ch:
         stub = pb_grpc.EngineServiceStub(ch)
         while True:
             try:
@@ -53,10 +58,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("replicas")
-    started = [start_engine(tmp / f"engine{i}.log") for i in range(2)]
+    started = []
     try:
-        for i, (proc, url) in enumerate(started):
-            wait_healthy(proc, url, tmp / f"engine{i}.log")
+        for i in range(2):  # one after the other: the second loads what the first compiled
+            started.append(start_engine(tmp / f"engine{i}.log"))
+            wait_healthy(*started[-1], tmp / f"engine{i}.log")
         yield {url: proc for proc, url in started}, tmp
     finally:
         for proc, _ in started:
@@ -158,7 +164,7 @@ def test_kill_9_of_a_replica_mid_stream(client, gateway, replicas):
     """The stream on the killed replica ends with finish_reason "error" and an error event
     (metered as an error), /health stays 200, the next requests succeed on the other one."""
     procs, _ = replicas
-    stream = client.completions.create(model="tiny-random", prompt=PREFIX[:64], max_tokens=3800,
+    stream = client.completions.create(model="tiny-random", prompt=PREFIX[:64], max_tokens=1900,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     first = next(chunks)
