@@ -177,16 +177,6 @@ class Router:
         mine = sum(f.pages for f in self._inflight.values() if f.replica is r)
         return max(mine, r.load.waiting_prompt_tokens / max(1, r.page_size))
 
-    def _matched(self, r: RemoteEngine, hashes: Sequence[bytes]) -> int:
-        """Leading prompt pages ``r`` holds, or will once the requests in flight there are computed."""
-        cached, pending = r.kv_index.keys, self._pending[id(r)]
-        n = 0
-        for h in hashes:
-            if h not in cached and not pending[h]:
-                break
-            n += 1
-        return n
-
     def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = (),
              hashes: Sequence[bytes] | None = None) -> tuple[RemoteEngine, str, int]:
         """The replica for ``request``: (replica, reason, prompt pages it holds or will hold).
@@ -220,7 +210,8 @@ class Router:
         pages = -(-len(request.prompt_ids) // up[0].page_size)
         best, best_cost, best_hit = None, None, 0
         for r in up:
-            hit = self._matched(r, hashes)
+            # Pages it holds, or will once the requests in flight there are computed.
+            hit = r.kv_index.matched_pages(hashes, self._pending[id(r)])
             cost = self.prefill_weight * (pages - hit) + self._pages_on(r)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = r, cost, hit

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -129,11 +128,12 @@ class ReplicaKvIndex:
         self.seq = seq
         return True
 
-    def matched_pages(self, hashes) -> int:
-        """How many of the leading page ``hashes`` are cached."""
+    def matched_pages(self, hashes, pending=()) -> int:
+        """How many of the leading page ``hashes`` are cached (or in ``pending``, a container
+        of hashes about to be)."""
         n = 0
         for h in hashes:
-            if h not in self.keys:
+            if h not in self.keys and h not in pending:
                 break
             n += 1
         return n
@@ -154,7 +154,7 @@ class RemoteEngine:
       url: as given.
       info: as given.
       up: whether requests may be sent to it.
-      load: its last ``GetLoad`` answer, and ``load_time`` (time.monotonic()) when it came.
+      load: its last ``GetLoad`` answer.
       kv_index: its cached page hashes (:class:`ReplicaKvIndex`).
       drop_next_kv_batch: testing aid: discard the next KV batch received, as
         if it were lost on the way (the follower must notice the gap).
@@ -173,7 +173,6 @@ class RemoteEngine:
         self.probe_interval = probe_interval
         self.up = False
         self.load = EngineStats()
-        self.load_time = 0.0
         self.kv_index = ReplicaKvIndex()
         self.drop_next_kv_batch = False
         self._channel: grpc.aio.Channel | None = None
@@ -223,15 +222,9 @@ class RemoteEngine:
     async def _probe(self) -> None:
         while True:
             try:
-                if self.up:
-                    m = await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S)
-                    self.load, self.load_time = convert.load_from_proto(m), time.monotonic()
-                elif await self._verify():
-                    h = await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
-                    if h.ready:
-                        m = await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S)
-                        self.load, self.load_time = convert.load_from_proto(m), time.monotonic()
-                        self._mark_up()
+                if self.up or (await self._verify() and (await self.health()).ready):
+                    self.load = await self.get_load()
+                    self._mark_up()
             except grpc.aio.AioRpcError as e:
                 self.mark_down(f"{e.code().name}: {e.details()}")
             await asyncio.sleep(self.probe_interval)
