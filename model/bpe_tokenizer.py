@@ -395,7 +395,7 @@ class BPETokenizer:
         """Whether id ``i`` is a control token (a special added token, e.g. ``<|eot_id|>``)."""
         return int(i) in self._control
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Always refuses: this tokenizer has no chat format of its own. A chat template
         is served by wrapping it (``model.chat_template_source.TemplatedTokenizer``,
         which renders a Jinja template with :meth:`encode` and :meth:`encode_markup`).

@@ -18,14 +18,38 @@ plain-text segment without BOS, so message text that spells
 ``<start_of_turn>`` stays ordinary text. This matches the reference ids,
 which were produced by encoding each segment between control tokens.
 
+Tools (our format; Gemma 3 has no tool tokens, and Google's function-calling
+guide for it asks for calls written as a Python list in plain text):
+
+- with ``tools``, the system text (a system message is made when there is
+  none) ends with :data:`TOOLS_PREAMBLE` and one line per function: its
+  ``{"name", "description", "parameters"}`` as JSON;
+- an assistant message's ``tool_calls`` are rendered after its content as
+  ``[name(arg=value, ...), ...]`` with the arguments as Python literals
+  (strings quoted as JSON does, ``True``/``False``/``None``), which is what
+  the ``pythonic`` tool-call parser reads back;
+- consecutive ``tool`` messages become one user turn, each result as a
+  fenced block: ```` ```tool_output\n{content}\n``` ````.
+
+Without tools, tool calls or tool messages, the rendering is exactly the
+published template above.
+
 No JAX import here: the gateway renders prompts through this module.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Protocol, Sequence
 
-__all__ = ["render_gemma3_chat", "render_gemma3_chat_text", "normalize_messages"]
+__all__ = ["render_gemma3_chat", "render_gemma3_chat_text", "normalize_messages", "TOOLS_PREAMBLE"]
+
+TOOLS_PREAMBLE = (
+    "You can call functions. To call one or more, reply with only a Python list of calls, "
+    "like [name(arg=value), other()], and no other text. Their results come back in "
+    "```tool_output``` blocks. The functions, as JSON schemas:"
+)
+"""The text that introduces the tools in the system text (see the module docstring)."""
 
 _ROLE_NAMES = {"user": "user", "assistant": "model", "model": "model"}
 
@@ -136,9 +160,87 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str,
     return turns
 
 
-def _segments(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+def _python_literal(value: Any) -> str:
+    """`value` (parsed JSON) as a Python literal."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if value is None:
+        return "None"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_python_literal(str(k))}: {_python_literal(v)}" for k, v in value.items()) + "}"
+    raise ValueError(f"a tool-call argument of type {type(value).__name__} is not JSON")
+
+
+def _call_text(call: Any, where: str) -> str:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where} must be {{'function': {{'name', 'arguments'}}}}")
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        args = json.loads(args or "{}")
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}.function.arguments must be an object")
+    return fn["name"] + "(" + ", ".join(f"{k}={_python_literal(v)}" for k, v in args.items()) + ")"
+
+
+def _tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    lines = [TOOLS_PREAMBLE]
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}")
+        lines.append(json.dumps({k: fn[k] for k in ("name", "description", "parameters") if k in fn},
+                                ensure_ascii=False))
+    return "\n".join(lines)
+
+
+def _with_tools(messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None) -> Sequence[Mapping[str, Any]]:
+    """The messages with tools, tool calls and tool results written as plain text
+    (see the module docstring); unchanged when there are none."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return messages  # normalize_messages says what is wrong
+    plain = not tools and all(
+        isinstance(m, Mapping) and m.get("role") != "tool" and not m.get("tool_calls") for m in messages)
+    if plain:
+        return messages
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = m.get("role")
+        text = _content_text(m.get("content"), i).strip()
+        if role == "tool":
+            block = f"```tool_output\n{text}\n```"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+            continue
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "[" + ", ".join(_call_text(c, f"messages[{i}].tool_calls[{k}]")
+                                    for k, c in enumerate(m["tool_calls"])) + "]"
+            text = f"{text}\n{calls}" if text else calls
+        out.append({"role": role, "content": text})
+    if tools:
+        block = _tools_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def _segments(messages: Sequence[Mapping[str, Any]],
+              tools: Sequence[Mapping[str, Any]] | None = None) -> list[str]:
     segs: list[str] = [_Control(_BOS)]
-    for role, text in normalize_messages(messages):
+    for role, text in normalize_messages(_with_tools(messages, tools)):
         segs += [_Control(_SOT), role + "\n" + text, _Control(_EOT), "\n"]
     segs += [_Control(_SOT), "model\n"]
     # Merge adjacent plain-text segments so each run between control tokens is
@@ -152,7 +254,8 @@ def _segments(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     return merged
 
 
-def render_gemma3_chat(messages: Sequence[Mapping[str, Any]], tokenizer: _ChatTokenizer) -> list[int]:
+def render_gemma3_chat(messages: Sequence[Mapping[str, Any]], tokenizer: _ChatTokenizer,
+                       tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Render chat messages to Gemma 3 prompt token ids, with the generation prompt.
 
     Implements ``tests/data/gemma3_chat_template.md`` (see the module
@@ -165,6 +268,8 @@ def render_gemma3_chat(messages: Sequence[Mapping[str, Any]], tokenizer: _ChatTo
       messages: see :func:`normalize_messages`.
       tokenizer: a ``model.tokenizer.Tokenizer`` (anything with ``encode``,
         ``bos_id``, ``start_of_turn_id``, ``end_of_turn_id``).
+      tools: functions the model may call (``[{"type": "function", "function":
+        {"name", "description", "parameters"}}]``), or None.
 
     Returns:
       ``list[int]``, starting with ``bos_id`` and ending with the ids of
@@ -179,7 +284,7 @@ def render_gemma3_chat(messages: Sequence[Mapping[str, Any]], tokenizer: _ChatTo
         _EOT: tokenizer.end_of_turn_id,
     }
     ids: list[int] = []
-    for seg in _segments(messages):
+    for seg in _segments(messages, tools):
         if isinstance(seg, _Control):
             ids.append(control[str(seg)])
         else:
@@ -187,7 +292,8 @@ def render_gemma3_chat(messages: Sequence[Mapping[str, Any]], tokenizer: _ChatTo
     return ids
 
 
-def render_gemma3_chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
+def render_gemma3_chat_text(messages: Sequence[Mapping[str, Any]],
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """Render chat messages to the Gemma 3 prompt text, for display/debugging.
 
     Control tokens are spelled out (``<bos>``, ``<start_of_turn>``, ...), so
@@ -197,4 +303,4 @@ def render_gemma3_chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
     Raises:
       ValueError: as :func:`normalize_messages`.
     """
-    return "".join(str(s) for s in _segments(messages))
+    return "".join(str(s) for s in _segments(messages, tools))

@@ -273,13 +273,14 @@ class TemplatedTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The template's prompt ids for ``messages``, with the generation prompt.
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The template's prompt ids for ``messages`` and ``tools``, with the generation prompt.
 
         Raises:
           ValueError: the template refuses the messages (see ``JinjaChatTemplate.encode``).
         """
-        return self.chat_template.encode(messages, self._tokenizer)
+        return self.chat_template.encode(messages, self._tokenizer, tools=tools)
 
     def __repr__(self) -> str:
         return f"TemplatedTokenizer({self._tokenizer!r}, {self.chat_template!r})"

@@ -419,8 +419,8 @@ class Tokenizer:
             pos = m.end()
         return ids + self.encode(text[pos:])
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Render chat messages with the Gemma 3 template and generation prompt.
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Render chat messages (and `tools`) with the Gemma 3 template and generation prompt.
 
         Delegates to :func:`model.chat_template.render_gemma3_chat`. A model
         without Gemma's chat pieces (e.g. Mistral's) is served with its own
@@ -436,7 +436,7 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template wired in (its vocabulary lacks "
                              "Gemma's <start_of_turn>/<end_of_turn>); serve it with its checkpoint's "
                              "template or --chat-template FILE")
-        return render_gemma3_chat(messages, self)
+        return render_gemma3_chat(messages, self, tools=tools)
 
     def __repr__(self) -> str:
         return (

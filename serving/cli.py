@@ -148,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from serving.gateway.app import GatewayLimits, ServedModel, create_app
+    from serving.gateway.output_formats import pick_reasoning_parser, pick_tool_call_parser
     from serving.server_config import load_server_config
     from serving.sharding_cli import join_processes, run_follower
 
@@ -155,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
-                                  "redis_url"))
+                                  "redis_url", "tool_call_parser", "reasoning_parser"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
@@ -176,10 +177,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = cfg.served_model_name or name
         limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
                                stream_write_timeout=cfg.stream_write_timeout)
+        tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
+        reasoning_parser = pick_reasoning_parser(tokenizer, cfg.reasoning_parser)
+        log.info("tool-call parser: %s; reasoning parser: %s", tool_parser, reasoning_parser)
         app = create_app({name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
                                              max_model_len=engine.max_model_len,
                                              kv_capacity_tokens=engine.kv_capacity_tokens,
-                                             default_chat_max_tokens=cfg.default_chat_max_tokens)},
+                                             default_chat_max_tokens=cfg.default_chat_max_tokens,
+                                             tool_call_parser=tool_parser,
+                                             reasoning_parser=reasoning_parser)},
                          services, limits)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()
@@ -324,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
                        "config's prefix_cache_groups); by default each tenant shares only with itself")
     serve.add_argument("--max-request-bytes", type=int, default=None,
                        help="larger request bodies get 413 before they are read (default 4 MiB)")
+    serve.add_argument("--tool-call-parser", default=None,
+                       help="format tool calls are parsed from: auto (from the chat template; see "
+                       "serving/gateway/output_formats.py) | none | hermes | llama3_json | pythonic")
+    serve.add_argument("--reasoning-parser", default=None,
+                       help="auto (from the chat template) | none | think: <think>...</think> is "
+                       "returned as reasoning_content")
     serve.add_argument("--default-chat-max-tokens", type=int, default=None,
                        help="cap the completion of a chat request that sends no max_tokens (default: "
                        "the most that fits the context window and the KV cache)")

@@ -35,10 +35,14 @@ class StructuredOutput:
       value: for "json_schema" the schema as JSON text; for "json_object" "";
         for "regex" the pattern; for "choice" a JSON list of the allowed
         strings; for "grammar" a grammar text (llguidance's Lark dialect).
+      after_token_id: None: the constraint holds from the first generated
+        token; else it starts after this token is generated (a reasoning
+        model's think-end token: the thinking itself is free).
     """
 
     kind: str
     value: str = ""
+    after_token_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

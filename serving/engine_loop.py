@@ -110,6 +110,7 @@ class _Sequence:
     prompt_logprobs: list | None = None  # [prompt_len] entries collected from prefill chunks
     first_event_sent: bool = False
     matcher: object = None  # llguidance.LLMatcher of a structured-output request (loop thread only)
+    armed_by: int | None = None  # the token whose generation arms the matcher (until then: unconstrained)
 
 
 class EngineLoop:
@@ -226,7 +227,7 @@ class EngineLoop:
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
             parent_id=request.parent_id, speculate=matcher is None)
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
-                        matcher=matcher)
+                        matcher=matcher, armed_by=None if matcher is None else s.structured_output.after_token_id)
         if s.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * n
         with self._lock:
@@ -478,7 +479,7 @@ class EngineLoop:
         if not self._constrained:
             return None
         matchers = [(seq.matcher, i) for i, (seq, s) in enumerate(zip(seqs, samples))
-                    if s and seq.matcher is not None]
+                    if s and seq.matcher is not None and seq.armed_by is None]
         if not matchers:
             return None
         from serving.structured_output import grammars_for
@@ -559,7 +560,9 @@ class EngineLoop:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.matcher is not None and not seq.matcher.consume_token(tok):
+            if seq.armed_by is not None:
+                seq.armed_by = None if tok == seq.armed_by else seq.armed_by  # the thinking ended
+            elif seq.matcher is not None and not seq.matcher.consume_token(tok):
                 self._finish(seq, "error", f"structured output failed at token {tok}: "
                                            f"{seq.matcher.get_error()}")
                 continue

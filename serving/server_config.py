@@ -44,6 +44,8 @@ class ServerConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1_000_000
     default_chat_max_tokens: int | None = None
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     stream_buffer_events: int = 1024
     stream_write_timeout: float = 30.0
     served_model_name: str | None = None

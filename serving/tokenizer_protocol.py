@@ -33,8 +33,10 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids to text; control tokens decode to the empty string."""
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Render chat messages ([{"role", "content"}]) with the generation prompt.
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Render chat messages ([{"role", "content", ...}]) and the tools the model may
+        call (``[{"type": "function", "function": {...}}]``, or None) with the
+        generation prompt.
 
         Raises:
           ValueError: unknown role, misplaced system message, or non-text content.

@@ -6,6 +6,7 @@ Nothing here imports JAX or the ``model`` package.
 from __future__ import annotations
 
 import asyncio
+import json
 import dataclasses
 from typing import AsyncIterator, Callable, Sequence
 
@@ -88,11 +89,24 @@ class FakeTokenizer:
     def is_control(self, i: int) -> bool:
         return not BYTE_OFFSET <= i < START_OF_TURN_ID
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Gemma-3-like: a leading system message is folded into the first user turn."""
-        msgs = list(messages)
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Gemma-3-like: a leading system message is folded into the first user turn.
+        Tools become a leading system line ``tools: <JSON>``, a ``tool`` message a
+        user turn ``tool: <content>``, an assistant's tool calls ``calls: <JSON>``."""
+        msgs = [dict(m) for m in messages]
         if not msgs:
             raise ValueError("messages must not be empty")
+        for m in msgs:
+            if m["role"] == "tool":
+                m.update(role="user", content=f"tool: {m['content']}")
+            if m.get("tool_calls"):
+                m["content"] = f"{m['content']}calls: {json.dumps(m['tool_calls'])}"
+        if tools:
+            line = f"tools: {json.dumps(list(tools))}"
+            if msgs[0]["role"] == "system":
+                msgs[0]["content"] = f"{msgs[0]['content']}\n{line}"
+            else:
+                msgs.insert(0, {"role": "system", "content": line})
         system = None
         if msgs[0]["role"] == "system":
             system = str(msgs[0]["content"]).strip()
@@ -114,6 +128,54 @@ class FakeTokenizer:
             ids += self.encode("\n")
         ids += [START_OF_TURN_ID, *self.encode("model\n")]
         return ids
+
+
+THINK_START_ID, THINK_END_ID = VOCAB_SIZE, VOCAB_SIZE + 1  # 261, 262: ThinkingTokenizer only
+
+
+class ThinkingTokenizer(FakeTokenizer):
+    """FakeTokenizer plus ``<think>`` (261) and ``</think>`` (262) tokens (not control
+    tokens: they decode to their text, as Qwen3's do), and a
+    Jinja-like ``chat_template`` whose source writes ``<think>`` (so "auto" picks the
+    reasoning parser). With ``opens_thinking`` the chat prompt ends with ``<think>``
+    (as DeepSeek-R1's template does)."""
+
+    vocab_size = VOCAB_SIZE + 2
+
+    def __init__(self, opens_thinking: bool = False) -> None:
+        self.opens_thinking = opens_thinking
+        self.chat_template = type("Template", (), {"source": "{{ messages }}<think>"})()
+
+    def encode_markup(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(text.replace("</think>", "\0e").replace("<think>", "\0s").split("\0")):
+            if i:
+                ids.append(THINK_START_ID if part[0] == "s" else THINK_END_ID)
+                part = part[1:]
+            ids += super().encode_markup(part)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Qwen3's and DeepSeek-R1's <think> tokens are added tokens that are not special:
+        # they decode to their text.
+        out, run = [], []
+        for i in ids:
+            if i in (THINK_START_ID, THINK_END_ID):
+                out += [super().decode(run), "<think>" if i == THINK_START_ID else "</think>"]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + super().decode(run)
+
+    def id_to_piece(self, i: int) -> str:
+        return {THINK_START_ID: "<think>", THINK_END_ID: "</think>"}.get(i) or super().id_to_piece(i)
+
+    def is_control(self, i: int) -> bool:
+        return i not in (THINK_START_ID, THINK_END_ID) and super().is_control(i)
+
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        ids = super().apply_chat_template(messages, tools)
+        return ids + [THINK_START_ID] if self.opens_thinking else ids
 
 
 Responder = Callable[[EngineRequest], Sequence[int]]

@@ -120,7 +120,7 @@ def test_content_none_is_empty():
     [
         ([], "empty"),
         ("hello", "list"),
-        ([{"role": "tool", "content": "x"}], "unknown role"),
+        ([{"role": "function", "content": "x"}], "unknown role"),
         ([{"role": "developer", "content": "x"}], "unknown role"),
         ([{"content": "x"}], "role"),
         (["just a string"], "object"),

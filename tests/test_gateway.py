@@ -45,6 +45,7 @@ async def test_completion_non_streaming(client, engine):
         "completion_tokens": 12,  # 11 bytes + EOS
         "total_tokens": len(prompt_ids) + 12,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
     (req,) = engine.submitted
     assert isinstance(req, EngineRequest)
@@ -220,6 +221,7 @@ async def test_chat_streaming_with_usage(client, engine):
         "completion_tokens": 12,
         "total_tokens": n_prompt + 12,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

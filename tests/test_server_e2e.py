@@ -371,6 +371,53 @@ def test_chat_streaming_usage(client, model_name, gemma_tokenizer):
     assert r.usage.completion_tokens == s.usage.completion_tokens
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_forced_tool_call_streamed_and_not_then_the_tool_result(client, model_name):
+    """Gemma through the built-in template's tool format: "required" gives a schema-valid
+    call, the streamed deltas reassemble to it, and a tool result sent back is answered."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=model_name, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
+              temperature=0, max_tokens=64)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])
+
+    calls: dict[int, dict] = {}
+    finishes = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                if tc.id is not None:
+                    calls[tc.index] = {"name": tc.function.name, "arguments": tc.function.arguments}
+                else:
+                    calls[tc.index]["arguments"] += tc.function.arguments
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    assert finishes == ["tool_calls"]
+    assert list(calls.values()) == [{"name": "get_weather", "arguments": call.function.arguments}]
+
+    follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})}]
+    r2 = client.chat.completions.create(model=model_name, messages=follow, tools=[WEATHER_TOOL],
+                                        tool_choice="none", temperature=0, max_tokens=24)
+    answer = r2.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content.strip()
+    assert answer.finish_reason in ("stop", "length")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are in the prompt
+
+
 def test_bad_requests_get_openai_errors(server, model_name, gemma_tokenizer):
     url = f"{server.url}/v1/completions"
     ok = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 4}

@@ -195,6 +195,22 @@ def test_engine_loop_enforces_the_grammar_and_leaves_neighbours_alone(loop, tiny
     assert not loop._constrained
 
 
+def test_a_constraint_after_a_token_starts_once_that_token_is_generated(loop, tiny_tokenizer):
+    """StructuredOutput.after_token_id (a reasoning model's think-end): the tokens up to it
+    are free, those after it follow the grammar. A +100 bias makes the free part that one
+    token; the grammar, once armed, forbids it."""
+    tok = tiny_tokenizer
+    [end] = tok.encode("9")
+    bias = ((end, 100.0),)
+    (ids, ev), (ids_now, _) = _run(loop, [
+        _req("after", tok, StructuredOutput("regex", "[a-c]{3}", after_token_id=end), logit_bias=bias),
+        _req("now", tok, StructuredOutput("regex", "[a-c]{3}"), logit_bias=bias)])
+    assert ids[0] == end and ev[-1].finish_reason == "stop"
+    assert re.fullmatch("[a-c]{3}", tok.decode(ids[1:]))
+    assert end not in ids_now and re.fullmatch("[a-c]{3}", tok.decode(ids_now))
+    assert not loop._constrained
+
+
 def test_a_failing_matcher_fails_its_request_only(loop, tiny_tokenizer, monkeypatch):
     tok = tiny_tokenizer
     monkeypatch.setattr(loop, "_token_mask", lambda *a: None)  # the device no longer enforces it

@@ -57,7 +57,7 @@ async def test_tokenize_messages_keeps_typed_control_text_as_text(client):
 @pytest.mark.parametrize("body,param", [
     ({}, "prompt"), ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt"),
     ({"prompt": 5}, "prompt"), ({"prompt": "x", "model": "nope"}, "model"),
-    ({"messages": [{"role": "tool", "content": "y"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "y"}]}, "messages[0].role"),
 ])
 async def test_tokenize_bad_requests_are_openai_400s(client, body, param):
     r = await client.post("/tokenize", json=body)

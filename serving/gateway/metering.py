@@ -11,7 +11,8 @@ The gateway's request path, as far as metering sees it::
 
 Tokens billed are the tokens used: the prompt counts once it reached prefill
 (a first token, or the prompt's log probabilities, came back), completion
-tokens as generated. An HTTP request with several completions (prompts times
+tokens as generated (reasoning tokens are completion tokens: billed as output, and
+counted apart in the row's ``reasoning_tokens``). An HTTP request with several completions (prompts times
 choices) is one row: its prompts counted once each, all completions summed. A request
 rejected (rate limit, policy, engine) or cancelled while queued is recorded
 with zero tokens; what it asked for is in its trace.
@@ -28,7 +29,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from serving.engine_client import TokenEvent
 from serving.gateway.api_keys import Principal
@@ -70,6 +71,8 @@ class RequestMeter:
     events: list[dict] = dataclasses.field(default_factory=list)
     finished: bool = False
     prefilled: bool = False
+    # () -> {"reasoning_tokens", "tool_calls"}: what the chat output parsed, read at the end.
+    usage_details: Callable[[], dict] | None = None
 
     def note(self, event: str, **fields: Any) -> None:
         """Appends a timestamped event to the request's trace."""
@@ -185,6 +188,14 @@ class Metering:
         cost = self.prices.cost(m.model, prompt_tokens, cached_tokens, completion_tokens, m.priority)
         queue_time = None if m.scheduled_time is None else max(0.0, m.scheduled_time - m.arrival)
         ttft = None if m.first_token_time is None else m.first_token_time - m.arrival
+        details = {}
+        if m.usage_details is not None:
+            try:
+                details = m.usage_details()
+            except Exception:  # the row is written regardless
+                log.exception("usage details of %s failed", m.request_id)
+        reasoning_tokens = int(details.get("reasoning_tokens", 0))
+        tool_calls = int(details.get("tool_calls", 0))
         m.note("finished", status=status, finish_reason=finish_reason)
         prefix_cache = "hit" if cached_tokens else "miss"
         trace = {
@@ -194,6 +205,8 @@ class Metering:
             "settled_tokens": used,
             "requested_prompt_tokens": m.prompt_tokens,
             "prefix_cache": prefix_cache,
+            "reasoning_tokens": reasoning_tokens,
+            "tool_calls": tool_calls,
             "replica": m.replica,
             "num_preemptions": m.num_preemptions,
             "speculative": {"draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens},
@@ -204,8 +217,8 @@ class Metering:
         values = dict(
             status=status, finish_reason=finish_reason, error=error, finished_at=end,
             first_token_at=m.first_token_time, prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens, completion_tokens=completion_tokens, reasoning_tokens=0,
-            tool_calls=0, queue_time_s=queue_time, ttft_s=ttft,
+            cached_tokens=cached_tokens, completion_tokens=completion_tokens, reasoning_tokens=reasoning_tokens,
+            tool_calls=tool_calls, queue_time_s=queue_time, ttft_s=ttft,
             itl_mean_s=sum(m.itls) / len(m.itls) if m.itls else None,
             itl_max_s=max(m.itls) if m.itls else None, e2e_s=end - m.arrival, cost_usd=cost,
             trace=trace)
@@ -219,6 +232,7 @@ class Metering:
                 "xlaserve.replica": m.replica,
                 "gen_ai.usage.input_tokens": prompt_tokens,
                 "gen_ai.usage.output_tokens": completion_tokens,
+                "gen_ai.usage.reasoning_tokens": reasoning_tokens or None,
                 "xlaserve.spec_decode.draft_tokens": m.num_draft_tokens or None,
                 "xlaserve.spec_decode.accepted_tokens": m.num_accepted_tokens if m.num_draft_tokens else None})
         except Exception:

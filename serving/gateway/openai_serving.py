@@ -28,12 +28,15 @@ import logging
 import time
 import uuid
 from email.message import Message
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from serving.engine_client import StructuredOutput
 from serving.gateway.api_keys import ANONYMOUS, Principal
+from serving.gateway.chat_plan import chat_plan
+from serving.gateway.chat_run import ChatRun
 from serving.gateway.choices import Slot, fan_out, pick_best
 from serving.gateway.disconnect import until_disconnect
 from serving.gateway.errors import (
@@ -220,7 +223,7 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             return self._stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))
-        outs = await self._collect(request, gen)
+        outs = await self.collect(request, gen)
         if (req.best_of or 1) > req.n:
             picked = pick_best(gen.outputs, slots, req.n)
         else:
@@ -237,6 +240,7 @@ class OpenAIServing:
     async def _start(self, request: Request, principal: Principal, arrival: float,
                      served: ServedModel, id_prefix: str, prompt_ids: list[list[int]], req,
                      max_tokens: int, per_prompt: int, param: str, texts: list[str],
+                     structured_output: StructuredOutput | None = None,
                      ) -> tuple[MeteredGeneration, list[Slot]]:
         """Context check (per prompt), rate limits and metering (once, for all
         completions), input policy, then submit every (prompt, choice); returns
@@ -250,10 +254,12 @@ class OpenAIServing:
         """
         for ids in prompt_ids:
             self._check_context(served, len(ids), max_tokens, param)
-        if req.structured_output is not None:  # an invalid schema / regex / grammar is a 400 here
-            await self.prompts.run(check_structured_output, req.structured_output,
-                                   req.structured_output_field, served.tokenizer)
-        sampling = sampling_params(req, max_tokens, served.tokenizer)
+        if structured_output is None:
+            structured_output = req.structured_output
+        if structured_output is not None:  # an invalid schema / regex / grammar is a 400 here
+            await self.prompts.run(check_structured_output, structured_output,
+                                   req.structured_output_field or "tools", served.tokenizer)
+        sampling = sampling_params(req, max_tokens, served.tokenizer, structured_output)
         response_id = self._response_id(request, id_prefix)
         engine_requests, slots = fan_out(
             response_id, prompt_ids, sampling, per_prompt, priority=req.priority,
@@ -287,11 +293,22 @@ class OpenAIServing:
             raise
         return gen, slots
 
-    async def _collect(self, request: Request, gen: MeteredGeneration) -> list[str]:
+    async def collect(self, request: Request | None, gen: MeteredGeneration,
+                      before_settle: Callable[[list[str]], None] | None = None) -> list[str]:
         """Every completion's whole text (non-streamed); the engine requests end either
-        way, and the request is metered before the response is returned."""
+        way, and the request is metered before this returns.
+
+        Args:
+          request: the HTTP request whose client going away cancels the
+            generation (None: nothing watched).
+          before_settle: called with the texts before the request is metered
+            (e.g. to parse tool calls, which the ledger counts).
+        """
         try:
-            texts = await until_disconnect(request, gen.collect())
+            work = gen.collect()
+            texts = await (work if request is None else until_disconnect(request, work))
+            if before_settle is not None:
+                before_settle(texts)
         except BaseException as e:
             await gen.settle_exception(e)
             raise
@@ -318,50 +335,56 @@ class OpenAIServing:
     def _completion_stream(self, gen: MeteredGeneration, req: CompletionRequest, created: int,
                            renderers: list[CompletionChoiceRenderer], slots: list[Slot],
                            ) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            c = CompletionResponse(id=gen.id, created=created, model=req.model, usage=usage,
-                                   choices=choices)
-            return sse_chunk(c, req.include_usage)
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(id=gen.id, created=created, model=req.model, usage=usage,
+                                      choices=choices)
 
-        def piece(k: int, text: str, finish: str | None = None) -> str:
+        def piece(k: int, text: str, finish: str | None = None) -> list[CompletionResponse]:
             text, logprobs = renderers[k].piece(text)
             index = slots[k].prompt * req.n + slots[k].choice
-            return chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                           finish_reason=finish)])
+            return [chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=finish)])]
 
-        return self._sse_body(
-            gen, req.include_usage, opening=None, delta=piece,
-            closing=lambda k, reason=None: piece(k, "", reason or gen.outputs[k].finish_reason),
-            usage=lambda: chunk([], usage=gen.usage()))
+        pieces = self.choice_pieces(
+            gen, opening=None, delta=piece,
+            closing=lambda k, reason=None: piece(k, "", reason or gen.outputs[k].finish_reason))
+        return self.sse_body(pieces, req.include_usage, usage=lambda: chunk([], usage=gen.usage()))
 
-    async def _sse_body(self, gen: MeteredGeneration, include_usage: bool, opening, delta, closing,
-                        usage) -> AsyncIterator[str]:
-        """The SSE body shared by completions and chat: for each completion an
-        optional opening chunk, one chunk per text delta (completions
-        interleaved, each chunk naming its ``index``), its finish chunk; then the
-        usage chunk if asked for, then ``[DONE]``. Errors after the first byte
-        become an SSE error event; an engine failure (e.g. its replica died) first
-        closes each unfinished completion with ``finish_reason: "error"``. The
-        engine requests always end (``gen.abort``) and the request is metered
-        before ``[DONE]`` (or when the client goes away)."""
+    async def choice_pieces(self, gen: MeteredGeneration, opening, delta, closing) -> AsyncIterator[Any]:
+        """The response pieces (chunk objects) of a started generation, shared by
+        completions, chat and the Responses API: for each completion what
+        ``opening(k)`` returns, then ``delta(k, text)``'s pieces per text delta
+        (completions interleaved), then ``closing(k)``'s once it finished; each
+        callback returns a list of pieces (maybe empty). Once every completion
+        finished, the request is metered "ok".
+
+        Raises:
+          OpenAIError: after the request is metered; for an engine failure (e.g.
+            its replica died) each unfinished completion's ``closing(k, "error")``
+            pieces come first.
+          Exception: anything else, metered as an error. The engine requests
+            always end (``gen.abort``) and the request is metered "cancelled"
+            when the consumer closes the iterator early (the client went away).
+        """
         parts: list[list[str]] | None = [[] for _ in gen.outputs] if self.services.log_text else None
         closed: set[int] = set()
         try:
             if opening is not None:
                 for k in range(len(gen.outputs)):
-                    yield opening(k)
+                    for p in opening(k):
+                        yield p
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for k, text in deltas:
                     if text is None:
                         closed.add(k)
-                        yield closing(k)
+                        for p in closing(k):
+                            yield p
                         continue
                     if parts is not None:
                         parts[k].append(text)
-                    yield delta(k, text)
+                    for p in delta(k, text):
+                        yield p
             await gen.settle("ok")
-            if include_usage:
-                yield usage()
             self._log_done(gen, None if parts is None else ["".join(p) for p in parts])
         except OpenAIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
@@ -369,37 +392,81 @@ class OpenAIServing:
             if isinstance(e, EngineFailure):
                 for k in range(len(gen.outputs)):
                     if k not in closed:
-                        yield closing(k, "error")
-            yield sse_event(e.to_body())
+                        for p in closing(k, "error"):
+                            yield p
+            raise
         except Exception as e:
             logger.exception("request %s failed mid-stream", gen.id)
             await gen.settle_exception(e)
-            yield sse_event(_internal_error().to_body())
+            raise
         finally:
             await gen.abort()
             await gen.settle("cancelled")  # the client went away (no-op if already metered)
+
+    @staticmethod
+    async def sse_body(pieces: AsyncIterator[Any], include_usage: bool, usage) -> AsyncIterator[str]:
+        """The SSE body of :meth:`choice_pieces`' chunks: one event per chunk, the
+        usage chunk (``usage()``) if asked for, then ``[DONE]``. An error after
+        the first byte becomes an SSE error event before ``[DONE]``."""
+        try:
+            async for p in pieces:
+                yield sse_chunk(p, include_usage)
+            if include_usage:
+                yield sse_chunk(usage(), True)
+        except OpenAIError as e:
+            yield sse_event(e.to_body())
+        except Exception:
+            yield sse_event(_internal_error().to_body())
+        finally:
+            await pieces.aclose()
         yield SSE_DONE
 
     # --------------------------------------------------------------- chat
 
     async def create_chat_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
-        """``POST /v1/chat/completions``: ``n`` choices, ``logprobs`` / ``top_logprobs``.
+        """``POST /v1/chat/completions``: ``n`` choices, ``logprobs`` / ``top_logprobs``,
+        tools and reasoning (see :meth:`start_chat`).
+
+        Raises:
+          Same as :meth:`start_chat`.
+        """
+        arrival = time.time()
+        req = ChatCompletionRequest.model_validate(await read_json(request))
+        run = await self.start_chat(request, principal, req, arrival=arrival)
+        if req.stream:
+            return self._stream_response(run.gen, self.sse_body(
+                run.chunks(), req.include_usage, usage=run.usage_chunk))
+        body = await run.response(request)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def start_chat(self, request: Request, principal: Principal, req: ChatCompletionRequest, *,
+                         arrival: float, id_prefix: str = "chatcmpl") -> ChatRun:
+        """Renders the messages (and tools) with the chat template, checks the
+        context, meters and submits the choices; returns once the engine
+        admitted them.
 
         ``max_tokens`` defaults to the most the request can have: what the
         messages leave of the context window and of the KV cache
         (``min(max_model_len, kv_capacity_tokens) - prompt_tokens``), capped
         by the operator's ``default_chat_max_tokens`` when set.
 
+        Args:
+          request: the HTTP request (its id, its scope for rate-limit headers,
+            its disconnect).
+          req: the validated request.
+          arrival: when the request arrived (Unix seconds).
+          id_prefix: the response id's prefix.
+
         Raises:
           Same as :meth:`create_completion`; 400 also for messages the chat
           template rejects, and (``context_length_exceeded``) for messages
           that leave no room for a completion when ``max_tokens`` is not given.
         """
-        arrival = time.time()
-        req = ChatCompletionRequest.model_validate(await read_json(request))
         served = self.model(req.model, principal)
+        plan = chat_plan(req, served)
         try:
-            prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template() for m in req.messages])
+            prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template(i) for i, m in enumerate(req.messages)],
+                                                 tools=plan.template_tools)
         except ValueError as e:
             raise OpenAIError(f"Invalid 'messages': {e}", param="messages") from None
         max_tokens = req.requested_max_tokens
@@ -411,45 +478,15 @@ class OpenAIServing:
             if served.default_chat_max_tokens is not None:
                 max_tokens = min(max_tokens, served.default_chat_max_tokens)
         texts = [m.content for m in req.messages if isinstance(m.content, str)]
-        gen, slots = await self._start(request, principal, arrival, served, "chatcmpl", [prompt_ids],
-                                       req, max_tokens, req.n, "messages", texts)
+        plan.bind_prompt(prompt_ids)
+        gen, _ = await self._start(request, principal, arrival, served, id_prefix, [prompt_ids],
+                                   req, max_tokens, req.n, "messages", texts,
+                                   structured_output=plan.structured_output)
         texts_of = token_texts(served.tokenizer)
         renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
                                         as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
                      for o in gen.outputs]
-        created = int(time.time())
-        if req.stream:
-            return self._stream_response(gen, self._chat_stream(gen, req, created, renderers))
-        outs = await self._collect(request, gen)
-        body = ChatCompletionResponse(
-            id=gen.id,
-            created=created,
-            model=req.model,
-            choices=[ChatChoice(index=k, message=ChatMessageOut(content=text),
-                                logprobs=None if renderers[k] is None else renderers[k].piece(),
-                                finish_reason=gen.outputs[k].finish_reason)
-                     for k, text in enumerate(outs)],
-            usage=gen.usage(),
-        )
-        return JSONResponse(body.model_dump(mode="json"))
-
-    def _chat_stream(self, gen: MeteredGeneration, req: ChatCompletionRequest, created: int,
-                     renderers: list[ChatChoiceRenderer | None]) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            c = ChatCompletionChunk(id=gen.id, created=created, model=req.model, usage=usage,
-                                    choices=choices)
-            return sse_chunk(c, req.include_usage)
-
-        def piece(k: int, delta: DeltaMessage, finish: str | None = None, logprobs: bool = True) -> str:
-            lp = renderers[k].piece() if logprobs and renderers[k] is not None else None
-            return chunk([ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish)])
-
-        return self._sse_body(
-            gen, req.include_usage,
-            opening=lambda k: piece(k, DeltaMessage(role="assistant", content=""), logprobs=False),
-            delta=lambda k, text: piece(k, DeltaMessage(content=text)),
-            closing=lambda k, reason=None: piece(k, DeltaMessage(), reason or gen.outputs[k].finish_reason),
-            usage=lambda: chunk([], usage=gen.usage()))
+        return ChatRun(self, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
 
 
 def _internal_error() -> OpenAIError:

@@ -106,13 +106,17 @@ class PromptWorkers:
             return await self.run(tok.encode, prompt, add_bos=True), [prompt]
         return await self.run(_checked_ids, tok, prompt, decode)
 
-    async def chat(self, tok: TextTokenizer, messages: Sequence[dict]) -> list[int]:
-        """The chat template's ids for `messages` (``[{"role", "content"}]``, content text).
+    async def chat(self, tok: TextTokenizer, messages: Sequence[dict],
+                   tools: Sequence[dict] | None = None) -> list[int]:
+        """The chat template's ids for `messages` (``[{"role", "content", ...}]``,
+        content text) and `tools` (None: no tools; passed only when given).
 
         Raises:
           OpenAIError: 400 when the contents total more than ``max_prompt_chars``.
-          ValueError: messages the chat template rejects.
+          ValueError: messages (or tools) the chat template rejects.
         """
         chars = sum(len(m["content"]) for m in messages)
         check_prompt_chars(chars, self.max_prompt_chars, "messages", "The contents of 'messages' total")
-        return list(await self.run(tok.apply_chat_template, messages))
+        if tools is None:
+            return list(await self.run(tok.apply_chat_template, messages))
+        return list(await self.run(tok.apply_chat_template, messages, tools=tools))

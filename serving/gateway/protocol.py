@@ -57,6 +57,7 @@ from serving.gateway.responses import (  # noqa: F401  (re-exported: their histo
 )
 
 from serving.gateway.structured_request import StructuredOutputFields
+from serving.gateway.tool_protocol import MAX_TOOLS, NamedToolChoice, ToolCallIn, ToolChoice, ToolDefinition
 from serving.gateway.unsupported_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -355,11 +356,17 @@ class CompletionRequest(_SamplingRequest):
         return v
 
 
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+               "tool": "tool"}
 
 
 class ChatMessage(_Request):
-    """One chat message; text content only (a list of text parts is joined with "\\n")."""
+    """One chat message; text content only (a list of text parts is joined with "\\n").
+
+    An assistant message may carry the ``tool_calls`` it made (and its
+    ``reasoning_content``); a ``tool`` message carries a call's result, with
+    the ``tool_call_id`` it answers (and optionally the function's ``name``).
+    """
 
     role: Annotated[str, WithJsonSchema({"type": "string", "enum": [*_CHAT_ROLES]})]
     content: Annotated[Text | None, WithJsonSchema({"anyOf": [
@@ -368,15 +375,19 @@ class ChatMessage(_Request):
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
         {"type": "null"}]})] = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Text | None = Field(None, max_length=256)
+    name: Text | None = Field(None, max_length=256)
+    reasoning_content: Text | None = None
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        if v in ("tool", "function"):
-            raise ValueError(f"Role '{v}' is not supported (tools are not supported by this server).")
+        if v == "function":
+            raise ValueError("Role 'function' (the legacy function-calling API) is not supported; "
+                             "send 'tool' messages.")
         if v not in _CHAT_ROLES:
-            raise ValueError(f"Unknown role {v!r}; expected one of system, developer, user, assistant.")
+            raise ValueError(f"Unknown role {v!r}; expected one of system, developer, user, assistant, tool.")
         return v
 
     @field_validator("content", mode="before")
@@ -396,16 +407,36 @@ class ChatMessage(_Request):
             return "\n".join(texts)
         raise ValueError("'content' must be a string or a list of text parts.")
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("'tool_calls' is not supported by this server.")
-        return v
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_not_assistant",
+                                      "Only assistant messages may carry 'tool_calls'.", {"field": "tool_calls"})
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("tool_call_id_missing",
+                                      "A 'tool' message needs the 'tool_call_id' it answers.",
+                                      {"field": "tool_call_id"})
+        return self
 
-    def to_template(self) -> dict:
-        """The ``{"role", "content"}`` dict the tokenizer's chat template takes."""
-        return {"role": _CHAT_ROLES[self.role], "content": self.content or ""}
+    def to_template(self, index: int = 0) -> dict:
+        """The dict the chat template takes: ``{"role", "content"}``, plus ``tool_calls``
+        (arguments as objects, as templates expect), ``tool_call_id``, ``name`` and
+        ``reasoning_content`` when set.
+
+        Raises:
+          ValueError: a tool call whose arguments are not a JSON object.
+        """
+        d: dict[str, Any] = {"role": _CHAT_ROLES[self.role], "content": self.content or ""}
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name,
+                    "arguments": c.function.arguments_object(f"messages[{index}].tool_calls[{k}]")}}
+                for k, c in enumerate(self.tool_calls)]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -421,8 +452,9 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -434,17 +466,41 @@ class ChatCompletionRequest(_SamplingRequest):
                 {"field": "top_logprobs"})
         return self
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, v: list | None, info) -> list | None:
-        if v:
-            raise ValueError(f"'{info.field_name}' is not supported by this server.")
+    def _no_functions(cls, v: Any, info) -> Any:
+        if v is not None and v != "none" and v != []:
+            raise ValueError(f"'{info.field_name}' (the legacy function-calling API) is not supported; "
+                             f"send 'tools' and 'tool_choice'.")
         return v
 
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v: Any, info) -> Any:
-        if v is not None and v != "none":
-            raise ValueError(f"'{info.field_name}' is not supported by this server.")
-        return v
+    @model_validator(mode="after")
+    def _tool_choice_matches_tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError(
+                "duplicate_tool", "'tools' holds two functions with the same name.", {"field": "tools"})
+        if choice is None or choice == "none":
+            return self
+        if not names and choice != "auto":
+            raise PydanticCustomError(
+                "tool_choice_without_tools", "'tool_choice' needs 'tools' to choose from.",
+                {"field": "tool_choice"})
+        if isinstance(choice, NamedToolChoice) and choice.name not in names:
+            raise PydanticCustomError(
+                "unknown_tool", f"'tool_choice' names {choice.name!r}, which is not among 'tools'.",
+                {"field": "tool_choice"})
+        if choice != "auto" and self.structured_output is not None:
+            raise PydanticCustomError(
+                "tool_choice_with_structured_output",
+                "A forced 'tool_choice' constrains the output itself; it cannot be combined with "
+                f"'{self.structured_output_field}'.", {"field": "tool_choice"})
+        return self
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """"none" without tools; else the request's, "auto" by default."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"

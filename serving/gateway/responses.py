@@ -21,6 +21,13 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """``usage.completion_tokens_details``: generated tokens spent thinking (part of
+    ``completion_tokens``, billed as output)."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts: ``total_tokens = prompt_tokens + completion_tokens``."""
 
@@ -28,15 +35,18 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           reasoning_tokens: int = 0) -> "Usage":
         """Usage from token counts (total computed)."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
         )
 
 
@@ -107,11 +117,49 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class _DropNone(BaseModel):
+    """Unset (None) fields are left out of the JSON."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallOut(BaseModel):
+    """A called function: its name and its arguments as JSON text (an object)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
-    """The assistant message of a non-streaming chat completion."""
+    """The assistant message of a non-streaming chat completion.
+
+    ``content`` is null when the model only called tools; ``reasoning_content``
+    (the thinking, for models that think) and ``tool_calls`` are left out
+    when there are none.
+    """
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extras(self, handler):
+        d = handler(self)
+        for k in ("reasoning_content", "tool_calls"):
+            if d.get(k) is None:
+                d.pop(k, None)
+        return d
 
 
 class ChatChoice(BaseModel):
@@ -134,15 +182,32 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaFunctionCall(_DropNone):
+    """The function part of a streamed tool-call delta: ``name`` on the call's
+    first delta only; ``arguments`` "" there, then fragments of the JSON text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """One streamed tool-call delta (OpenAI's shape): the call's first delta has
+    ``index``, ``id``, ``type`` and ``function.name``; later ones ``index`` and
+    ``function.arguments`` fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_DropNone):
     """A streaming delta; unset (None) fields are left out of the JSON."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from serving.engine_client import SamplingParams
+from serving.engine_client import SamplingParams, StructuredOutput
 from serving.gateway.errors import OpenAIError
 from serving.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from serving.tokenizer_protocol import TextTokenizer
@@ -44,12 +44,14 @@ def engine_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | Non
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    tok: TextTokenizer) -> SamplingParams:
+                    tok: TextTokenizer, structured_output: StructuredOutput | None = None) -> SamplingParams:
     """The engine's settings for one choice of `req` (seed: the request's own).
 
     Args:
       max_tokens: the completion budget already resolved (>= 0; 0 only for
         an echo of the prompt).
+      structured_output: the constraint (None: the request's own, if any;
+        a forced tool call passes its schema here).
 
     Raises:
       OpenAIError: 400 naming ``logit_bias`` or ``stop_token_ids`` for a token
@@ -92,5 +94,5 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         # The structured-output fields' parsed constraint (their own module), when present.
-        structured_output=getattr(req, "structured_output", None),
+        structured_output=structured_output or getattr(req, "structured_output", None),
     )

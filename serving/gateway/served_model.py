@@ -25,6 +25,10 @@ class ServedModel:
       default_chat_max_tokens: the operator's cap on the completion of a chat
         request that sends no ``max_tokens`` (None: the largest that fits,
         :attr:`max_request_tokens` minus the prompt).
+      tool_call_parser: the format its tool calls are parsed from (a name of
+        ``tool_parsers.TOOL_PARSERS``; None: it cannot choose to call tools).
+      reasoning_parser: "think" when it thinks in ``<think>...</think>`` (the
+        thinking is returned apart as ``reasoning_content``); None: it does not.
     """
 
     name: str
@@ -34,6 +38,8 @@ class ServedModel:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     kv_capacity_tokens: int | None = None
     default_chat_max_tokens: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def max_request_tokens(self) -> int:

@@ -35,8 +35,9 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     if s.prompt_logprobs is not None:
         m.prompt_logprobs = s.prompt_logprobs
     if s.structured_output is not None:
-        m.structured_output.CopyFrom(pb.StructuredOutput(kind=s.structured_output.kind,
-                                                         value=s.structured_output.value))
+        so = s.structured_output
+        m.structured_output.CopyFrom(pb.StructuredOutput(kind=so.kind, value=so.value,
+                                                         after_token_id=so.after_token_id))
     return m
 
 
@@ -49,8 +50,10 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple((b.token_id, b.bias) for b in m.logit_bias), min_tokens=m.min_tokens,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        structured_output=(StructuredOutput(m.structured_output.kind, m.structured_output.value)
-                           if m.HasField("structured_output") else None))
+        structured_output=(StructuredOutput(
+            m.structured_output.kind, m.structured_output.value,
+            m.structured_output.after_token_id if m.structured_output.HasField("after_token_id") else None)
+            if m.HasField("structured_output") else None))
 
 
 def request_to_proto(r: EngineRequest) -> pb.GenerateRequest:
