@@ -310,8 +310,12 @@ def test_a_malformed_block_between_calls_is_content_and_the_rest_still_parses(ch
     # the whitespace before it is kept with it (only whitespace between calls is dropped)
     assert content == '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}, oops}\n</tool_call>'
     assert calls == [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "UTC"}')]
-    assert parser.abandoned == [1]     # its deltas went out; the next call is index 2
-    assert [c.id[-1] for c in parser.calls] == ["0", "2"]
+    # Fed piecemeal, its first delta went out before the JSON broke: index 1 is
+    # abandoned and the next call is index 2; fed whole, it never got an index.
+    if chunking == "all at once":
+        assert parser.abandoned == [] and [c.id[-1] for c in parser.calls] == ["0", "1"]
+    else:
+        assert parser.abandoned == [1] and [c.id[-1] for c in parser.calls] == ["0", "2"]
 
 
 @pytest.mark.parametrize("chunking", CHUNKINGS)
