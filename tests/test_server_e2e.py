@@ -384,8 +384,9 @@ def test_forced_tool_call_streamed_and_not_then_the_tool_result(client, model_na
     import jsonschema
 
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # One call (maxItems 1): with parallel calls allowed the base model keeps adding calls.
     kw = dict(model=model_name, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
-              temperature=0, max_tokens=64)
+              parallel_tool_calls=False, temperature=0, max_tokens=64)
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
