@@ -133,7 +133,7 @@ class ChatChoiceOutput:
         content = "".join(self.content_parts)
         return ChatMessageOut(
             content=content if content or not calls else None,
-            reasoning_content="".join(self.reasoning_parts) if self.reasoning is not None else None,
+            reasoning_content="".join(self.reasoning_parts) or None,
             tool_calls=[ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                         for c in calls] or None)
 
