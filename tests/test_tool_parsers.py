@@ -116,6 +116,11 @@ STREAMS = {
         '{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}',
         "",
         [("get_weather", '{"city": "Paris"}'), ("get_time", '{"timezone": "Europe/Paris"}')]),
+    "llama3 call with a type key": (
+        "llama3_json",
+        '{"type": "function", "name": "get_time", "parameters": {"timezone": "UTC"}}',
+        "",
+        [("get_time", '{"timezone": "UTC"}')]),
     "llama3 plain answer": (
         "llama3_json",
         "It is sunny in Paris today {according to the forecast}.",
@@ -144,6 +149,11 @@ STREAMS = {
         [("search", '{"query": "shard_map, pjit (JAX) [x]", "filters": {"year": [2024, 2025],'
                     ' "lang": null}, "limit": 5, "exact": false, "boost": -1.5, "tags": ["a", "b\'c"],'
                     ' "strict": true}')]),
+    "llama4 call list over several lines": (
+        "pythonic",
+        '[\n    get_weather(city="Paris",\n                unit="celsius"),\n    get_time(),\n]',
+        "",
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", "{}")]),
     "pythonic plain answer": (
         "pythonic",
         "Paris is the capital of France.",
@@ -153,6 +163,11 @@ STREAMS = {
         "pythonic",
         "[1, 2, 3] are the first three numbers.",
         "[1, 2, 3] are the first three numbers.",
+        []),
+    "no fence without whitespace after it": (
+        "pythonic",
+        "```tool_codes\n[get_time()]\n```",
+        "```tool_codes\n[get_time()]\n```",
         []),
     "markdown code block is no call": (
         "pythonic",
@@ -377,3 +392,23 @@ def test_feed_after_finish_raises():
     assert parser.finish() == ("", [])
     with pytest.raises(RuntimeError):
         parser.feed("x")
+
+
+@pytest.mark.parametrize("fmt", TOOL_PARSERS)
+def test_plain_content_is_not_held_back(fmt):
+    parser = tool_parser(fmt)()
+    assert parser.feed("Paris") == ("Paris", [])
+    assert parser.feed(" is the capital") == (" is the capital", [])
+    assert parser.feed(" of France.") == (" of France.", [])
+    assert parser.finish() == ("", [])
+
+
+@pytest.mark.parametrize("fmt, head, tail", [
+    ("hermes", '<tool_call>\n{"name": "search", "arguments": {"text": "', '"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "search", "parameters": {"text": "', '"}}'),
+    ("pythonic", '[search(text="', '")]'),
+])
+def test_a_long_call_token_by_token_stays_fast(fmt, head, tail):
+    text = head + "lorem ipsum \\\"dolor\\\" sit amet, " * 2000 + tail    # ~60 kB, ~20k tokens
+    content, calls, _ = replay(fmt, tokens(text))
+    assert content == "" and len(calls) == 1 and len(calls[0][1]) > 60_000
