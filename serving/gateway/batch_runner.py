@@ -41,7 +41,6 @@ error lines), and the batch ends with the files of what finished.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -120,8 +119,18 @@ class _Waker:
     async def wait(self, timeout: float) -> None:
         if self._fut is None:
             self._fut = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._fut), timeout)
+        # asyncio.wait, not wait_for: Python 3.11's wait_for swallows a cancellation that
+        # arrives as the future completes, and then the waiting task never stops.
+        await asyncio.wait({self._fut}, timeout=timeout)
+
+
+async def _wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Waits until `event` is set or `timeout` seconds pass."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
 
 
 @dataclasses.dataclass
@@ -322,8 +331,7 @@ class BatchRunner:
             if job.reason == "lost":
                 return  # another gateway owns the batch now: write nothing
             if status in RETRY_STATUSES and not job.stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(job.stop.wait(), min(MAX_RETRY_S, max(MIN_RETRY_S, retry_after)))
+                await _wait_event(job.stop, min(MAX_RETRY_S, max(MIN_RETRY_S, retry_after)))
                 if not job.stop.is_set():
                     await self._db(self.store.end_attempt, bid, line_no, attempt, "pending")
                     return  # the batch loop picks it up again with a new attempt
