@@ -149,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from serving.gateway.app import GatewayLimits, ServedModel, create_app
     from serving.gateway.output_formats import pick_reasoning_parser, pick_tool_call_parser
+    from serving.gateway.batch_runner import BatchSettings
     from serving.server_config import load_server_config
     from serving.sharding_cli import join_processes, run_follower
 
@@ -156,7 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
-                                  "redis_url", "tool_call_parser", "reasoning_parser"))
+                                  "redis_url", "tool_call_parser", "reasoning_parser",
+                                  "max_file_bytes", "batch_concurrency", "batch_lease_seconds"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
@@ -176,7 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine = loop
         name = cfg.served_model_name or name
         limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
-                               stream_write_timeout=cfg.stream_write_timeout)
+                               stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes)
+        batches = BatchSettings(concurrency=cfg.batch_concurrency, lease_seconds=cfg.batch_lease_seconds)
         tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
         reasoning_parser = pick_reasoning_parser(tokenizer, cfg.reasoning_parser)
         log.info("tool-call parser: %s; reasoning parser: %s", tool_parser, reasoning_parser)
@@ -186,7 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                              default_chat_max_tokens=cfg.default_chat_max_tokens,
                                              tool_call_parser=tool_parser,
                                              reasoning_parser=reasoning_parser)},
-                         services, limits)
+                         services, limits, batches)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()
         try:
@@ -336,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--reasoning-parser", default=None,
                        help="auto (from the chat template) | none | think: <think>...</think> is "
                        "returned as reasoning_content")
+    serve.add_argument("--max-file-bytes", type=int, default=None,
+                       help="larger uploads to POST /v1/files get 413, counted as they stream in; this "
+                       "route is held to it instead of --max-request-bytes (default 100 MiB)")
+    serve.add_argument("--batch-concurrency", type=int, default=None,
+                       help="batch lines this gateway runs at once, at batch priority (default 8)")
+    serve.add_argument("--batch-lease-seconds", type=float, default=None,
+                       help="how long this gateway's lease on a batch lasts unrenewed: another gateway "
+                       "(or this one restarted) resumes a batch this long after its runner died (default 30)")
     serve.add_argument("--default-chat-max-tokens", type=int, default=None,
                        help="cap the completion of a chat request that sends no max_tokens (default: "
                        "the most that fits the context window and the KV cache)")

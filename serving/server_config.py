@@ -42,6 +42,9 @@ class ServerConfig:
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 * 1024 * 1024
+    max_file_bytes: int = 100 * 1024 * 1024
+    batch_concurrency: int = 8
+    batch_lease_seconds: float = 30.0
     max_prompt_chars: int = 1_000_000
     default_chat_max_tokens: int | None = None
     tool_call_parser: str = "auto"
@@ -80,9 +83,11 @@ class ServerConfig:
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
-                            ("default_chat_max_tokens", 1)):
+                            ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if not self.batch_lease_seconds > 0:
+            raise ValueError(f"batch_lease_seconds must be positive, got {self.batch_lease_seconds!r}")
         if not self.stream_write_timeout > 0:
             raise ValueError(f"stream_write_timeout must be positive, got {self.stream_write_timeout!r}")
         for name in ("policy_blocklist", "policy_blocklist_applies_to", "policy_plugins"):

@@ -187,10 +187,24 @@ class KeyStore:
             if row["revoked_at"] is not None:
                 return "revoked", None
             trow = conn.execute(sa.select(tenants).where(tenants.c.name == row["tenant"])).first()
-        tenant_limits, models = _tenant_of(trow)
-        info = _key_info(row)
-        return "ok", Principal(tenant=info.tenant, key_id=info.key_id, is_admin=info.is_admin,
-                               models=models, key_limits=info.limits, tenant_limits=tenant_limits)
+        return "ok", _principal(row, trow)
+
+    def principal(self, key_id: str) -> Principal | None:
+        """The principal of key `key_id` now (a batch's owner at run time); None when
+        the key is revoked or does not exist."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).mappings().first()
+            if row is None or row["revoked_at"] is not None:
+                return None
+            trow = conn.execute(sa.select(tenants).where(tenants.c.name == row["tenant"])).first()
+        return _principal(row, trow)
+
+
+def _principal(row, trow) -> Principal:
+    tenant_limits, models = _tenant_of(trow)
+    info = _key_info(row)
+    return Principal(tenant=info.tenant, key_id=info.key_id, is_admin=info.is_admin,
+                     models=models, key_limits=info.limits, tenant_limits=tenant_limits)
 
 
 def _tenant_of(row) -> tuple[Limits, frozenset[str] | None]:

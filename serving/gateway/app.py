@@ -8,6 +8,11 @@ Routes:
   GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status (the caller's
     tenant; admin keys see every tenant, or one with ``tenant=``),
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
+  POST /v1/files (multipart upload, purpose "batch", held to
+    ``limits.max_file_bytes``), GET /v1/files, GET /v1/files/{id},
+    GET /v1/files/{id}/content, DELETE /v1/files/{id} (``files.py``),
+  POST /v1/batches, GET /v1/batches, GET /v1/batches/{id},
+    POST /v1/batches/{id}/cancel (``batches.py``; run by ``batch_runner.py``),
   GET /tokenizer_info, POST /tokenize, POST /detokenize (vLLM's tokenizer
     routes at the root, as lm-evaluation-harness's remote tokenizer calls
     them; see ``tokenizer_routes.py``),
@@ -42,8 +47,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.api_keys import Principal
+from serving.gateway.batch_runner import BatchSettings, install_batch_api
 from serving.gateway.body_limit import RequestBodyLimitMiddleware
 from serving.gateway.errors import OpenAIError, install_error_handlers, model_not_found
+from serving.gateway.files import FILES_PATH, upload_body_limit
 from serving.gateway.ledger import GROUP_BY
 from serving.gateway.limits import GatewayLimits
 from serving.gateway.log_context import request_id_var
@@ -155,7 +162,7 @@ def _parse_time(value: str | None, name: str) -> float | None:
 
 
 def create_app(models: Mapping[str, ServedModel], services: GatewayServices | None = None,
-               limits: GatewayLimits | None = None) -> FastAPI:
+               limits: GatewayLimits | None = None, batches: BatchSettings | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -163,6 +170,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
       services: auth, metering and policies (default: open, nothing recorded).
       limits: request size, prompt length, stream write timeout, tokenizer
         threads (default: :class:`GatewayLimits`'s defaults).
+      batches: how batches run: concurrency, lease, clock (default:
+        :class:`BatchSettings`'s defaults).
 
     Returns:
       A FastAPI (ASGI) app.
@@ -183,16 +192,21 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     async def lifespan(app: FastAPI):
         for e in async_engines:
             await e.open()
+        if batch_runner is not None:
+            await batch_runner.start()
         try:
             yield
         finally:
+            if batch_runner is not None:
+                await batch_runner.stop()
             for e in async_engines:
                 await e.close()
 
     app = FastAPI(title="xlaserve", summary="OpenAI-compatible LLM serving on JAX/XLA", lifespan=lifespan)
     install_error_handlers(app)
     # Inside the request-id middleware, so a 413 carries X-Request-ID too.
-    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_bytes)
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_bytes, path_limits={
+        FILES_PATH: (upload_body_limit(limits.max_file_bytes), "max_file_bytes plus the form's framing")})
     app.add_middleware(RequestIdMiddleware)  # outermost: also tags 500s
     app.state.serving = serving
     app.state.services = services
@@ -224,6 +238,10 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     async def chat_completions(request: Request, caller: Principal = Depends(principal)) -> Response:
         return await serving.create_chat_completion(request, caller)
 
+    # The endpoints a batch line may name, and their handlers.
+    batch_endpoints = {"/v1/completions": serving.create_completion,
+                       "/v1/chat/completions": serving.create_chat_completion}
+    batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
                     stream_models=[CompletionResponse, ChatCompletionChunk])

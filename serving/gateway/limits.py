@@ -1,10 +1,12 @@
-"""The gateway's request limits: body size, prompt length, stalled streams, tokenizer threads.
+"""The gateway's request limits: body size, file size, prompt length, stalled streams, tokenizer threads.
 
 Each bounds the work or memory one request can cost the server before the
 engine sees it:
 
 * ``max_request_bytes``: a larger request body is refused with 413 before it
   is read (``body_limit.py``);
+* ``max_file_bytes``: the same for an upload to ``POST /v1/files`` (which is
+  held to this limit instead of ``max_request_bytes``; ``files.py``);
 * ``max_prompt_chars``: a longer prompt (a completion's ``prompt``, the total
   of a chat's message contents) is refused with 400 before it is tokenized;
 * ``stream_write_timeout``: a streamed response whose client does not accept
@@ -27,6 +29,9 @@ import dataclasses
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 """4 MiB: far above any prompt that fits a context window, far below what stalls a server."""
 
+DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
+"""100 MiB: a large batch input file (OpenAI allows 200 MB per batch file)."""
+
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 """About half a second of SentencePiece work in a worker thread (Gemma's vocabulary)."""
 
@@ -43,6 +48,7 @@ class GatewayLimits:
 
     Attributes:
       max_request_bytes: largest request body in bytes; None: unlimited.
+      max_file_bytes: largest uploaded file in bytes; None: unlimited.
       max_prompt_chars: largest prompt in characters (Unicode code points);
         None: unlimited.
       stream_write_timeout: seconds one write of a streamed response may take;
@@ -54,12 +60,13 @@ class GatewayLimits:
     """
 
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
+    max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES
     max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS
     stream_write_timeout: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_chars", "stream_write_timeout", "tokenizer_threads"):
+        for name in ("max_request_bytes", "max_file_bytes", "max_prompt_chars", "stream_write_timeout", "tokenizer_threads"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")

@@ -26,6 +26,7 @@ _ERROR_DESCRIPTIONS = {
     401: "Missing or unknown API key.",
     403: "Revoked key, or a model or tenant the key may not use.",
     404: "Unknown model, route or record.",
+    409: "The record's state does not allow it (e.g. cancelling a finished batch).",
     413: "Request body too large.",
     415: "Content-Type is not `application/json`.",
     429: "Over a rate limit (`Retry-After`, `x-ratelimit-*` headers).",
