@@ -39,10 +39,12 @@ from schemathesis.specs.openapi.checks import (
 from tests.server_process import TINY_SERVER_ARGS, serve_process
 
 MODEL = "tiny-random"
-MAX_EXAMPLES = {"POST": 100, "GET": 25}
+MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
 """Generated cases per operation and generation mode (by HTTP method)."""
-MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40}
-"""Fewer for the tokenizer routes: small bodies, no engine behind them (test_tokenizer_routes.py)."""
+MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
+                         "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15}
+"""Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py)
+and the files and batches routes (no engine behind them: test_batches.py)."""
 UNICODE_EXAMPLES = 150
 REQUEST_TIMEOUT_S = 30
 

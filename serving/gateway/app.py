@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.api_keys import Principal
 from serving.gateway.batch_runner import BatchSettings, install_batch_api
+from serving.gateway.batches import CreateBatchRequest
 from serving.gateway.body_limit import RequestBodyLimitMiddleware
 from serving.gateway.errors import OpenAIError, install_error_handlers, model_not_found
 from serving.gateway.files import FILES_PATH, upload_body_limit
@@ -243,7 +244,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
                        "/v1/chat/completions": serving.create_chat_completion}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          CreateBatchRequest],
                     stream_models=[CompletionResponse, ChatCompletionChunk])
 
     def card(name: str) -> ModelCard:
