@@ -42,9 +42,11 @@ MODEL = "tiny-random"
 MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
 """Generated cases per operation and generation mode (by HTTP method)."""
 MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
-                         "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15}
-"""Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py)
-and the files and batches routes (no engine behind them: test_batches.py)."""
+                         "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15,
+                         "POST /v1/responses": 60}
+"""Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py),
+the files and batches routes (no engine behind them: test_batches.py) and the Responses API
+(chat completions in other words: test_responses_api.py)."""
 UNICODE_EXAMPLES = 150
 REQUEST_TIMEOUT_S = 30
 
@@ -67,9 +69,17 @@ def server(tmp_path_factory):
         assert "Traceback" not in log.read()
 
 
+MAX_STREAM_EVENTS = 5000
+"""Read streams whole (schemathesis stops after 20 events by default): a schema-valid case
+may ask for 4 choices of up to 512 tokens each. A stream cut short is one that outran the
+request timeout (a hang), and fails."""
+
+
 @pytest.fixture(scope="module")
 def api_schema(server):
-    return schemathesis.openapi.from_url(f"{server}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    schema.config.max_stream_events = MAX_STREAM_EVENTS
+    return schema
 
 
 def _operations(api_schema):
@@ -92,8 +102,8 @@ def _served_model(case):
     """The case naming the served model (in its body or path), with few choices."""
     if isinstance(case.body, dict):
         case.body["model"] = MODEL
-        for name in ("n", "best_of"):
-            if isinstance(case.body.get(name), int) and case.body[name] > MAX_FUZZ_CHOICES:
+        for name in ("n", "best_of"):  # an integral float (90.0) is an integer to pydantic
+            if isinstance(case.body.get(name), (int, float)) and case.body[name] > MAX_FUZZ_CHOICES:
                 case.body[name] = MAX_FUZZ_CHOICES
         prompt = case.body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -104,7 +114,19 @@ def _served_model(case):
 
 
 def assert_sse(text: str) -> None:
-    """A well-formed SSE body: `data: <JSON object>` events, the last one `data: [DONE]`."""
+    """A well-formed SSE body: `data: <JSON object>` events, the last one `data: [DONE]`;
+    or (the Responses API) typed events `event: <type>` / `data: <JSON of that type>`,
+    numbered in order, the last one ending the response."""
+    if text.startswith("event: "):
+        events = []
+        for block in text.split("\n\n")[:-1]:
+            head, data = block.split("\n", 1)
+            assert head.startswith("event: ") and data.startswith("data: "), block
+            events.append(json.loads(data[len("data: "):]))
+            assert events[-1]["type"] == head[len("event: "):], block
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), text[-300:]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-1]
+        return
     assert text.endswith("data: [DONE]\n\n"), text[-300:]
     for block in text.split("\n\n")[:-2]:
         assert block.startswith("data: "), block
@@ -118,7 +140,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_sche
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
             "GET /v1/models/{model_id}", "GET /v1/usage", "GET /v1/requests/{request_id}",
             "GET /metrics", "GET /health", "GET /tokenizer_info", "POST /tokenize",
-            "POST /detokenize"} <= labels
+            "POST /detokenize", "POST /v1/responses", "GET /v1/responses/{response_id}"} <= labels
     report = []
     t0 = time.monotonic()
     for op in operations:
@@ -139,6 +161,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_sche
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
                 case.validate_response(response, checks=checks)
                 if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+                    assert not response.stream_cut_short, f"a stream outran {REQUEST_TIMEOUT_S} s"
                     assert_sse(response.text)
 
             run()

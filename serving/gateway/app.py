@@ -8,6 +8,8 @@ Routes:
   GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status (the caller's
     tenant; admin keys see every tenant, or one with ``tenant=``),
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
+  POST /v1/responses (JSON or typed SSE events), GET /v1/responses/{id},
+    DELETE /v1/responses/{id} (OpenAI's Responses API over chat: ``responses_api.py``),
   POST /v1/files (multipart upload, purpose "batch", held to
     ``limits.max_file_bytes``), GET /v1/files, GET /v1/files/{id},
     GET /v1/files/{id}/content, DELETE /v1/files/{id} (``files.py``),
@@ -78,6 +80,10 @@ from serving.gateway.request_scope import (
     REQUEST_ID_GIVEN_SCOPE_KEY,
     REQUEST_ID_SCOPE_KEY,
 )
+from serving.gateway.response_store import ResponseStore
+from serving.gateway.responses_api import RESPONSES_PATH, install_responses_api
+from serving.gateway.responses_events import ResponseStreamEvent
+from serving.gateway.responses_protocol import ResponseRequest
 from serving.gateway.served_model import ServedModel
 from serving.gateway.services import GatewayServices
 from serving.gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, install_tokenizer_routes
@@ -239,14 +245,18 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     async def chat_completions(request: Request, caller: Principal = Depends(principal)) -> Response:
         return await serving.create_chat_completion(request, caller)
 
+    response_store = ResponseStore(services.ledger.engine) if services.ledger is not None else None
+    responses = install_responses_api(app, serving, response_store, principal, generation_errors)
+
     # The endpoints a batch line may name, and their handlers.
     batch_endpoints = {"/v1/completions": serving.create_completion,
-                       "/v1/chat/completions": serving.create_chat_completion}
+                       "/v1/chat/completions": serving.create_chat_completion,
+                       RESPONSES_PATH: responses.create}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                          CreateBatchRequest],
-                    stream_models=[CompletionResponse, ChatCompletionChunk])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
+                          DetokenizeRequest, CreateBatchRequest],
+                    stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent])
 
     def card(name: str) -> ModelCard:
         m = serving.models[name]

@@ -1,4 +1,5 @@
-"""The gateway's database: API keys, tenants, the request ledger, files and batches.
+"""The gateway's database: API keys, tenants, the request ledger, files, batches and
+stored responses.
 
 One SQLAlchemy Core schema that runs on SQLite (the default: a WAL-mode file
 under ``$XLASERVE_DATA_DIR``, shared by ``xlaserve serve`` and the ``keys`` /
@@ -23,6 +24,9 @@ Tables::
               | failed | lease_owner | lease_expires_at
     batch_lines  batch_id* | line_no* | custom_id | body (JSON) | status | attempt_id
               | attempts (JSON list) | outcome (JSON: the output or error line) | finished_at
+    responses response_id* | tenant | model | created_at | previous_response_id
+              | response (JSON: the response object) | history (JSON: the conversation's
+              chat messages, this response's output included)
 
 Times are Unix seconds (float); durations are seconds; ``day`` is the UTC date
 of ``created_at`` ("YYYY-MM-DD"), kept for grouping. A ``requests`` row is
@@ -30,7 +34,8 @@ written with status "running" at admission and completed at the end, so a
 crashed server leaves visible incomplete rows rather than none. Files and
 batches (``files.py``, ``batches.py``, ``batch_runner.py``) live here too, so
 several gateways sharing one PostgreSQL see the same ones; a batch line's
-``attempt_id`` is the X-Request-ID of its ledger row.
+``attempt_id`` is the X-Request-ID of its ledger row. Stored responses
+(``response_store.py``) hold what ``previous_response_id`` continues.
 """
 
 from __future__ import annotations
@@ -146,6 +151,18 @@ batch_lines = sa.Table(
     sa.Column("outcome", sa.Text, nullable=True),
     sa.Column("finished_at", sa.Float, nullable=True),
     sa.UniqueConstraint("batch_id", "custom_id", name="uq_batch_lines_custom_id"),
+)
+
+
+responses = sa.Table(
+    "responses", metadata,
+    sa.Column("response_id", sa.String(128), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("previous_response_id", sa.String(128), nullable=True),
+    sa.Column("response", sa.Text, nullable=False),
+    sa.Column("history", sa.Text, nullable=False),
 )
 
 

@@ -175,8 +175,10 @@ class OpenAIServing:
 
     @staticmethod
     def _response_id(request: Request, prefix: str) -> str:
+        """`prefix` (separator included: "chatcmpl-", "resp_") and the request id, or a
+        fresh one when the client chose the request id."""
         rid, given = request_id_of(request)
-        return f"{prefix}-{uuid.uuid4().hex if given else rid}"
+        return f"{prefix}{uuid.uuid4().hex if given else rid}"
 
     def _log_done(self, gen: MeteredGeneration, texts: list[str] | None = None) -> None:
         logger.info(
@@ -212,7 +214,7 @@ class OpenAIServing:
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-        gen, slots = await self._start(request, principal, arrival, served, "cmpl", prompt_ids, req,
+        gen, slots = await self._start(request, principal, arrival, served, "cmpl-", prompt_ids, req,
                                        max_tokens, req.choices_per_prompt, "prompt", texts)
         texts_of = token_texts(served.tokenizer)
         firsts = {slot.prompt: o for o, slot in reversed(list(zip(gen.outputs, slots)))}
@@ -222,7 +224,7 @@ class OpenAIServing:
             prompt_source=firsts[slot.prompt]) for o, slot in zip(gen.outputs, slots)]
         created = int(time.time())
         if req.stream:
-            return self._stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))
+            return self.stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))
         outs = await self.collect(request, gen)
         if (req.best_of or 1) > req.n:
             picked = pick_best(gen.outputs, slots, req.n)
@@ -318,7 +320,7 @@ class OpenAIServing:
         self._log_done(gen, texts)
         return texts
 
-    def _stream_response(self, gen: MeteredGeneration, body: AsyncIterator[str]) -> Response:
+    def stream_response(self, gen: MeteredGeneration, body: AsyncIterator[str]) -> Response:
         """The SSE response for `body`; a client that does not accept a write within
         ``stream_write_timeout`` seconds has its engine requests cancelled and is
         metered as cancelled, with the reason."""
@@ -434,13 +436,13 @@ class OpenAIServing:
         req = ChatCompletionRequest.model_validate(await read_json(request))
         run = await self.start_chat(request, principal, req, arrival=arrival)
         if req.stream:
-            return self._stream_response(run.gen, self.sse_body(
+            return self.stream_response(run.gen, self.sse_body(
                 run.chunks(), req.include_usage, usage=run.usage_chunk))
         body = await run.response(request)
         return JSONResponse(body.model_dump(mode="json"))
 
     async def start_chat(self, request: Request, principal: Principal, req: ChatCompletionRequest, *,
-                         arrival: float, id_prefix: str = "chatcmpl") -> ChatRun:
+                         arrival: float, id_prefix: str = "chatcmpl-") -> ChatRun:
         """Renders the messages (and tools) with the chat template, checks the
         context, meters and submits the choices; returns once the engine
         admitted them.
@@ -455,7 +457,7 @@ class OpenAIServing:
             its disconnect).
           req: the validated request.
           arrival: when the request arrived (Unix seconds).
-          id_prefix: the response id's prefix.
+          id_prefix: the response id's prefix, separator included.
 
         Raises:
           Same as :meth:`create_completion`; 400 also for messages the chat

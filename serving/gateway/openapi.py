@@ -70,6 +70,22 @@ def json_or_stream_responses(model: type[BaseModel], chunk: type[BaseModel]) -> 
     }}
 
 
+def json_or_typed_stream_responses(model: type[BaseModel], event: type[BaseModel]) -> dict[int | str, dict]:
+    """A 200 that is `model` as JSON, or with ``"stream": true`` an SSE stream of
+    typed events, ``event: <type>`` and ``data: <event JSON>`` (the Responses
+    API's form: no ``[DONE]``). `event` must be passed to :func:`install_openapi`."""
+    payload = {"$ref": _REF.format(model=event.__name__)}
+    sse = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}}}
+    return {200: {
+        "model": model,
+        "description": (f"`{model.__name__}`; with `\"stream\": true`, server-sent events "
+                        f"`event: <type>` / `data: <{event.__name__}>`."),
+        "content": {"text/event-stream": {"schema": sse}},
+    }}
+
+
 def install_openapi(app: FastAPI, request_models: Iterable[type[BaseModel]],
                     stream_models: Iterable[type[BaseModel]] = ()) -> None:
     """Make ``app.openapi()`` also describe `request_models` (as read) and

@@ -24,6 +24,13 @@ def sse_event(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def sse_typed_event(payload: dict[str, Any]) -> str:
+    """One SSE event named after its payload's ``type`` (the Responses API's
+    ``event: <type>`` / ``data: <JSON>``)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(',', ':'))
+    return f"event: {payload['type']}\ndata: {data}\n\n"
+
+
 def sse_chunk(chunk: Any, include_usage: bool) -> str:
     """One SSE event for a pydantic response chunk; its ``usage`` field is left
     out unless the client asked for usage (``stream_options.include_usage``)."""

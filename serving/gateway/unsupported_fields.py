@@ -102,6 +102,19 @@ CHAT_FIELDS: Mapping[str, Unsupported] = {
 }
 """Refused on ``/v1/chat/completions``."""
 
+RESPONSES_FIELDS: Mapping[str, Unsupported] = {
+    "background": Unsupported((False,), "background responses are not supported; use the Batch API."),
+    "conversation": Unsupported((), "conversations are not supported; continue with 'previous_response_id'."),
+    "prompt": Unsupported((), "prompt templates are not supported; send 'instructions' and 'input'."),
+    "max_tool_calls": Unsupported(
+        (), "max_tool_calls is not supported; 'parallel_tool_calls': false allows one call."),
+    "top_logprobs": Unsupported((0,), "log probabilities are not returned by the Responses API here; "
+                                      "use /v1/chat/completions with 'logprobs'."),
+    "include": Unsupported(([],), "no extra output ('include') is available from this server."),
+    "truncation": Unsupported(("disabled",), "input is never truncated by this server."),
+}
+"""Refused on ``/v1/responses``."""
+
 STREAM_OPTION_FIELDS: Mapping[str, Unsupported] = {
     "continuous_usage_stats": Unsupported(
         (False,), "usage is only sent in the final chunk ('include_usage')."),
