@@ -419,6 +419,29 @@ def test_forced_tool_call_streamed_and_not_then_the_tool_result(client, model_na
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are in the prompt
 
 
+def test_responses_api_streamed_and_not_then_continued(client, model_name):
+    """``client.responses.create`` on Gemma: the stream's deltas and its last event give the
+    non-streamed response's text (greedy), and ``previous_response_id`` puts the first turn
+    (input and output) before the second's input."""
+    kw = dict(model=model_name, input="Name the capital of France.", instructions="Answer in a few words.",
+              max_output_tokens=12, temperature=0)
+    r = client.responses.create(**kw)
+    assert r.id.startswith("resp_") and r.status in ("completed", "incomplete") and r.output_text.strip()
+    assert r.usage.output_tokens <= 12 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{r.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+    r2 = client.responses.create(model=model_name, input="And of Italy?", previous_response_id=r.id,
+                                 max_output_tokens=8, temperature=0)
+    assert r2.previous_response_id == r.id and r2.output_text.strip()
+    # the first turn's input and output come before the new input; its instructions do not
+    assert r2.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens - 8
+    assert client.responses.retrieve(r2.id).output_text == r2.output_text
+
+
 def test_bad_requests_get_openai_errors(server, model_name, gemma_tokenizer):
     url = f"{server.url}/v1/completions"
     ok = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 4}
