@@ -98,3 +98,16 @@ def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert ("--slots" in out) if argv[1] == "engine" else ("--concurrency" in out)
+
+
+def test_batch_interference_runs_on_the_tiny_model(tmp_path):
+    """Its three phases run and report (the server's shapes are the tests' tiny server's)."""
+    from benchmarks import batch_interference
+
+    out = batch_interference.main([
+        "--model", "tiny-random", "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
+        "--batch-concurrency", "4", "--lines", "16", "--line-max-tokens", "400", "--requests", "2",
+        "--max-tokens", "4", "--json", str(tmp_path / "out.json")])
+    assert list(out["phases"]) == ["idle", "batch", "interactive load"]
+    assert all(len(p["ttft_s"]) == 2 and p["ttft_p50_s"] > 0 for p in out["phases"].values())
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["lines"] == 16
