@@ -23,7 +23,9 @@ Each step (:meth:`Scheduler.schedule`): every running request that is one
 token behind gets a decode row (one budget token each); then the rest of the
 budget goes to prompt chunks: running requests first, then waiting ones in
 (priority, arrival) order, admitted while a slot is free and their pages fit
-above a small watermark; a waiting prompt that a later step could take whole is
+above a small watermark (with every slot taken, a waiting request takes the
+slot of the newest running request of a lower priority, which is preempted:
+batch work gives way to interactive work at once, not when it finishes); a waiting prompt that a later step could take whole is
 not started in the rest of this one (:meth:`Scheduler._would_split`). When a
 running request needs a page and none is free or evictable, the
 lowest-priority, newest running request is preempted: its
@@ -382,8 +384,10 @@ class Scheduler:
         kept = 0  # slots kept for children ahead in the queue waiting for a running family member
         admitted: set[str] = set()  # admitted in this pass: not fork sources before the next
         for req in list(self.waiting):
-            if (len(self._free_slots) <= kept or prefill_budget == 0
-                    or len(plan.prefill) >= self.max_prefill_seqs):
+            if prefill_budget == 0 or len(plan.prefill) >= self.max_prefill_seqs:
+                break
+            no_slot = len(self._free_slots) <= kept
+            if no_slot and self._lower_priority_victim(req) is None:
                 break
             source = None
             if req.parent_id is not None and req.prefix_cache:  # (else computed alone)
@@ -394,6 +398,12 @@ class Scheduler:
             hit = self._prefix_hit(req)
             if plan.prefill and self._would_split(req, source, hit, prefill_budget):
                 break  # it starts whole in the next step (see _would_split); the queue waits behind it
+            if no_slot:  # a slot from the newest running request of a lower priority
+                victim = self._lower_priority_victim(req)
+                if victim.num_inflight:
+                    plan.needs_sync = True
+                    return self._abort(plan)
+                self._preempt(victim, plan)
             copies = self._admit(req, prefill_budget, hit, source)
             if copies is None:
                 self._head_waits_for_pages = True
@@ -507,6 +517,13 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
         return copies
+
+    def _lower_priority_victim(self, req: SchedRequest) -> SchedRequest | None:
+        """The running request waiting `req` takes the slot of when none is free: the
+        newest of the lowest priority below req's (batch work, for an interactive
+        request), or None."""
+        lower = [r for r in self.running if r.priority > req.priority]
+        return max(lower, key=lambda r: (r.priority, r.arrival)) if lower else None
 
     def _reserve_pages(self, req: SchedRequest, num_tokens: int, plan: StepPlan) -> bool:
         """Makes req hold pages for its first num_tokens tokens, preempting others if needed.

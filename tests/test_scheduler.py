@@ -395,3 +395,52 @@ def test_check_invariants_catches_a_miscounted_page():
     kv._ref_count[kv.page_ids("a")[0]] += 1  # a reference nobody holds
     with pytest.raises(AssertionError, match="ref count 2, held by 1"):
         kv.check_invariants()
+
+
+def test_an_interactive_request_takes_a_batch_requests_slot_at_once():
+    """With every slot running batch work, an interactive arrival preempts the newest batch
+    request in the next step rather than waiting for one to finish; the batch request
+    resumes once a slot frees and its output is unchanged."""
+    rng = random.Random(5)
+    sched, engine = make(num_pages=40, slots=2, budget=16, prefill=8)
+    batches = [SchedRequest(f"batch{i}", [rng.randrange(VOCAB) for _ in range(5)], 30, priority=BATCH)
+               for i in range(2)]
+    inter = SchedRequest("inter", [rng.randrange(VOCAB) for _ in range(5)], 4, priority=INTERACTIVE)
+    by_id = {r.request_id: r for r in [*batches, inter]}
+
+    def step() -> StepPlan:  # no pipelining: each step's tokens are read back at once
+        plan = sched.schedule()
+        for rid, tok in engine.run(plan):
+            sched.on_token(by_id[rid], tok)
+        return plan
+
+    for b in batches:
+        sched.add(b)
+    for _ in range(4):  # both batch requests run and decode
+        step()
+    assert [r.request_id for r in sched.running] == ["batch0", "batch1"]
+    sched.add(inter)
+    plan = step()
+    assert plan.preempted == ["batch1"] and inter.status is Status.RUNNING
+    assert [r.request_id for r in plan.prefill] == ["inter"]
+    sched.check_invariants()
+    # a waiting batch request never preempts: it waits for a free slot
+    late = SchedRequest("late", [1, 2, 3], 4, priority=BATCH)
+    by_id["late"] = late
+    sched.add(late)
+    assert step().preempted == [] and late.status is Status.WAITING
+
+
+def test_interactive_arrivals_preempt_batch_slots_and_outputs_match():
+    rng = random.Random(6)
+    sched, engine = make(num_pages=60, slots=3, budget=16, prefill=8)
+    arrivals = [(0, SchedRequest(f"b{i}", [rng.randrange(VOCAB) for _ in range(6)], 25, priority=BATCH))
+                for i in range(3)]
+    arrivals += [(3 + 4 * i, SchedRequest(f"i{i}", [rng.randrange(VOCAB) for _ in range(6)], 5))
+                 for i in range(4)]
+    drive(sched, engine, arrivals, rng, 0.0)
+    by_id = {r.request_id: r for _, r in arrivals}
+    assert sum(by_id[f"b{i}"].num_preemptions for i in range(3)) >= 1
+    assert all(by_id[f"i{i}"].num_preemptions == 0 for i in range(4))
+    for r in by_id.values():
+        assert r.output_ids == run_alone(r.prompt_ids, r.max_tokens, ())

@@ -49,7 +49,7 @@ from serving.gateway.api_keys import Principal
 from serving.gateway.database import batch_lines, batches, cursor_page
 from serving.gateway.database import requests as requests_table
 from serving.gateway.errors import OpenAIError
-from serving.gateway.files import FileStore, file_not_found
+from serving.gateway.files import FileStore, file_not_found, list_page
 from serving.gateway.openai_serving import read_json
 from serving.gateway.openapi import error_responses, json_request_body
 
@@ -549,10 +549,7 @@ def install_batch_routes(app: FastAPI, store: Callable[[], BatchStore], principa
     async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None,
                            caller: Principal = Depends(principal)) -> Response:
         rows, has_more = await run(store().list, caller.tenant, limit, after)
-        data = [batch_object(r) for r in rows]
-        return JSONResponse({"object": "list", "data": data, "has_more": has_more,
-                             "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None})
+        return JSONResponse(list_page([batch_object(r) for r in rows], has_more))
 
     @app.get(BATCHES_PATH + "/{batch_id}", response_model=BatchObject,
              responses=error_responses(401, 403, 404, 413))

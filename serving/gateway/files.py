@@ -73,6 +73,12 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
+def list_page(data: list[dict], has_more: bool) -> dict:
+    """OpenAI's cursor-paged list body: ``data``, ``has_more``, ``first_id``, ``last_id``."""
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
 def file_not_found(file_id: str, param: str = "file_id") -> OpenAIError:
     """404 for a file that does not exist or belongs to another tenant."""
     return OpenAIError(f"No such File object: {file_id}", status_code=404, param=param,
@@ -211,10 +217,7 @@ def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal:
                          after: str | None = None, order: Literal["asc", "desc"] = "desc",
                          caller: Principal = Depends(principal)) -> Response:
         rows, has_more = await run(store().list, caller.tenant, purpose, limit, after, order == "desc")
-        data = [file_object(r) for r in rows]
-        return JSONResponse({"object": "list", "data": data, "has_more": has_more,
-                             "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None})
+        return JSONResponse(list_page([file_object(r) for r in rows], has_more))
 
     @app.get(FILES_PATH + "/{file_id}", response_model=FileObject,
              responses=error_responses(401, 403, 404, 413))
