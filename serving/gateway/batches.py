@@ -4,7 +4,7 @@ Routes (scoped to the caller's tenant: another tenant's batch is a 404):
 
 * ``POST /v1/batches`` ``{"input_file_id", "endpoint", "completion_window": "24h",
   "metadata"?}``: a batch over a ``batch`` file's lines for ``/v1/chat/completions``,
-  ``/v1/completions`` (or ``/v1/responses`` once a handler is registered); answers the
+  ``/v1/completions`` or ``/v1/responses``; answers the
   batch object in status ``validating``.
 * ``GET /v1/batches`` (``limit`` 1..100, ``after``), ``GET /v1/batches/{batch_id}``,
   ``POST /v1/batches/{batch_id}/cancel``.
