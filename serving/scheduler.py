@@ -25,8 +25,9 @@ budget goes to prompt chunks: running requests first, then waiting ones in
 (priority, arrival) order, admitted while a slot is free and their pages fit
 above a small watermark (with every slot taken, a waiting request takes the
 slot of the newest running request of a lower priority, which is preempted:
-batch work gives way to interactive work at once, not when it finishes); a waiting prompt that a later step could take whole is
-not started in the rest of this one (:meth:`Scheduler._would_split`). When a
+batch work gives way to interactive work at once, not when it finishes); a
+waiting prompt that a later step could take whole is not started in the rest
+of this one (:meth:`Scheduler._would_split`). When a
 running request needs a page and none is free or evictable, the
 lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits

@@ -34,7 +34,15 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from pydantic_core import PydanticCustomError
 
 from serving.gateway.errors import OpenAIError
-from serving.gateway.protocol import INT32_MAX, INT64_MAX, INT64_MIN, ChatCompletionRequest, Text, _nullable_optionals, _Request
+from serving.gateway.protocol import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    ChatCompletionRequest,
+    Text,
+    _nullable_optionals,
+    _Request,
+)
 from serving.gateway.tool_protocol import MAX_TOOLS
 from serving.gateway.unsupported_fields import RESPONSES_FIELDS
 
