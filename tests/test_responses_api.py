@@ -118,6 +118,22 @@ async def test_the_models_own_calls_then_text_as_items_in_order():
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_an_unfinished_streamed_call_is_left_out_and_its_text_is_content(stream):
+    text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    client = _client(_app(FakeEngine(text=text, chunk=6), tool_call_parser="hermes"))
+    kw = dict(model=MODEL, input="Weather?", tools=[WEATHER], store=False)
+    if stream:
+        events = [e async for e in await client.responses.create(**kw, stream=True)]
+        assert any(e.type == "response.function_call_arguments.delta" for e in events)  # it had started
+        r = events[-1].response
+    else:
+        r = await client.responses.create(**kw)
+    # the text before the call, then the call's own text: two messages, as they were streamed
+    assert [i.type for i in r.output] == ["message", "message"]
+    assert r.output_text == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_reasoning_is_its_own_item_and_counted(services, stream):
     thought = byte_ids("abcdefg")
     engine = FakeEngine(responder=lambda r: [THINK_START_ID, *thought, THINK_END_ID, *byte_ids("\nParis.")],

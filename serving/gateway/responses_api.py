@@ -150,6 +150,9 @@ class ResponsesServing:
             for ev in asm.fail(e.to_body()["error"], run.usage()):
                 yield ev
             return
+        tools = run.outputs[0].tools
+        if tools is not None:
+            asm.drop_calls(getattr(tools, "abandoned", []))
         final = asm.finish(finish_reason, run.usage())
         if req.store and self.store is not None:
             msg = output_message(asm.output)

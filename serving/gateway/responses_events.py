@@ -214,6 +214,17 @@ class ResponseAssembler:
 
     # ---------------------------------------------------------------- end
 
+    def drop_calls(self, indexes: list[int]) -> None:
+        """Leaves out of the output the calls (by tool-call index) whose deltas were
+        streamed but which then turned out malformed or unfinished: the parser gave
+        their text as content instead (``ToolParser.abandoned``)."""
+        for i in indexes:
+            item = self._calls.get(i)
+            if item is not None and item in self.output:
+                if self._open is item:
+                    self._open = None
+                self.output.remove(item)
+
     def finish(self, finish_reason: str | None, usage: Usage) -> list[dict[str, Any]]:
         """Closes the open item and the response: ``completed``, or ``incomplete``
         (finish_reason "length": ``max_output_tokens``; "content_filter")."""
