@@ -152,6 +152,11 @@ async def test_reasoning_is_its_own_item_and_counted(services, stream):
     assert r.usage.output_tokens_details.reasoning_tokens == len(thought)
     [row] = services.ledger.rows()
     assert row["reasoning_tokens"] == len(thought)
+    # the output sent back as input, as clients build the next turn (reasoning item included)
+    items = [i.model_dump(exclude_none=True) for i in r.output]
+    again = await client.responses.create(model=MODEL, input=[*items, {"role": "user", "content": "And?"}],
+                                          store=False)
+    assert again.status == "completed" and "Paris." in ThinkingTokenizer().decode(engine.submitted[-1].prompt_ids)
 
 
 async def test_max_output_tokens_makes_it_incomplete():
@@ -206,13 +211,17 @@ async def test_store_false_keeps_nothing(services):
     ({"input": ""}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "42"}]}, "input[0].call_id"),
 ])
 async def test_bad_requests_get_a_clear_400(body, param):
     engine = FakeEngine()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_app(engine)),
                                  base_url="http://testserver") as c:
         r = await c.post("/v1/responses", json={"model": MODEL, **body})
-    assert_openai_error(r, 400, param=param)
+    err = assert_openai_error(r, 400, param=param)
+    assert "response_format" not in err["message"]  # the Responses API's own field names
     assert engine.submitted == []
 
 

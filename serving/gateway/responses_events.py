@@ -237,7 +237,7 @@ class ResponseAssembler:
         r["status"] = "incomplete" if incomplete else "completed"
         r["incomplete_details"] = {"reason": incomplete} if incomplete else None
         r["usage"] = response_usage(usage)
-        r["completed_at"] = time.time() if not incomplete else None
+        r["completed_at"] = int(time.time()) if not incomplete else None
         out.append(self._event(f"response.{r['status']}", response=self._snapshot()))
         return out
 

@@ -99,6 +99,14 @@ class InputItem(BaseModel):
 
     _text_parts = field_validator("content", "output", mode="before")(lambda v: _parts_text(v))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_as_is(cls, data: Any) -> Any:
+        # A reasoning item is not sent to the model: its content (reasoning_text, summary) is not read.
+        if isinstance(data, dict) and data.get("type") == "reasoning":
+            return {"type": "reasoning"}
+        return data
+
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> "InputItem":
         if self.type not in _ITEM_TYPES:
@@ -211,6 +219,16 @@ class ResponseRequest(_Request):
     priority: Literal["interactive", "batch"] = "interactive"
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
 
+    @model_validator(mode="after")
+    def _forced_call_without_text_format(self) -> "ResponseRequest":
+        fmt = self.text.format if self.text is not None else None
+        if self.tool_choice not in (None, "none", "auto") and fmt is not None and fmt.type != "text":
+            raise PydanticCustomError(
+                "tool_choice_with_text_format",
+                "A forced 'tool_choice' constrains the output itself; it cannot be combined with "
+                f"a {fmt.type!r} 'text.format'.", {"field": "tool_choice"})
+        return self
+
     @field_validator("input", mode="before")
     @classmethod
     def _text_input(cls, v: Any) -> Any:
@@ -236,12 +254,15 @@ class ResponseRequest(_Request):
         Consecutive ``function_call`` items become one assistant message's
         ``tool_calls`` (joined to the assistant message just before them, if
         any); a ``function_call_output`` becomes a ``tool`` message named after
-        its call when the call is known (in `input` or in `history`, the earlier
+        its call, which must come earlier (in `input` or in `history`, the earlier
         turns' messages).
+
+        Raises:
+          OpenAIError: 400 for a ``function_call_output`` whose call is not known.
         """
         messages: list[dict[str, Any]] = []
         names = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls") or ()}
-        for item in self.input:
+        for i, item in enumerate(self.input):
             if item.type == "message":
                 messages.append({"role": item.role, "content": item.content})
             elif item.type == "function_call":
@@ -254,10 +275,13 @@ class ResponseRequest(_Request):
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif item.type == "function_call_output":
-                m = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
-                if item.call_id in names:
-                    m["name"] = names[item.call_id]
-                messages.append(m)
+                if item.call_id not in names:
+                    raise OpenAIError(
+                        f"No function call with call_id {item.call_id!r} for this output: send the "
+                        "'function_call' item before it, or continue its response with "
+                        "'previous_response_id'.", param=f"input[{i}].call_id")
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output,
+                                 "name": names[item.call_id]})
         return messages
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
