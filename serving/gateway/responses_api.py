@@ -151,9 +151,8 @@ class ResponsesServing:
                 yield ev
             return
         tools = run.outputs[0].tools
-        if tools is not None:
-            asm.drop_calls(getattr(tools, "abandoned", []))
-        final = asm.finish(finish_reason, run.usage())
+        final = asm.drop_calls(getattr(tools, "abandoned", [])) if tools is not None else []
+        final += asm.finish(finish_reason, run.usage())
         if req.store and self.store is not None:
             msg = output_message(asm.output)
             convo = history + req.input_messages(history) + ([msg] if msg is not None else [])

@@ -214,16 +214,19 @@ class ResponseAssembler:
 
     # ---------------------------------------------------------------- end
 
-    def drop_calls(self, indexes: list[int]) -> None:
+    def drop_calls(self, indexes: list[int]) -> list[dict[str, Any]]:
         """Leaves out of the output the calls (by tool-call index) whose deltas were
         streamed but which then turned out malformed or unfinished: the parser gave
-        their text as content instead (``ToolParser.abandoned``)."""
+        their text as content instead (``ToolParser.abandoned``). Returns the events
+        that close such a call if it is still open (``incomplete``)."""
+        out: list[dict[str, Any]] = []
         for i in indexes:
             item = self._calls.get(i)
             if item is not None and item in self.output:
                 if self._open is item:
-                    self._open = None
+                    out += self._close("incomplete")
                 self.output.remove(item)
+        return out
 
     def finish(self, finish_reason: str | None, usage: Usage) -> list[dict[str, Any]]:
         """Closes the open item and the response: ``completed``, or ``incomplete``
