@@ -236,13 +236,15 @@ def test_decode_bfloat16(seed, lengths, window):
 
 @pytest.mark.parametrize("window", [3, PS + 1, 100])
 def test_decode_static_int_window_matches_traced(window):
-    """A python-int window (shorter and longer than the sequences) equals the traced int32 scalar."""
+    """A python-int window (shorter and longer than the sequences) equals the traced int32 scalar,
+    to float32 rounding: the static window lets XLA skip pages and order the sums otherwise
+    (CI's CPU differed by 4e-7 from the traced form where this VM's matched to the bit)."""
     lengths = [1, PS + 1, 2 * PS + 3, L]
     out, cache, q, table = run_decode(np.random.default_rng(window), lengths, 8, 2, jnp.float32,
                                       window=window, soft_cap=None, static_window=window)
     traced = decode_fn()(jnp.asarray(q, jnp.float32), cache.k_pages, cache.v_pages, _i32(lengths),
                          _i32(table), _i32(window), None)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(traced))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(traced), rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("layer_kind", ["int", _TRACED])
@@ -353,7 +355,7 @@ def test_prefill_static_int_window_matches_traced(window):
                                                window=window, soft_cap=None, static_window=window)
     traced = prefill_fn()(jnp.asarray(q), cache.k_pages, cache.v_pages, _i32(cu), _i32(kv), _i32(table),
                           _i32(3), _i32(window), None)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(traced))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(traced), rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("layer_kind", ["int", _TRACED])
