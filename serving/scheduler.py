@@ -388,7 +388,8 @@ class Scheduler:
             if prefill_budget == 0 or len(plan.prefill) >= self.max_prefill_seqs:
                 break
             no_slot = len(self._free_slots) <= kept
-            if no_slot and self._lower_priority_victim(req) is None:
+            victim = self._lower_priority_victim(req) if no_slot else None  # whose slot it takes
+            if no_slot and victim is None:
                 break
             source = None
             if req.parent_id is not None and req.prefix_cache:  # (else computed alone)
@@ -399,8 +400,7 @@ class Scheduler:
             hit = self._prefix_hit(req)
             if plan.prefill and self._would_split(req, source, hit, prefill_budget):
                 break  # it starts whole in the next step (see _would_split); the queue waits behind it
-            if no_slot:  # a slot from the newest running request of a lower priority
-                victim = self._lower_priority_victim(req)
+            if victim is not None:  # no free slot: take the victim's
                 if victim.num_inflight:
                     plan.needs_sync = True
                     return self._abort(plan)

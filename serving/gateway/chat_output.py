@@ -35,6 +35,7 @@ from serving.output_processor import TextGeneration
 
 class _ToolParser(Protocol):
     calls: list  # ToolCall(id, name, arguments)
+    abandoned: list  # indexes of calls streamed, then given back as content
 
     def feed(self, text: str) -> tuple[str, list]: ...
 
@@ -77,6 +78,12 @@ class ChatChoiceOutput:
     def tool_calls(self) -> list:
         """The complete calls (``ToolCall``: id, name, arguments), in order."""
         return [] if self.tools is None else list(self.tools.calls)
+
+    @property
+    def abandoned_calls(self) -> list[int]:
+        """Tool-call indexes whose deltas were sent but whose text turned out not to be
+        a call (malformed or unfinished); it came back as content."""
+        return [] if self.tools is None else list(self.tools.abandoned)
 
     @property
     def reasoning_tokens(self) -> int:

@@ -54,19 +54,19 @@ class ResponseStore:
             conn.execute(responses_table.delete().where(responses_table.c.response_id == row["response_id"]))
             conn.execute(responses_table.insert().values(**row))
 
-    def get(self, response_id: str, tenant: str) -> dict[str, Any] | None:
-        """`tenant`'s stored response object, or None."""
+    def _json(self, column: str, response_id: str, tenant: str) -> Any:
         with self.engine.connect() as conn:
-            text = conn.execute(sa.select(responses_table.c.response).where(
+            text = conn.execute(sa.select(responses_table.c[column]).where(
                 responses_table.c.response_id == response_id, responses_table.c.tenant == tenant)).scalar()
         return None if text is None else json.loads(text)
 
+    def get(self, response_id: str, tenant: str) -> dict[str, Any] | None:
+        """`tenant`'s stored response object, or None."""
+        return self._json("response", response_id, tenant)
+
     def history(self, response_id: str, tenant: str) -> list[dict[str, Any]] | None:
         """The chat messages that `tenant`'s response `response_id` ends, or None."""
-        with self.engine.connect() as conn:
-            text = conn.execute(sa.select(responses_table.c.history).where(
-                responses_table.c.response_id == response_id, responses_table.c.tenant == tenant)).scalar()
-        return None if text is None else json.loads(text)
+        return self._json("history", response_id, tenant)
 
     def delete(self, response_id: str, tenant: str) -> bool:
         """Deletes `tenant`'s response; False when there was none."""

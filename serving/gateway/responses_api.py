@@ -150,9 +150,7 @@ class ResponsesServing:
             for ev in asm.fail(e.to_body()["error"], run.usage()):
                 yield ev
             return
-        tools = run.outputs[0].tools
-        final = asm.drop_calls(getattr(tools, "abandoned", [])) if tools is not None else []
-        final += asm.finish(finish_reason, run.usage())
+        final = asm.drop_calls(run.outputs[0].abandoned_calls) + asm.finish(finish_reason, run.usage())
         if req.store and self.store is not None:
             msg = output_message(asm.output)
             convo = history + req.input_messages(history) + ([msg] if msg is not None else [])

@@ -56,6 +56,7 @@ class NamedCallParser:
         self.name = name
         self.id = (new_id or new_call_id)()
         self.calls: list[ToolCall] = []
+        self.abandoned: list[int] = []  # the schema keeps the call well formed: never set
         self._args: list[str] = []
         self._opened = False
 
@@ -95,6 +96,7 @@ class RequiredCallsParser:
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         self.new_id = new_id or new_call_id
         self.calls: list[ToolCall] = []
+        self.abandoned: list[int] = []  # calls come out whole: never set
         self._buf = ""
         self._pos: int | None = None  # where the next array item starts (after "[" or ",")
         self._decoder = json.JSONDecoder()
