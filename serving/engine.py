@@ -76,7 +76,7 @@ from model.compute import Compute
 from model.kv_cache import KVCache
 from serving.backend_policy import BackendPolicy
 from serving.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket
-from serving import token_counts
+from serving import kv_pages, token_counts
 from serving.logits_processors import sample_processed
 from serving.logprobs import StepOutput, prompt_logprobs, token_logprobs
 from serving.sampling import SamplingArrays
@@ -217,6 +217,7 @@ class Engine:
             out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
             compute = self.policy.compute(rules, dtype=model.dtype)
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
+        self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
         self._steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
             "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute,
@@ -290,6 +291,39 @@ class Engine:
         K = self.cfg.speculative.num_tokens
         T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
         return self.run(VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words)))
+
+    # -- whole pages (KV transfer, host tier) ----------------------------------------
+
+    def read_pages(self, page_ids: Sequence[int], chunk_pages: int) -> tuple[jax.Array, jax.Array]:
+        """Dispatches a copy of up to ``chunk_pages`` pages of every layer (``serving.kv_pages``).
+
+        Returns:
+          (k, v) device arrays [layers, kv_heads, chunk_pages, page_size, head_dim] in the
+          storage dtype, not yet synced; entries past ``len(page_ids)`` hold the null page.
+
+        Raises:
+          ValueError: too many pages; RuntimeError: a multi-host engine (not supported).
+        """
+        self._single_host("reading KV pages")
+        return kv_pages.read_pages(self.state.kv_cache, kv_pages.pad_page_ids(page_ids, chunk_pages))
+
+    def write_pages(self, page_ids: Sequence[int], k, v) -> None:
+        """Dispatches writing ``k``, ``v`` [layers, kv_heads, C, page_size, head_dim] (host or
+        device arrays, C >= len(page_ids); rows past ``len(page_ids)`` go to the null page)
+        into the cache's pages ``page_ids``, ordered before every later step.
+
+        Raises:
+          ValueError: more pages than the chunk holds; RuntimeError: a multi-host engine.
+        """
+        self._single_host("writing KV pages")
+        ids = kv_pages.pad_page_ids(page_ids, k.shape[2])
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        with ctx:
+            self.state = self._write_pages(self.state, ids, k, v)
+
+    def _single_host(self, what: str) -> None:
+        if self.lockstep is not None:
+            raise RuntimeError(f"{what} is not supported on a multi-host engine")
 
     def run(self, batch: StepBatch):
         """Runs one step on a host-built batch; returns its output (device arrays).

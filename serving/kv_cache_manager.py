@@ -121,6 +121,7 @@ class _Held:
     pages: list[int] = dataclasses.field(default_factory=list)
     keys: list[bytes] = dataclasses.field(default_factory=list)
     num_cached: int = 0
+    pinned: bool = False  # a holder that is not a request (a KV transfer's pages)
 
 
 class KVCacheManager:
@@ -186,8 +187,12 @@ class KVCacheManager:
         return held.num_cached * self.page_size if held else 0
 
     def request_ids(self) -> list[str]:
-        """Ids of the requests holding pages."""
-        return list(self._held)
+        """Ids of the requests holding pages (pinned holders not included)."""
+        return [rid for rid, held in self._held.items() if not held.pinned]
+
+    def pinned_ids(self) -> list[str]:
+        """Ids of the pinned holders (:meth:`pin`, :meth:`allocate_pages` with ``pinned``)."""
+        return [rid for rid, held in self._held.items() if held.pinned]
 
     def lookup_prefix(self, token_ids: Sequence[int], salt: str | None, max_tokens: int) -> PrefixHit:
         """The longest cached prefix of ``token_ids`` in whole pages, at most ``max_tokens`` long.
@@ -211,7 +216,7 @@ class KVCacheManager:
     # -- ownership ---------------------------------------------------------------
 
     def allocate_pages(self, request_id: str, num_tokens: int, prefix: PrefixHit = NO_HIT,
-                       watermark: int = 0) -> bool:
+                       watermark: int = 0, pinned: bool = False) -> bool:
         """Makes the request hold pages covering its first ``num_tokens`` tokens, or takes nothing.
 
         A request holding no pages may start from a prefix hit: it then holds
@@ -224,6 +229,8 @@ class KVCacheManager:
           num_tokens: tokens its pages must cover (pages already held count).
           prefix: a hit from :meth:`lookup_prefix` for this request's tokens.
           watermark: free pages that must remain after the allocation.
+          pinned: a new holder is not a request but pages kept for a KV transfer
+            (:meth:`pinned_ids`; the decode side's pages being received).
 
         Returns:
           True if the request now holds enough pages; False if that would
@@ -249,7 +256,8 @@ class KVCacheManager:
         if held is None:
             if need == 0 and not prefix.page_ids:
                 return True
-            held = self._held[request_id] = _Held(keys=list(prefix.keys), num_cached=len(prefix.page_ids))
+            held = self._held[request_id] = _Held(keys=list(prefix.keys), num_cached=len(prefix.page_ids),
+                                                  pinned=pinned)
             for p in prefix.page_ids:
                 if self._ref_count[p] == 0:
                     del self._free[p]
@@ -320,6 +328,32 @@ class KVCacheManager:
         if num_computed % self.page_size == 0:
             return ()
         return (PageCopy(parent.pages[shared], held.pages[shared]),)
+
+    def pin(self, holder_id: str, request_id: str, num_pages: int) -> tuple[int, ...]:
+        """Makes ``holder_id`` (a pinned holder) hold the request's first ``num_pages`` offered
+        pages too, so they outlive the request: the prefill side of a KV transfer keeps a
+        finished prompt's pages until the decode side has them. :meth:`free` the holder.
+
+        Returns:
+          the pinned page ids, in order.
+
+        Raises:
+          ValueError: the holder exists, or the request has offered fewer pages to the cache.
+        """
+        if holder_id in self._held:
+            raise ValueError(f"holder {holder_id!r} already holds pages")
+        held = self._held.get(request_id)
+        if num_pages <= 0:
+            return ()
+        if held is None or held.num_cached < num_pages:
+            raise ValueError(f"request {request_id!r} has not offered {num_pages} computed pages")
+        pin = self._held[holder_id] = _Held(pages=held.pages[:num_pages], keys=held.keys[:num_pages],
+                                            num_cached=num_pages, pinned=True)
+        if not self.enable_prefix_caching:
+            pin.keys = []
+        for p in pin.pages:
+            self._ref_count[p] += 1
+        return tuple(pin.pages)
 
     def free(self, request_id: str) -> None:
         """Drops the request's pages; pages nobody holds any more join the free queue's tail.

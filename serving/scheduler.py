@@ -576,7 +576,7 @@ class Scheduler:
         assert sorted(slots + self._free_slots) == list(range(self.num_slots))
         running = {r.request_id for r in self.running}
         assert len(running) == len(self.running), "two running requests share an id"
-        holders = set(self.kv.request_ids())
+        holders = set(self.kv.request_ids())  # pinned holders (KV transfers) are not requests
         assert holders <= running, f"requests {sorted(holders - running)} hold pages but do not run"
         for r in self.waiting:
             assert r.slot is None and r.num_inflight == 0 and r.status is Status.WAITING
