@@ -380,7 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_settings(engine)
     engine.add_argument("--grpc-port", type=int, required=True, help="port of the engine service (0: any free one)")
     engine.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    engine.add_argument("--role", default="both", help="both: prefill and decode (the only role so far)")
+    engine.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                        help="both (default): computes prompts and decodes; prefill: computes prompts and "
+                        "hands their KV pages to a decode replica; decode: pulls them, then decodes "
+                        "(the gateway's router pairs them: serving/replica_cli.py)")
+    engine.add_argument("--kv-transport", default="auto", choices=("auto", "jax", "grpc"),
+                        help="how KV pages move between replicas: jax (jax.experimental.transfer), grpc "
+                        "(host staging over the engine service); auto (default): jax where it imports")
+    engine.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="seconds a prefill replica keeps a prompt's pages for a decode replica to "
+                        "pull before it frees them (default 30)")
+    engine.add_argument("--kv-chunk-pages", type=int, default=16,
+                        help="KV pages per transfer message, every layer of each (default 16)")
     engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=None, help="turn the automatic prefix cache off")
     engine.add_argument("--served-model-name", help="the model id the gateway serves it as")

@@ -109,6 +109,40 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class KvTransferParams:
+    """Where a prompt's KV pages wait on a prefill replica (``serving.kv_connector``).
+
+    A prefill replica's final event carries them; the router passes them (with
+    ``source_url`` filled in) to the decode replica's request, which pulls the
+    pages before it computes the rest of the prompt.
+
+    Attributes:
+      transfer_id: names the offer on the prefill side.
+      transport: "jax" (``jax.experimental.transfer``) or "grpc" (host staging).
+      transfer_address: jax: the prefill replica's transfer server (host:port).
+      source_url: the prefill replica's engine service (``grpc://host:port``).
+      num_tokens: prompt tokens in the offered pages (whole pages: the decode side
+        computes the partial last page and the last prompt token itself).
+      chunk_pages: pages per chunk.
+      page_shape: (layers, kv_heads, page_size, head_dim) of one page.
+      dtype: the KV storage dtype's name (pages are copied bit for bit).
+      page_hashes: the offered pages' chained hashes (``kv_cache_manager.page_hash``).
+      expires_at: wall-clock seconds when the prefill side frees the pages.
+    """
+
+    transfer_id: str
+    transport: str
+    num_tokens: int
+    chunk_pages: int
+    page_shape: tuple[int, ...]
+    dtype: str
+    page_hashes: tuple[bytes, ...] = ()
+    transfer_address: str = ""
+    source_url: str = ""
+    expires_at: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """A tokenized generation request.
 
@@ -126,6 +160,11 @@ class EngineRequest:
         with the same prompt (and salt). The engine computes that prompt once
         and the choices share its KV pages (the last, partial page copied).
         If the parent is unknown or already gone the prompt is computed as usual.
+      kv_produce: a prefill replica's request (disaggregated serving): when it
+        finishes, its prompt's full pages are kept and offered for a decode
+        replica to pull; the final event's ``kv_transfer`` says where.
+      kv_transfer: a decode replica's request: the pages to pull before the rest
+        of the prompt is computed.
     """
 
     request_id: str
@@ -135,6 +174,8 @@ class EngineRequest:
     priority: str = "interactive"
     cache_salt: str | None = None
     parent_id: str | None = None
+    kv_produce: bool = False
+    kv_transfer: KvTransferParams | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +221,12 @@ class TokenEvent:
       num_draft_tokens: speculative decoding: draft tokens verified for the request so far.
       num_accepted_tokens: of those, accepted (each saved a decode step).
       replica: the engine replica that produced it (its URL), when a router
-        chose one (``serving.gateway.router``); None in process.
+        chose one (``serving.gateway.router``); None in process. Disaggregated:
+        the decode replica.
+      prefill_replica: disaggregated serving: the replica that computed the prompt.
+      kv_transfer: a ``kv_produce`` request's final event: its offered pages.
+      kv_transfer_bytes: bytes of KV pages the decode side pulled for it.
+      kv_transfer_seconds: seconds from the start of the pull to its pages in place.
     """
 
     request_id: str
@@ -198,6 +244,10 @@ class TokenEvent:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     replica: str | None = None
+    prefill_replica: str | None = None
+    kv_transfer: KvTransferParams | None = None
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,6 +111,8 @@ class _Sequence:
     first_event_sent: bool = False
     matcher: object = None  # llguidance.LLMatcher of a structured-output request (loop thread only)
     armed_by: int | None = None  # the token whose generation arms the matcher (until then: unconstrained)
+    kv_bytes: int = 0  # KV pages pulled for it (disaggregated decode side)
+    kv_seconds: float = 0.0
 
 
 class EngineLoop:
@@ -174,6 +176,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_step = None  # optional hook(plan) for tests and tracing, called on the loop thread
+        self.connector = None  # serving.kv_connector.KvConnector of a replica in disaggregated serving
 
     # -- EngineClient ------------------------------------------------------------
 
@@ -247,6 +250,10 @@ class EngineLoop:
     async def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
+    def wake(self) -> None:
+        """Makes an idle loop turn now (any thread)."""
+        self._inbox.put(("wake", None))
+
     def ping(self) -> asyncio.Future:
         """A future the loop thread resolves (to None) at its next turn: proof that it turns."""
         fut = asyncio.get_running_loop().create_future()
@@ -279,7 +286,7 @@ class EngineLoop:
         """Ends the loop; unfinished requests end with finish_reason "cancelled"."""
         self._draining.set()
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -321,11 +328,19 @@ class EngineLoop:
         cfg = self.cfg
         sampling_request.validate_request(request, self.engine.model_cfg.vocab_size, cfg.max_model_len,
                                           cfg.num_pages - 1, self.scheduler.pages_needed_alone, PRIORITIES)
+        if request.kv_produce or request.kv_transfer is not None:
+            if self.connector is None:
+                raise RequestRejectedError("this engine takes no part in KV transfer (xlaserve engine does)")
+            why = request.kv_transfer and self.connector.check(request.kv_transfer, request.prompt_ids,
+                                                               request.cache_salt)
+            if why:
+                raise RequestRejectedError(why)
 
     # -- engine thread -------------------------------------------------------------
 
     def _emit(self, seq: _Sequence, ids: tuple[int, ...], reason: str | None = None,
-              error: str | None = None, logprobs: tuple[TokenLogprobs, ...] | None = None) -> None:
+              error: str | None = None, logprobs: tuple[TokenLogprobs, ...] | None = None,
+              kv_transfer=None) -> None:
         r = seq.sched
         prompt_lp = None
         if seq.prompt_logprobs is not None and not seq.first_event_sent and (ids or reason):
@@ -337,7 +352,8 @@ class EngineLoop:
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
             scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error,
             logprobs=logprobs, prompt_logprobs=prompt_lp, num_draft_tokens=r.num_draft_tokens,
-            num_accepted_tokens=r.num_accepted_tokens)
+            num_accepted_tokens=r.num_accepted_tokens, kv_transfer=kv_transfer,
+            kv_transfer_bytes=seq.kv_bytes, kv_transfer_seconds=seq.kv_seconds)
         try:
             seq.loop.call_soon_threadsafe(self._deliver, seq, ev)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
@@ -366,10 +382,17 @@ class EngineLoop:
         """Ends a request: frees its slot and pages, sends the final event (with ``ids``)."""
         if seq.sched.status is Status.FINISHED:
             return
+        offer = None
+        if self.connector is not None:  # disaggregated serving (serving.kv_connector)
+            if self.connector.drop(seq.req.request_id):  # still waiting for its KV pages
+                seq.sched.status = Status.FINISHED
+            elif seq.req.kv_produce and reason in ("stop", "length"):
+                offer = self.connector.request_finished(seq.req.request_id, seq.sched.prompt_ids,
+                                                        seq.req.cache_salt)
         self.scheduler.finish(seq.sched, reason)
         self._by_id.pop(seq.req.request_id, None)
         self._constrained.discard(seq)
-        self._emit(seq, ids, reason, error, logprobs)
+        self._emit(seq, ids, reason, error, logprobs, kv_transfer=offer)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -388,7 +411,9 @@ class EngineLoop:
                 self._by_id[item.req.request_id] = item
                 if item.matcher is not None:
                     self._constrained.add(item)
-                self.scheduler.add(item.sched)
+                if item.req.kv_transfer is None or not self.connector.receive(
+                        item, self.scheduler.watermark_pages if self.scheduler.running else 0):
+                    self.scheduler.add(item.sched)  # (no pages to receive into: it computes the prompt)
             elif kind == "cancel":
                 seq = self._by_id.get(item)
                 if seq is not None:
@@ -417,6 +442,12 @@ class EngineLoop:
         sched = self.scheduler
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
+        for got in self.connector.get_finished() if self.connector is not None else ():
+            if got.error is not None:
+                self._finish(got.seq, "error", got.error)
+            else:  # its pages are in the prefix cache: admitted with a hit of all of them
+                got.seq.kv_bytes, got.seq.kv_seconds = got.nbytes, got.seconds
+                self.scheduler.add(got.seq.sched)
         # Prompts wait for open slots (a burst arriving): plan after the step in flight
         # ends, taking in what arrives meanwhile, instead of queueing a step of only the
         # prompts here now behind it. Pipelined, every arrival waited for one more step:

@@ -3,6 +3,10 @@
     xlaserve engine --grpc-port 50051 --model tiny-random          # a replica, no HTTP
     xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
 
+    xlaserve engine --grpc-port 50061 --role prefill               # disaggregated: prompts here,
+    xlaserve engine --grpc-port 50062 --role decode                # decoding there
+    xlaserve serve --engines grpc://127.0.0.1:50061,grpc://127.0.0.1:50062
+
 ``engine`` takes every model and engine setting ``serve`` takes; multi-host
 slices run it on every process, and process 0 serves gRPC while the others
 follow in lockstep, as ``serve`` does with HTTP. SIGTERM drains: new requests
@@ -12,6 +16,16 @@ get OVERLOADED, open streams get ``drain_timeout`` seconds.
 limits, tokenizer and chat template (``GetModelInfo``), waits until one
 answers, checks the others serve the same model, tokenizer and page size when
 they answer, and routes with :class:`serving.gateway.router.Router`.
+
+Roles (``--role``, reported in ``GetModelInfo``): every replica is a whole
+engine with a KV connector (``serving.kv_connector``), so any can compute a
+prompt for another to decode or decode a prompt another computed; the role
+tells the router what to send it. Given prefill and decode replicas, the router
+sends each request's prompt to a prefill replica (kv-aware) and its decoding to
+a decode replica (least load), the KV pages moving between them over
+``--kv-transport``; ``both`` replicas serve requests whole. A decode replica
+needs its prefix cache (received pages enter it). Multi-host replicas take no
+part in KV transfer.
 """
 
 from __future__ import annotations
@@ -24,8 +38,8 @@ import time
 
 log = logging.getLogger("xlaserve")
 
-ROLES = ("both",)
-"""Replica roles: "both" does prefill and decode (prefill/decode pools come later)."""
+ROLES = ("both", "prefill", "decode")
+"""Replica roles: "both" serves requests whole; "prefill" computes prompts for "decode" replicas."""
 
 
 def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
@@ -40,8 +54,20 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
     cfg = load_server_config(args.config, **overrides)
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves gRPC
         return run_follower(cfg)
+    if args.role == "decode" and cfg.enable_prefix_caching is False:
+        raise ValueError("--role decode needs the prefix cache: received KV pages enter it")
     loop, tokenizer, name = build_engine(cfg)
-    info = model_info(loop, cfg.served_model_name or name, tokenizer, role=args.role)
+    if loop.engine.lockstep is None:
+        from serving.kv_connector import KvConnector
+        from serving.kv_transport import Transport, resolve
+
+        transport = Transport(resolve(args.kv_transport), args.host)
+        loop.connector = KvConnector(loop.engine, loop.kv, transport, timeout_s=args.kv_transfer_timeout,
+                                     chunk_pages=args.kv_chunk_pages, wake=loop.wake)
+    elif args.role != "both":
+        raise ValueError(f"--role {args.role}: multi-host replicas take no part in KV transfer")
+    info = model_info(loop, cfg.served_model_name or name, tokenizer, role=args.role,
+                      kv_transport=loop.connector.transport.kind if loop.connector is not None else "")
 
     async def serve() -> None:
         service = EngineService(loop, info)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from serving.engine_client import (
     EngineRequest,
     EngineStats,
+    KvTransferParams,
     SamplingParams,
     StructuredOutput,
     TokenEvent,
@@ -56,10 +57,26 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
             if m.HasField("structured_output") else None))
 
 
+def kv_transfer_to_proto(t: KvTransferParams) -> pb.KvTransfer:
+    return pb.KvTransfer(transfer_id=t.transfer_id, transport=t.transport, transfer_address=t.transfer_address,
+                         source_url=t.source_url, num_tokens=t.num_tokens, chunk_pages=t.chunk_pages,
+                         page_shape=list(t.page_shape), dtype=t.dtype, page_hashes=list(t.page_hashes),
+                         expires_at=t.expires_at)
+
+
+def kv_transfer_from_proto(m: pb.KvTransfer) -> KvTransferParams:
+    return KvTransferParams(transfer_id=m.transfer_id, transport=m.transport, num_tokens=m.num_tokens,
+                            chunk_pages=m.chunk_pages, page_shape=tuple(m.page_shape), dtype=m.dtype,
+                            page_hashes=tuple(m.page_hashes), transfer_address=m.transfer_address,
+                            source_url=m.source_url, expires_at=m.expires_at)
+
+
 def request_to_proto(r: EngineRequest) -> pb.GenerateRequest:
     m = pb.GenerateRequest(request_id=r.request_id, prompt_ids=list(r.prompt_ids),
                            sampling=sampling_to_proto(r.sampling), arrival_time=r.arrival_time,
-                           priority=r.priority)
+                           priority=r.priority, kv_produce=r.kv_produce)
+    if r.kv_transfer is not None:
+        m.kv_transfer.CopyFrom(kv_transfer_to_proto(r.kv_transfer))
     if r.cache_salt is not None:
         m.cache_salt = r.cache_salt
     if r.parent_id is not None:
@@ -72,7 +89,8 @@ def request_from_proto(m: pb.GenerateRequest) -> EngineRequest:
         request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), sampling=sampling_from_proto(m.sampling),
         arrival_time=m.arrival_time, priority=m.priority or "interactive",
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
-        parent_id=m.parent_id if m.HasField("parent_id") else None)
+        parent_id=m.parent_id if m.HasField("parent_id") else None, kv_produce=m.kv_produce,
+        kv_transfer=kv_transfer_from_proto(m.kv_transfer) if m.HasField("kv_transfer") else None)
 
 
 def _logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
@@ -88,7 +106,8 @@ def tokens_to_proto(ev: TokenEvent) -> pb.Tokens:
     """The tokens and counts of an event (its finish reason and error go in Complete / Error)."""
     m = pb.Tokens(token_ids=ev.token_ids, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
                   completion_tokens=ev.completion_tokens, num_preemptions=ev.num_preemptions,
-                  num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens)
+                  num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
+                  kv_transfer_bytes=ev.kv_transfer_bytes, kv_transfer_seconds=ev.kv_transfer_seconds)
     if ev.first_token_time is not None:
         m.first_token_time = ev.first_token_time
     if ev.scheduled_time is not None:
@@ -112,12 +131,14 @@ def event_to_proto(ev: TokenEvent) -> pb.GenerateResponse:
     if ev.finish_reason == "error":
         return pb.GenerateResponse(error=pb.Error(code=pb.Error.ENGINE_ERROR, message=ev.error or "",
                                                   last=tokens))
-    return pb.GenerateResponse(complete=pb.Complete(last=tokens, finish_reason=ev.finish_reason,
-                                                    message=ev.error or ""))
+    complete = pb.Complete(last=tokens, finish_reason=ev.finish_reason, message=ev.error or "")
+    if ev.kv_transfer is not None:
+        complete.kv_transfer.CopyFrom(kv_transfer_to_proto(ev.kv_transfer))
+    return pb.GenerateResponse(complete=complete)
 
 
 def event_from_proto(request_id: str, m: pb.Tokens, finish_reason: str | None = None,
-                     error: str | None = None) -> TokenEvent:
+                     error: str | None = None, kv_transfer: pb.KvTransfer | None = None) -> TokenEvent:
     return TokenEvent(
         request_id=request_id, token_ids=tuple(m.token_ids), finish_reason=finish_reason,
         prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens, completion_tokens=m.completion_tokens,
@@ -127,7 +148,9 @@ def event_from_proto(request_id: str, m: pb.Tokens, finish_reason: str | None = 
         logprobs=tuple(map(_logprobs_from_proto, m.logprobs)) if m.has_logprobs else None,
         prompt_logprobs=tuple(_logprobs_from_proto(p.value) if p.present else None for p in m.prompt_logprobs)
         if m.has_prompt_logprobs else None,
-        num_draft_tokens=m.num_draft_tokens, num_accepted_tokens=m.num_accepted_tokens)
+        num_draft_tokens=m.num_draft_tokens, num_accepted_tokens=m.num_accepted_tokens,
+        kv_transfer_bytes=m.kv_transfer_bytes, kv_transfer_seconds=m.kv_transfer_seconds,
+        kv_transfer=kv_transfer_from_proto(kv_transfer) if kv_transfer is not None else None)
 
 
 def load_to_proto(s: EngineStats) -> pb.Load:

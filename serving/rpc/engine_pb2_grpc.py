@@ -64,6 +64,16 @@ class EngineServiceStub:
                 request_serializer=serving_dot_rpc_dot_engine__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=serving_dot_rpc_dot_engine__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.PullKv = channel.unary_stream(
+                '/xlaserve.engine.v1.EngineService/PullKv',
+                request_serializer=serving_dot_rpc_dot_engine__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=serving_dot_rpc_dot_engine__pb2.KvChunk.FromString,
+                _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/xlaserve.engine.v1.EngineService/ReleaseKv',
+                request_serializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -109,6 +119,21 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKv(self, request, context):
+        """KV transfer, host staging (serving/kv_transport.py): a finished prompt's offered pages, in
+        layer-stacked chunks; the decode side asks only for the chunks it does not cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKv(self, request, context):
+        """The decode side has the pages (or gave up): the prefill side frees them now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +166,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=serving_dot_rpc_dot_engine__pb2.KvEventsRequest.FromString,
                     response_serializer=serving_dot_rpc_dot_engine__pb2.KvEventBatch.SerializeToString,
+            ),
+            'PullKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=serving_dot_rpc_dot_engine__pb2.PullKvRequest.FromString,
+                    response_serializer=serving_dot_rpc_dot_engine__pb2.KvChunk.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +340,60 @@ class EngineService:
             '/xlaserve.engine.v1.EngineService/SubscribeKvEvents',
             serving_dot_rpc_dot_engine__pb2.KvEventsRequest.SerializeToString,
             serving_dot_rpc_dot_engine__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/xlaserve.engine.v1.EngineService/PullKv',
+            serving_dot_rpc_dot_engine__pb2.PullKvRequest.SerializeToString,
+            serving_dot_rpc_dot_engine__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xlaserve.engine.v1.EngineService/ReleaseKv',
+            serving_dot_rpc_dot_engine__pb2.ReleaseKvRequest.SerializeToString,
+            serving_dot_rpc_dot_engine__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,9 @@ Implements ``serving/rpc/engine.proto`` over an
 - ``GetModelInfo``, ``GetLoad``: the model, its limits and tokenizer files;
   the loop's load from its last turn.
 - ``SubscribeKvEvents``: the prefix cache's page hashes (``serving.kv_events``).
+- ``PullKv``, ``ReleaseKv``: KV transfer (``serving.kv_connector``): the chunks of
+  an offer, as host bytes (the ``grpc`` transport), and the decode side's word
+  that it has them (the pages are freed at the loop's next turn).
 
 Server settings: keepalive pings from clients every 10 s are allowed (the
 gateway sends them to notice a dead peer); messages up to 64 MiB (the
@@ -96,6 +99,25 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def GetLoad(self, request: pb.LoadRequest, context) -> pb.Load:
         return convert.load_to_proto(self.engine.stats())
 
+    async def PullKv(self, request: pb.PullKvRequest, context):
+        from serving.kv_transport import chunk_messages
+
+        connector = self.engine.connector
+        offered = connector.transport.offers.get(request.transfer_id) if connector is not None else None
+        if offered is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV transfer {request.transfer_id!r} "
+                                                           f"(expired, released, or never offered)")
+        messages = chunk_messages(offered, list(request.chunks))
+        while True:  # each chunk's host copy waits for its device copy: off the event loop
+            m = await asyncio.to_thread(next, messages, None)
+            if m is None:
+                return
+            yield m
+
+    async def ReleaseKv(self, request: pb.ReleaseKvRequest, context) -> pb.ReleaseKvResponse:
+        connector = self.engine.connector
+        return pb.ReleaseKvResponse(released=connector is not None and connector.release(request.transfer_id))
+
     async def SubscribeKvEvents(self, request: pb.KvEventsRequest, context):
         sub = self.engine.kv_events.subscribe()
         try:
@@ -108,7 +130,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
             sub.close()
 
 
-def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both") -> pb.ModelInfo:
+def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",
+               kv_transport: str = "") -> pb.ModelInfo:
     """The ``GetModelInfo`` answer of an engine loop serving ``model_name`` with ``tokenizer``."""
     from model.tokenizer_files import tokenizer_files, tokenizer_id
 
@@ -117,7 +140,8 @@ def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both")
     return pb.ModelInfo(
         model=model_name, max_model_len=engine.max_model_len, kv_capacity_tokens=engine.kv_capacity_tokens,
         page_size=cfg.page_size, num_pages=cfg.num_pages, role=role, tokenizer_id=tokenizer_id(files),
-        tokenizer_files=files, max_slots=cfg.max_slots, prefix_caching=engine.kv.enable_prefix_caching)
+        tokenizer_files=files, max_slots=cfg.max_slots, prefix_caching=engine.kv.enable_prefix_caching,
+        kv_transport=kv_transport)
 
 
 async def start_server(service: EngineService, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -284,8 +284,9 @@ class RemoteEngine:
                 if kind == "tokens":
                     yield convert.event_from_proto(rid, m.tokens)
                 elif kind == "complete":
-                    yield convert.event_from_proto(rid, m.complete.last, m.complete.finish_reason,
-                                                   m.complete.message or None)
+                    yield convert.event_from_proto(
+                        rid, m.complete.last, m.complete.finish_reason, m.complete.message or None,
+                        m.complete.kv_transfer if m.complete.HasField("kv_transfer") else None)
                     return
                 else:
                     if m.error.code == pb.Error.OVERLOADED:
