@@ -66,7 +66,10 @@ class RequestMeter:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    replica: str | None = None  # the engine replica's URL, when a router chose one
+    replica: str | None = None  # the engine replica's URL, when a router chose one (decode side)
+    prefill_replica: str | None = None  # disaggregated serving: the replica that computed the prompt
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
     itls: list[float] = dataclasses.field(default_factory=list)
     events: list[dict] = dataclasses.field(default_factory=list)
     finished: bool = False
@@ -86,6 +89,10 @@ class RequestMeter:
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         if ev.replica is not None:
             self.replica = ev.replica
+        if ev.prefill_replica is not None:
+            self.prefill_replica = ev.prefill_replica
+        self.kv_transfer_bytes = max(self.kv_transfer_bytes, ev.kv_transfer_bytes)
+        self.kv_transfer_seconds = max(self.kv_transfer_seconds, ev.kv_transfer_seconds)
         self.num_preemptions = max(self.num_preemptions, ev.num_preemptions)
         self.num_draft_tokens = max(self.num_draft_tokens, ev.num_draft_tokens)
         self.num_accepted_tokens = max(self.num_accepted_tokens, ev.num_accepted_tokens)
@@ -208,6 +215,10 @@ class Metering:
             "reasoning_tokens": reasoning_tokens,
             "tool_calls": tool_calls,
             "replica": m.replica,
+            "prefill_replica": m.prefill_replica,
+            "decode_replica": m.replica if m.prefill_replica is not None else None,
+            "kv_transfer_bytes": m.kv_transfer_bytes,
+            "kv_transfer_seconds": m.kv_transfer_seconds,
             "num_preemptions": m.num_preemptions,
             "speculative": {"draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens},
             "scheduled_at": m.scheduled_time,
@@ -230,6 +241,8 @@ class Metering:
                 "xlaserve.model": m.model, "xlaserve.tenant": m.principal.tenant,
                 "xlaserve.status": status, "xlaserve.finish_reason": finish_reason,
                 "xlaserve.replica": m.replica,
+                "xlaserve.prefill_replica": m.prefill_replica,
+                "xlaserve.kv_transfer_bytes": m.kv_transfer_bytes or None,
                 "gen_ai.usage.input_tokens": prompt_tokens,
                 "gen_ai.usage.output_tokens": completion_tokens,
                 "gen_ai.usage.reasoning_tokens": reasoning_tokens or None,

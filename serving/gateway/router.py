@@ -36,6 +36,14 @@ overloaded: the gateway's 503); a request it was running ends with an
 ``retry``), and each event carries the URL of the replica that served it
 (``TokenEvent.replica``, the trace's ``replica``).
 
+Disaggregated serving: with up replicas of role ``prefill`` and ``decode``,
+each request's prompt goes to a prefill replica (by the policy above, among
+them) and its decoding to the least-loaded decode replica, the KV pages moving
+between them (``serving.gateway.disaggregation``); replicas of role ``both``
+serve requests whole otherwise. Decisions then have the reasons
+``prefill_<reason>`` and ``decode``; the transfers' bytes and seconds are
+metrics.
+
 Neither the hashes nor the decisions cross tenants: a tenant's prompt pages
 hash with its own salt, so another tenant's requests never match them.
 """
@@ -44,15 +52,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 from typing import AsyncIterator, Iterable, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from serving.engine_client import EngineOverloadedError, EngineRequest, EngineStats, TokenEvent
+from serving.gateway import disaggregation
 from serving.kv_cache_manager import prompt_page_hashes
 from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable, info_mismatch
 
@@ -108,6 +118,7 @@ class Router:
         # otherwise scatter before its first request's events arrive.
         self._pending: dict[int, collections.Counter[bytes]] = {id(r): collections.Counter() for r in replicas}
         self._rr = itertools.count()
+        self.transfers = disaggregation.TransferStats()
 
     # -- EngineClient ---------------------------------------------------------------
 
@@ -164,7 +175,7 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------
 
-    def _requests_on(self, r: RemoteEngine) -> int:
+    def requests_on(self, r: RemoteEngine) -> int:
         mine = sum(1 for f in self._inflight.values() if f.replica is r)
         return max(mine, r.load.num_running + r.load.num_waiting)
 
@@ -178,17 +189,19 @@ class Router:
         return max(mine, r.load.waiting_prompt_tokens / max(1, r.page_size))
 
     def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = (),
-             hashes: Sequence[bytes] | None = None) -> tuple[RemoteEngine, str, int]:
+             hashes: Sequence[bytes] | None = None,
+             pool: Sequence[RemoteEngine] | None = None) -> tuple[RemoteEngine, str, int]:
         """The replica for ``request``: (replica, reason, prompt pages it holds or will hold).
 
         Args:
           hashes: the prompt's page hashes (default: computed here).
+          pool: the replicas to choose among (default: all).
 
         Raises:
           EngineOverloadedError: no replica is up (outside ``exclude``).
         """
         exclude = set(map(id, exclude))
-        up = [r for r in self.replicas if r.up and id(r) not in exclude]
+        up = [r for r in (self.replicas if pool is None else pool) if r.up and id(r) not in exclude]
         if not up:
             raise EngineOverloadedError("no engine replica is available; retry later")
         parent = self._inflight.get(request.parent_id) if request.parent_id else None
@@ -198,7 +211,7 @@ class Router:
         up = up[start:] + up[:start]  # ties go round-robin
         if self.policy == "round-robin":
             return up[0], "round_robin", 0
-        loads = [self._requests_on(r) for r in up]
+        loads = [self.requests_on(r) for r in up]
         least = min(range(len(up)), key=loads.__getitem__)
         if self.policy == "least-load":
             return up[least], "least_load", 0
@@ -217,37 +230,53 @@ class Router:
                 best, best_cost, best_hit = r, cost, hit
         return best, "cache_hit" if best_hit else "load", best_hit
 
+    @contextlib.asynccontextmanager
+    async def track(self, rid: str, replica: RemoteEngine, hashes: tuple[bytes, ...], pages: int):
+        """Counts a request in flight on ``replica`` while the block runs: ``pages`` of load
+        there, its prompt's page hashes pending there, and its cancel sent there."""
+        self._inflight[rid] = _InFlight(replica, pages, hashes)
+        self._pending[id(replica)].update(hashes)
+        try:
+            yield
+        finally:
+            self._inflight.pop(rid, None)
+            pending = self._pending[id(replica)]
+            for h in hashes:
+                pending[h] -= 1
+                if pending[h] <= 0:
+                    del pending[h]
+
     async def _stream(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
         rid = request.request_id
         tried: list[RemoteEngine] = []
         ps = self.replicas[0].page_size
+        prefills, decodes = disaggregation.pools(self.replicas)
+        pd = bool(prefills and decodes)
         hashes = (tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
-                  if self.policy == "kv-aware" else ())
+                  if self.policy == "kv-aware" or pd else ())
+        if pd and not disaggregation.wants_colocated(request):
+            async for ev in disaggregation.disaggregated(self, request, hashes):
+                yield ev
+            return
+        # Whole requests go to replicas of role both, else decode (each replica is a whole engine).
+        whole = [r for r in self.replicas if r.up and r.role == "both"] or decodes or None
         prompt_pages = -(-len(request.prompt_ids) // ps)
         while True:
-            replica, reason, hit = self.pick(request, tried, hashes)
+            replica, reason, hit = self.pick(request, tried, hashes, pool=whole)
             self.decisions[(replica.url, "retry" if tried else reason)] += 1
             pages = prompt_pages - hit + -(-request.sampling.max_tokens // ps)
-            self._inflight[rid] = _InFlight(replica, pages, hashes)
-            self._pending[id(replica)].update(hashes)
             try:
-                async for ev in replica.generate(request):
-                    yield dataclasses.replace(ev, replica=replica.url)
+                async with self.track(rid, replica, hashes, pages):
+                    async for ev in replica.generate(request):
+                        yield dataclasses.replace(ev, replica=replica.url)
                 return
             except ReplicaUnavailable as e:
                 log.warning("request %s: %s; trying another replica", rid, e)
                 tried.append(replica)
             except EngineOverloadedError:  # its queue is full: another one may take it
                 tried.append(replica)
-                if not any(r.up for r in self.replicas if r not in tried):
+                if not any(r.up for r in (whole or self.replicas) if r not in tried):
                     raise
-            finally:
-                self._inflight.pop(rid, None)
-                pending = self._pending[id(replica)]
-                for h in hashes:
-                    pending[h] -= 1
-                    if pending[h] <= 0:
-                        del pending[h]
 
     # -- metrics ----------------------------------------------------------------------------
 
@@ -297,3 +326,15 @@ class _RouterCollector(Collector):
             decisions.add_metric([self.model_name, url, reason], n)
         yield from families.values()
         yield decisions
+        t = self.router.transfers  # disaggregated serving's KV transfers
+        nbytes = CounterMetricFamily("xlaserve:kv_transfer_bytes",
+                                     "Bytes of KV pages decode replicas pulled from prefill replicas.",
+                                     labels=["model_name"])
+        nbytes.add_metric([self.model_name], t.bytes)
+        yield nbytes
+        seconds = HistogramMetricFamily("xlaserve:kv_transfer_seconds",
+                                        "Seconds from a decode replica's page reservation to its pulled "
+                                        "pages in place, per request.", labels=["model_name"])
+        seconds.add_metric([self.model_name], [(str(le), n) for le, n in zip(
+            disaggregation.TRANSFER_SECONDS_BUCKETS, t.buckets)] + [("+Inf", t.count)], t.seconds_sum)
+        yield seconds

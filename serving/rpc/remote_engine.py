@@ -185,6 +185,11 @@ class RemoteEngine:
     def page_size(self) -> int:
         return self.info.page_size
 
+    @property
+    def role(self) -> str:
+        """both | prefill | decode (``GetModelInfo``; both for replicas that predate roles)."""
+        return self.info.role or "both"
+
     # -- lifecycle ---------------------------------------------------------------
 
     async def open(self) -> None:
@@ -311,6 +316,14 @@ class RemoteEngine:
             await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             log.warning("Abort(%s) on %s failed: %s", request_id, self.url, e.code().name)
+
+    async def release_kv(self, transfer_id: str) -> None:
+        """Tells a prefill replica an offer will not be pulled (errors are logged: it frees the
+        pages at its timeout anyway)."""
+        try:
+            await self._stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=transfer_id), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("ReleaseKv(%s) on %s failed: %s", transfer_id, self.url, e.code().name)
 
     async def health(self) -> pb.HealthResponse:
         return await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
