@@ -42,6 +42,12 @@ Speculative decoding (``EngineConfig.speculative``): a verify step's rows are
 dispatched and read back by ``serving.speculative_steps``, which also says
 when the loop reads back before planning.
 
+Disaggregated serving (``connector``: a ``serving.kv_connector.KvConnector``, set by
+``xlaserve engine``): a request with ``kv_transfer`` waits outside the scheduler, its
+pages reserved, while they are pulled, and is queued once they are in its prefix
+cache; a ``kv_produce`` request's prompt pages are pinned and offered as it ends,
+its final event saying where.
+
 An exception in a step fails the requests in that step, not the server.
 The asyncio side (:meth:`submit`, :meth:`cancel`) never touches device or
 scheduler state: it hands requests to the thread through a queue and

@@ -180,6 +180,8 @@ class KvConnector:
     def check(self, params: KvTransferParams, prompt_ids, salt: str | None) -> str | None:
         """Why these params cannot be pulled into this replica (None: they can)."""
         ps = self.kv.page_size
+        if not self.kv.enable_prefix_caching:
+            return "this replica's prefix cache is off: received KV pages enter it"
         if tuple(params.page_shape) != self.page_shape or params.dtype != self.dtype:
             return (f"the prefill replica's KV pages are {tuple(params.page_shape)} {params.dtype}, "
                     f"this replica's {self.page_shape} {self.dtype}")
@@ -240,17 +242,25 @@ class KvConnector:
             log.exception("KV pull failed")
             self._done.put((rid, first, wanted, f"KV transfer failed: {e}"))
         else:
-            self._release_remote(params)
+            self._release_remote(params, wait=True)  # (a worker thread)
             self._done.put((rid, first, wanted, got))
         self.wake()
 
     @staticmethod
-    def _release_remote(params: KvTransferParams) -> None:
-        try:
-            source_stub(params.source_url).ReleaseKv(pb.ReleaseKvRequest(transfer_id=params.transfer_id),
-                                                     timeout=5.0)
-        except Exception as e:  # noqa: BLE001 (it frees them at its timeout instead)
-            log.info("could not release KV transfer %s at %s: %s", params.transfer_id, params.source_url, e)
+    def _release_remote(params: KvTransferParams, wait: bool = False) -> None:
+        """Tells the prefill side its offer is done with (in a thread unless ``wait``: never
+        on the loop thread)."""
+        def release() -> None:
+            try:
+                source_stub(params.source_url).ReleaseKv(
+                    pb.ReleaseKvRequest(transfer_id=params.transfer_id), timeout=5.0)
+            except Exception as e:  # noqa: BLE001 (it frees them at its timeout instead)
+                log.info("could not release KV transfer %s at %s: %s", params.transfer_id, params.source_url, e)
+
+        if wait:
+            release()
+        else:
+            threading.Thread(target=release, name="xlaserve-kv-release", daemon=True).start()
 
     def get_finished(self) -> list[Received]:
         """Frees released and expired offers, and completes the pulls that ended: their

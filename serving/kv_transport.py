@@ -171,14 +171,21 @@ class Transport:
             if conn is None:
                 conn = self._connections[params.transfer_address] = self._server.connect(params.transfer_address)
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xlaserve-kv-pull")
-        try:
-            future = pool.submit(lambda: [conn.pull(_uuid(params.transfer_id, c), [spec, spec])
+        def pull_all():
+            # A pull returns arrays whose bytes are still on the way: wait for them here, so a
+            # source that dies mid-transfer fails this pull, not the engine step that reads them.
+            return jax.block_until_ready([conn.pull(_uuid(params.transfer_id, c), [spec, spec])
                                           for c in chunk_ids])
+
+        try:
+            future = pool.submit(pull_all)
             while True:
                 try:
                     return [tuple(kv) for kv in future.result(timeout=PROBE_INTERVAL_S)]
                 except concurrent.futures.TimeoutError:
                     pass
+                except Exception as e:  # noqa: BLE001 (the transfer's own errors: the peer went away)
+                    raise KvTransferError(f"pulling KV pages from {params.source_url} failed: {e}") from e
                 if time.time() > deadline:
                     raise KvTransferError("the KV pages did not arrive before the offer expired")
                 if not alive():

@@ -30,12 +30,12 @@ PREFIX = [2] + [(13 * i) % 400 + 100 for i in range(1023)]  # a 1024-token share
 STARTUP_TIMEOUT_S = 240
 
 
-def start_engine(log_path: Path) -> tuple[subprocess.Popen, str]:
-    """An ``xlaserve engine`` process; returns once its Health answers ready."""
+def start_engine(log_path: Path, args: list[str] = ENGINE_ARGS) -> tuple[subprocess.Popen, str]:
+    """An ``xlaserve engine`` process (``wait_healthy`` waits for it to answer ready)."""
     port = free_port()
     log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "engine",
-                             *ENGINE_ARGS, "--grpc-port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                             *args, "--grpc-port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     return proc, f"grpc://127.0.0.1:{port}"
 
 

@@ -1,0 +1,162 @@
+"""Running streams while long prompts arrive: one co-located replica against a prefill and a
+decode replica (disaggregated serving), in one run.
+
+    python -m benchmarks.disaggregation [--model gemma-3-270m] [--streams 8] [--long-prompt 4096]
+        [--long-prompts 3] [--max-slots 12] [--kv-transport auto] [--modes colocated,disaggregated]
+        [--json out.json]
+
+Each mode gets fresh processes behind ``xlaserve serve --engines``:
+``colocated`` one ``xlaserve engine --role both``; ``disaggregated`` one
+``--role prefill`` and one ``--role decode``. In each, ``streams`` streamed
+completions (short distinct prompts, greedy, EOS ignored) run until the end;
+once every stream has its first token, ``long-prompts`` distinct
+``long-prompt``-token prompts are sent one after another (``max_tokens`` 8).
+Reported per mode: the streams' inter-token latency (ITL: gaps between
+streamed chunks, counted per token) p50 / p99 / max while the long prompts
+run, the long prompts' TTFT p50 / max, and the KV bytes moved per long prompt
+(from each request's trace); then the disaggregated / co-located ratios.
+
+On a 2-core CPU machine every process shares the same two cores, so a prefill
+replica computing a 4k-token prompt still takes the cores from the decode
+replica's steps: what this shows here is the transfer's cost (TTFT: the pull
+and the decode side's partial page, bytes per prompt) and that the decode
+replica's steps are no longer interleaved with prompt chunks; what it cannot
+show is the isolation separate accelerators give (ITL independent of prompt
+arrivals), which needs one device per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import percentile
+from benchmarks.routing import _free_port, _start, _wait_http
+
+MODES = {"colocated": ("both",), "disaggregated": ("prefill", "decode")}
+
+
+async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+                  gaps: list[tuple[float, float]] | None, stop: asyncio.Event | None,
+                  started: list | None = None) -> tuple[float, str]:
+    """Streams one completion: (TTFT seconds, response id); appends (time, gap) to gaps, and
+    itself to started at its first token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft, rid, last = None, None, None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk.get("id", rid)
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+                if started is not None:
+                    started.append(rid)
+            elif gaps is not None:
+                gaps.append((now, now - last))
+            last = now
+            if stop is not None and stop.is_set():
+                break  # closing the stream cancels the request
+    return ttft, rid
+
+
+async def _load(url: str, args) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        warm = [[2] + [(5 * j + 1) % 900 + 10 for j in range(args.long_prompt - 1)]]
+        await _stream(client, model, warm[0], 2, None, None)  # compiles the long prompt's shapes
+        gaps: list[tuple[float, float]] = []
+        stop = asyncio.Event()
+        started: list[str] = []
+        streams = [asyncio.create_task(_stream(client, model, [2] + [(13 * i + j) % 900 + 10 for j in range(31)],
+                                               args.long_prompt, gaps, stop, started))
+                   for i in range(args.streams)]
+        while len(started) < args.streams:  # every stream runs
+            await asyncio.sleep(0.05)
+        t_start = time.perf_counter()
+        long_ttft, moved = [], []
+        for k in range(args.long_prompts):
+            prompt = [2] + [(7 * j + 97 * (k + 1)) % 900 + 10 for j in range(args.long_prompt - 1)]
+            ttft, rid = await _stream(client, model, prompt, 8, None, None)
+            long_ttft.append(ttft)
+            trace = (await client.get(f"/v1/requests/{rid}")).json()
+            moved.append(trace.get("kv_transfer_bytes", 0))
+        t_end = time.perf_counter()
+        stop.set()
+        await asyncio.gather(*streams, return_exceptions=True)
+    window = [g for t, g in gaps if t_start <= t <= t_end]
+    return {"itl_p50_ms": 1e3 * percentile(window, 50), "itl_p99_ms": 1e3 * percentile(window, 99),
+            "itl_max_ms": 1e3 * max(window), "itl_samples": len(window),
+            "long_ttft_p50_s": percentile(long_ttft, 50), "long_ttft_max_s": max(long_ttft),
+            "kv_bytes_per_prompt": sum(moved) / len(moved)}
+
+
+def run_mode(mode: str, args, tmp: Path) -> dict:
+    engine_args = ["--model", args.model, "--max-model-len", str(args.long_prompt + 256), "--max-slots",
+                   str(args.max_slots), "--num-pages", str(args.num_pages), "--kv-transport", args.kv_transport]
+    ports = [_free_port() for _ in MODES[mode]]
+    engines = [_start(["engine", *engine_args, "--role", role, "--grpc-port", str(p)],
+                      tmp / f"{mode}-{role}.log") for role, p in zip(MODES[mode], ports)]
+    port = _free_port()
+    gateway = None
+    try:
+        gateway = _start(["serve", "--engines", ",".join(f"grpc://127.0.0.1:{p}" for p in ports),
+                          "--port", str(port), "--database-url", f"sqlite:///{tmp / (mode + '.db')}"],
+                         tmp / f"{mode}-gateway.log")
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url, gateway, tmp / f"{mode}-gateway.log")
+        while True:  # every replica up (the gateway is healthy once one is)
+            up = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                  if line.startswith("xlaserve:replica_up{")]
+            if len(up) == len(ports) and all(line.endswith(" 1.0") for line in up):
+                break
+            time.sleep(0.5)
+        return {"mode": mode, **asyncio.run(_load(url, args))}
+    finally:
+        for p in [gateway, *engines]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--long-prompt", type=int, default=4096)
+    ap.add_argument("--long-prompts", type=int, default=3)
+    ap.add_argument("--max-slots", type=int, default=12)
+    ap.add_argument("--num-pages", type=int, default=1024)
+    ap.add_argument("--kv-transport", default="auto", choices=("auto", "jax", "grpc"))
+    ap.add_argument("--modes", default="colocated,disaggregated")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        for mode in args.modes.split(","):
+            results.append(run_mode(mode, args, Path(d)))
+            print(json.dumps(results[-1]), flush=True)
+    out = {"config": vars(args), "results": results}
+    if len(results) == 2:
+        base, pd = results
+        out["ratios"] = {k: pd[k] / base[k] for k in ("itl_p50_ms", "itl_p99_ms", "long_ttft_p50_s")
+                         if base[k]}
+        print(json.dumps({"ratios": out["ratios"]}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
