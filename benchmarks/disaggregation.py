@@ -74,12 +74,12 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_
 async def _load(url: str, args) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        warm = [[2] + [(5 * j + 1) % 900 + 10 for j in range(args.long_prompt - 1)]]
+        warm = [[2] + [(5 * j + 1) % 400 + 10 for j in range(args.long_prompt - 1)]]
         await _stream(client, model, warm[0], 2, None, None)  # compiles the long prompt's shapes
         gaps: list[tuple[float, float]] = []
         stop = asyncio.Event()
         started: list[str] = []
-        streams = [asyncio.create_task(_stream(client, model, [2] + [(13 * i + j) % 900 + 10 for j in range(31)],
+        streams = [asyncio.create_task(_stream(client, model, [2] + [(13 * i + j) % 400 + 10 for j in range(31)],
                                                args.long_prompt, gaps, stop, started))
                    for i in range(args.streams)]
         while len(started) < args.streams:  # every stream runs
@@ -87,7 +87,7 @@ async def _load(url: str, args) -> dict:
         t_start = time.perf_counter()
         long_ttft, moved = [], []
         for k in range(args.long_prompts):
-            prompt = [2] + [(7 * j + 97 * (k + 1)) % 900 + 10 for j in range(args.long_prompt - 1)]
+            prompt = [2] + [(7 * j + 97 * (k + 1)) % 400 + 10 for j in range(args.long_prompt - 1)]
             ttft, rid = await _stream(client, model, prompt, 8, None, None)
             long_ttft.append(ttft)
             trace = (await client.get(f"/v1/requests/{rid}")).json()

@@ -448,7 +448,7 @@ class EngineLoop:
         sched = self.scheduler
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
-        for got in self.connector.get_finished() if self.connector is not None else ():
+        for got in self.connector.get_finished()[1] if self.connector is not None else ():
             if got.error is not None:
                 self._finish(got.seq, "error", got.error)
             else:  # its pages are in the prefix cache: admitted with a hit of all of them

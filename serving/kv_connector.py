@@ -47,6 +47,7 @@ import numpy as np
 
 from serving.engine_client import KvTransferParams
 from serving.kv_cache_manager import KVCacheManager, prompt_page_hashes
+from serving.kv_pages import chunks
 from serving.kv_transport import KvTransferError, Transport, new_transfer_id, source_stub
 from serving.rpc import engine_pb2 as pb
 
@@ -110,7 +111,6 @@ class KvConnector:
         self._receiving: dict[str, _Receiving] = {}  # request id -> its pull
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (request id, chunks | error)
         self._released: queue.SimpleQueue = queue.SimpleQueue()  # transfer ids (any thread)
-        self.bytes_sent_offered = 0  # bytes offered (lifetime)
         self.offers_expired = 0
         self.pulls_failed = 0
 
@@ -135,8 +135,6 @@ class KvConnector:
             return params
         holder = f"kv-offer:{tid}"
         pages = self.kv.pin(holder, request_id, n)
-        from serving.kv_pages import chunks
-
         offered = [self.engine.read_pages(c, self.chunk_pages) for c in chunks(pages, self.chunk_pages)]
         self.transport.offer(tid, offered, expires)
         self._offers[tid] = (holder, expires)
@@ -152,7 +150,8 @@ class KvConnector:
             self.wake()
         return known
 
-    def _free_offers(self) -> None:
+    def _free_offers(self) -> set[str]:
+        freed = set()
         while True:
             try:
                 tid = self._released.get_nowait()
@@ -161,6 +160,7 @@ class KvConnector:
             held = self._offers.pop(tid, None)
             if held is not None:
                 self.kv.free(held[0])
+                freed.add(tid)
         now = time.time()
         for tid, (holder, expires) in list(self._offers.items()):
             if now >= expires:
@@ -170,6 +170,8 @@ class KvConnector:
                 self.transport.drop(tid)
                 self.kv.free(holder)
                 self.offers_expired += 1
+                freed.add(tid)
+        return freed
 
     @property
     def num_offers(self) -> int:
@@ -203,15 +205,16 @@ class KvConnector:
         the prompt itself; the offer is released)."""
         req = seq.req
         params, prompt, salt = req.kv_transfer, list(req.prompt_ids), req.cache_salt
-        hit = self.kv.lookup_prefix(prompt, salt, params.num_tokens)
+        local, _ = self.get_num_new_matched_tokens(prompt, salt, params)
+        hit = self.kv.lookup_prefix(prompt, salt, local)
         holder = f"kv-recv:{req.request_id}"
         if not self.kv.allocate_pages(holder, params.num_tokens, prefix=hit, watermark=watermark, pinned=True):
             self._release_remote(params)
             return False
-        self.kv.record_lookup(len(prompt), hit.num_tokens)
-        seq.sched.cached_tokens = hit.num_tokens
+        self.kv.record_lookup(len(prompt), local)
+        seq.sched.cached_tokens = local
         rec = self._receiving[req.request_id] = _Receiving(seq, params, holder, time.monotonic())
-        self.update_state_after_alloc(rec, len(hit.page_ids))
+        self.update_state_after_alloc(rec, local // self.kv.page_size)
         return True
 
     def update_state_after_alloc(self, rec: _Receiving, num_local_pages: int) -> None:
@@ -262,16 +265,21 @@ class KvConnector:
         else:
             threading.Thread(target=release, name="xlaserve-kv-release", daemon=True).start()
 
-    def get_finished(self) -> list[Received]:
-        """Frees released and expired offers, and completes the pulls that ended: their
-        chunks written into the reserved pages and offered to the prefix cache."""
-        self._free_offers()
-        out = []
+    def get_finished(self) -> tuple[set[str], list[Received]]:
+        """The asynchronous work that ended since the last call (vLLM's done sets).
+
+        Returns:
+          (done sending: the offers freed, released or expired, by transfer id;
+          done receiving: the pulls that ended, their chunks written into the reserved
+          pages and offered to the prefix cache, or failed).
+        """
+        sent = self._free_offers()
+        out: list[Received] = []
         while True:
             try:
                 rid, first, wanted, got = self._done.get_nowait()
             except queue.Empty:
-                return out
+                return sent, out
             rec = self._receiving.get(rid)
             if rec is None:
                 continue  # cancelled meanwhile (its pages already freed)
