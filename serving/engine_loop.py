@@ -88,7 +88,7 @@ from serving.engine_client import (
 )
 from serving.kv_cache_manager import KVCacheManager
 from serving.kv_events import KvEventJournal
-from serving.logprobs import PromptLogprobs, StepOutput
+from serving.logprobs import HostLogprobs, PromptLogprobs
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.speculative_steps import SpecCounters, dispatch_verify, process_verify
 from serving.step_plan import StepPlan
@@ -579,7 +579,7 @@ class EngineLoop:
                 out, prompt_out = out
             tokens = np.asarray(out.tokens)
             wanted = [seq.sched.sampling.logprobs >= 0 for seq, _ in owners]
-            lp = _HostLogprobs(out) if any(wanted) else None
+            lp = HostLogprobs(out) if any(wanted) else None
             if scored:
                 self._collect_prompt_logprobs(prompt_out, scored)
         except Exception as e:
@@ -614,7 +614,7 @@ class EngineLoop:
     @staticmethod
     def _collect_prompt_logprobs(prompt_out: PromptLogprobs, scored) -> None:
         """Stores each scored row's entries at the positions of the tokens they score."""
-        host = _HostLogprobs(prompt_out)
+        host = HostLogprobs(prompt_out)
         for seq, offset, row in scored:
             if seq.sched.status is Status.FINISHED or seq.first_event_sent:
                 continue
@@ -624,16 +624,3 @@ class EngineLoop:
                 pos = row.start + j + 1  # the token scored by the logits at position pos - 1
                 seq.prompt_logprobs[pos] = host.entry(offset + j, prompt[pos], k)
 
-
-class _HostLogprobs:
-    """A step's log-probability arrays read back to the host (only when a row asked)."""
-
-    def __init__(self, out: StepOutput | PromptLogprobs):
-        self.logprob = np.asarray(out.logprob)
-        self.top_ids = np.asarray(out.top_ids)
-        self.top_logprobs = np.asarray(out.top_logprobs)
-
-    def entry(self, i: int, token: int, k: int) -> TokenLogprobs:
-        """Row i's entry for ``token`` with its k most likely alternatives."""
-        top = tuple(zip(self.top_ids[i, :k].tolist(), self.top_logprobs[i, :k].tolist()))
-        return TokenLogprobs(token, float(self.logprob[i]), top)

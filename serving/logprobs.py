@@ -22,8 +22,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from serving.engine_client import MAX_LOGPROBS
+from serving.engine_client import MAX_LOGPROBS, TokenLogprobs
 
 PROMPT_BLOCK = 16
 """Prompt tokens whose log-softmax and top-k are computed together (bounds the
@@ -122,3 +123,22 @@ def prompt_logprobs(logits: jax.Array, next_ids: jax.Array) -> PromptLogprobs:
 
     lp, ids, top_lp = jax.lax.map(one, (blocks, nxt))
     return PromptLogprobs(lp.reshape(T), ids.reshape(T, MAX_LOGPROBS), top_lp.reshape(T, MAX_LOGPROBS))
+
+
+class HostLogprobs:
+    """A step's log-probability arrays read back to the host (only when a row asked).
+
+    Args:
+      out: a :class:`StepOutput` or :class:`PromptLogprobs`: ``logprob [rows] f32``,
+        ``top_ids [rows, MAX_LOGPROBS] i32``, ``top_logprobs [rows, MAX_LOGPROBS] f32``.
+    """
+
+    def __init__(self, out: StepOutput | PromptLogprobs):
+        self.logprob = np.asarray(out.logprob)
+        self.top_ids = np.asarray(out.top_ids)
+        self.top_logprobs = np.asarray(out.top_logprobs)
+
+    def entry(self, i: int, token: int, k: int) -> TokenLogprobs:
+        """Row i's entry for ``token`` with its k most likely alternatives."""
+        top = tuple(zip(self.top_ids[i, :k].tolist(), self.top_logprobs[i, :k].tolist()))
+        return TokenLogprobs(token, float(self.logprob[i]), top)

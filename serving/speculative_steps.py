@@ -23,6 +23,7 @@ import logging
 
 import numpy as np
 
+from serving.logprobs import HostLogprobs
 from serving.scheduler import Status
 from serving.step_plan import StepPlan
 from serving.verify_step import VerifyOutput
@@ -64,13 +65,12 @@ def dispatch_verify(loop, plan: StepPlan) -> tuple[VerifyOutput, list] | None:
 
 def process_verify(loop, out: VerifyOutput, owners: list, counters: SpecCounters) -> None:
     """Reads back a verify step: streams each row's emitted tokens (see the module docstring)."""
-    from serving.engine_loop import _HostLogprobs  # (the loop imports this module)
 
     try:
         tokens = np.asarray(out.sampled.tokens)
         accepted = np.asarray(out.accepted)
         wanted = any(seq.sched.sampling.logprobs >= 0 for seq, _, _ in owners)
-        lp = _HostLogprobs(out.sampled) if wanted else None
+        lp = HostLogprobs(out.sampled) if wanted else None
     except Exception as e:
         log.exception("verify step failed")
         for seq, _, _ in owners:
