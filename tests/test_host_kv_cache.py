@@ -162,3 +162,153 @@ def test_a_host_hit_that_does_not_fit_takes_nothing():
     assert len(hit.host_keys) == 3
     assert not kv.allocate_pages("r", 16, prefix=hit)  # 4 pages needed
     assert kv.take_loads() == [] and kv.num_free == 3
+
+
+# -- the engine loop with a host tier (tiny-random, float32) ------------------------------------
+
+
+def host_loop(host_bytes: int = 1 << 24, **overrides):
+    """A loop in test_engine_loop's preemption shape (12 usable pages of 8 tokens)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.gemma3 import Gemma3
+    from serving.engine import Engine, EngineConfig
+    from serving.engine_loop import EngineLoop
+    from tests.test_engine_loop import TINY
+
+    cfg = EngineConfig(**{**dict(max_slots=4, num_pages=13, max_model_len=96, page_size=8,
+                                 prefill_chunk=32, min_decode_batch=2), **overrides})
+    return EngineLoop(Engine(Gemma3(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), cfg),
+                      host_kv_cache_bytes=host_bytes)
+
+
+def test_evicted_prefix_reloads_from_the_host_tier_with_identical_output(jax_cache):
+    import asyncio
+
+    from tests.engine_helpers import collect, request
+    from tests.test_engine_loop import prompt
+
+    lp = host_loop()
+    plans = []
+    lp.on_step = plans.append
+    lp.start(warmup=False)
+    try:
+        a = prompt(41, 5)  # 5 full pages of 8 tokens, then one more
+        sampled = dict(max_tokens=6, ignore_eos=True, temperature=1.0, seed=7)
+        first_ids, first = asyncio.run(collect(lp, request(a, **sampled)))
+        assert first[-1].cached_tokens == 0 and first[-1].host_cached_tokens == 0
+        pages = lp.kv.lookup_prefix(a, None, 40).page_ids
+        assert len(pages) == 5
+        k0, v0 = (np.asarray(x)[:, :, :5] for x in lp.engine.read_pages(pages, 16))
+        # 90 + 4 tokens need all 12 pages: every cached page of a is evicted.
+        asyncio.run(collect(lp, request(prompt(90, 3), max_tokens=4, ignore_eos=True)))  # (the loop is idle)
+        assert lp.kv.lookup_prefix(a, None, 40).page_ids == ()
+        assert lp.host_kv.stores >= 5 and lp.kv_events.host_cached() >= set(prompt_page_hashes(a, 8, None))
+        n = len(plans)
+        again_ids, again = asyncio.run(collect(lp, request(a, **sampled)))
+        reloaded = lp.kv.lookup_prefix(a, None, 40).page_ids
+        k1, v1 = (np.asarray(x)[:, :, :5] for x in lp.engine.read_pages(reloaded, 16))
+    finally:
+        lp.stop()
+    np.testing.assert_array_equal(k1, k0)  # bit for bit, in other pages
+    np.testing.assert_array_equal(v1, v0)
+    assert again_ids == first_ids
+    assert again[-1].cached_tokens == 40 and again[-1].host_cached_tokens == 40
+    assert lp.host_kv.hits == 5 and lp.stats().host_kv_hits == 5
+    assert lp.host_tier.pages_loaded == 5
+    rows = [r for p in plans[n:] for r in p.prefill]
+    assert rows[0].start == 40 and sum(len(r.token_ids) for r in rows) == 1  # only the last prompt token
+
+
+def test_a_preempted_request_resumes_from_host_pages_without_recomputing(jax_cache):
+    from tests.engine_helpers import generate, request
+    from tests.test_engine_loop import prompt
+
+    reqs = lambda: [request(prompt(20, i), max_tokens=30, ignore_eos=True) for i in range(4)]
+    # 12 pages of 8 tokens: each request needs 7 alone, so four at once must preempt.
+    lp = host_loop()
+    plans, events = [], {}
+    lp.on_step = plans.append
+    lp.start(warmup=False)
+
+    async def run(r):
+        from tests.engine_helpers import collect
+        ids, evs = await collect(lp, r)
+        events[r.request_id] = evs[-1]
+        return ids
+
+    import asyncio
+
+    async def main():
+        return await asyncio.gather(*(run(r) for r in reqs()))
+
+    try:
+        crowded = asyncio.run(main())
+    finally:
+        lp.stop()
+    preempted = {rid for p in plans for rid in p.preempted}
+    assert preempted
+    resumed = [rid for rid in preempted if events[rid].host_cached_tokens > 0]
+    assert resumed, "no preempted request reloaded pages from the host tier"
+    for rid in resumed:
+        after = next(i for i, p in enumerate(plans) if rid in p.preempted)
+        rows = [r for p in plans[after + 1:] for r in p.prefill if r.request_id == rid]
+        assert rows[0].start >= events[rid].host_cached_tokens > 0  # the reloaded prefix is not computed
+        assert events[rid].num_preemptions >= 1
+    assert lp.host_kv.hits > 0
+    # The same crowd without a host tier (recomputing; it equals each request run alone,
+    # tests/test_engine_loop.py): the same outputs.
+    without = host_loop(host_bytes=0)
+    without.start(warmup=False)
+    try:
+        assert crowded == generate(without, reqs())
+    finally:
+        without.stop()
+
+
+# -- KV events and the router ---------------------------------------------------------------------
+
+
+def test_kv_events_name_the_host_tier_and_the_replica_index_follows():
+    import asyncio
+
+    from serving.rpc.remote_engine import ReplicaKvIndex
+
+    journal = KvEventJournal()
+    journal.publish(stored=[b"d1"], host_stored=[b"h1", b"h2"])
+
+    async def main():
+        sub = journal.subscribe()
+        journal.publish(removed=[b"d1"], host_stored=[b"d1"], host_removed=[b"h1"])
+        return sub.snapshot, await sub.next()
+
+    snap, batch = asyncio.run(main())
+    assert set(snap.stored) == {b"d1"} and set(snap.host_stored) == {b"h1", b"h2"}
+    assert batch.host_stored == (b"d1",) and batch.host_removed == (b"h1",)
+    assert journal.host_cached() == {b"d1", b"h2"} and journal.cached() == set()
+    index = ReplicaKvIndex()
+    index.reset(snap.seq, snap.stored, snap.host_stored)
+    assert index.apply(batch.seq, batch.stored, batch.removed, batch.host_stored, batch.host_removed)
+    assert index.keys == set() and index.host_keys == {b"d1", b"h2"}
+    assert index.matched_tiers([b"d1", b"h2", b"x"]) == (0, 2)
+
+
+def test_router_weighs_a_host_tier_page_below_a_device_page():
+    from serving.gateway.router import HOST_PAGE_WEIGHT, Router
+    from tests.test_router import PS, FakeReplica, prompt, req
+
+    assert HOST_PAGE_WEIGHT == 0.25
+    a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+    p = prompt(16 * PS + 3)
+    keys = prompt_page_hashes(p, PS, None)
+    b.kv_index.host_keys.update(keys)  # all 16 pages in b's host tier: worth 4 device pages
+    router = Router([a, c, b])
+    assert router.pick(req(p))[:2] == (b, "host_cache_hit")  # better than nothing at all
+    a.kv_index.keys.update(keys[:3])  # 3 device pages on a: b still saves more
+    assert router.pick(req(p))[:2] == (b, "host_cache_hit")
+    a.kv_index.keys.update(keys[:5])  # 5 device pages: a wins
+    assert router.pick(req(p)) == (a, "cache_hit", 5)
+    # Host pages count only right after the device hit (as the engine's lookup reloads them).
+    b.kv_index.host_keys.difference_update(keys[:1])
+    assert b.kv_index.matched_tiers(keys) == (0, 0)
