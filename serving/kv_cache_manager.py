@@ -103,7 +103,7 @@ class PrefixHit:
 
     Attributes:
       page_ids: the cached pages, in order.
-      num_tokens: tokens they hold (len(page_ids) * page_size).
+      num_tokens: tokens they hold, the host-tier pages included.
       keys: the chained key of each page.
       host_keys: keys of the pages right after ``page_ids`` held in the host tier
         (reloaded, not recomputed); ``num_tokens`` counts them too:
@@ -220,6 +220,8 @@ class KVCacheManager:
     def lookup_prefix(self, token_ids: Sequence[int], salt: str | None, max_tokens: int) -> PrefixHit:
         """The longest cached prefix of ``token_ids`` in whole pages, at most ``max_tokens`` long.
 
+        With a host tier, the prefix continues past the device pages with the pages
+        the host tier holds (``host_keys``), up to the first page in neither tier.
         Takes no references: pass the hit to :meth:`allocate_pages` (before
         anything else allocates) to hold its pages.
         """

@@ -312,3 +312,34 @@ def test_router_weighs_a_host_tier_page_below_a_device_page():
     # Host pages count only right after the device hit (as the engine's lookup reloads them).
     b.kv_index.host_keys.difference_update(keys[:1])
     assert b.kv_index.matched_tiers(keys) == (0, 0)
+
+
+def test_host_counts_cross_grpc_and_reach_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from serving.engine_client import EngineStats, TokenEvent
+    from serving.gateway.metrics import EngineStatsCollector
+    from serving.rpc import convert
+
+    ev = TokenEvent("r", (1,), prompt_tokens=50, cached_tokens=40, host_cached_tokens=32)
+    back = convert.event_from_proto("r", convert.event_to_proto(ev).tokens)
+    assert (back.cached_tokens, back.host_cached_tokens) == (40, 32)
+    s = EngineStats(host_kv_hits=5, host_kv_stores=7, host_kv_evictions=2, host_kv_usage_bytes=4096,
+                    host_kv_capacity_bytes=1 << 20)
+    assert convert.load_from_proto(convert.load_to_proto(s)) == dataclasses_replace_usage(s)
+    reg = CollectorRegistry()
+    reg.register(EngineStatsCollector(lambda: {"m": lambda: s}))
+    text = generate_latest(reg).decode()
+    for line in ('xlaserve:host_kv_cache_hits_total{model_name="m"} 5.0',
+                 'xlaserve:host_kv_cache_stores_total{model_name="m"} 7.0',
+                 'xlaserve:host_kv_cache_evictions_total{model_name="m"} 2.0',
+                 'xlaserve:host_kv_cache_usage_bytes{model_name="m"} 4096.0',
+                 'xlaserve:host_kv_cache_capacity_bytes{model_name="m"} 1.048576e+06'):
+        assert line in text, line
+
+
+def dataclasses_replace_usage(s):
+    """``s`` as a Load round trip gives it back (kv_cache_usage is derived from the page counts)."""
+    import dataclasses
+
+    return dataclasses.replace(s, kv_cache_usage=0.0)
