@@ -37,6 +37,8 @@ _SETTINGS = [
     ("max_slots", int, "concurrently decoding sequences"),
     ("page_size", int, "tokens per KV-cache page"),
     ("num_pages", int, "KV-cache pool size in pages"),
+    ("host_kv_cache_gib", float, "host-memory KV tier under the prefix cache, in GiB: evicted and "
+                                 "preempted pages are kept there and reloaded on a prefix hit (0: off)"),
     ("prefill_chunk", int, "most prompt tokens per prefill step (power of two)"),
     ("max_prefill_seqs", int, "sequences packed into one prefill step"),
     ("min_decode_batch", int, "smallest decode batch bucket"),
@@ -76,6 +78,7 @@ def build_engine(cfg, warmup: bool = True):
     from serving.engine import Engine
     from serving.engine_config import EngineConfig
     from serving.engine_loop import EngineLoop
+    from serving.host_kv_cache import GIB
     from serving.compilation_cache import enable_compilation_cache
     from serving.sharding_cli import load_for_serving, lockstep_for
 
@@ -85,9 +88,12 @@ def build_engine(cfg, warmup: bool = True):
     policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl)
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
                     lockstep=lockstep_for(mesh), policy=policy)
+    if cfg.host_kv_cache_gib and engine.lockstep is not None:
+        raise ValueError("--host-kv-cache-gib needs a single-host engine (pages are copied on one host)")
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching,
-                      max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer)
+                      max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer,
+                      host_kv_cache_bytes=int(cfg.host_kv_cache_gib * GIB))
     loop.start(warmup=warmup)
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)

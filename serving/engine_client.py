@@ -205,7 +205,9 @@ class TokenEvent:
       finish_reason: None while running; "stop" (a stop token), "length"
         (max_tokens reached), "cancelled", or "error" on the last event.
       prompt_tokens: prompt length in tokens.
-      cached_tokens: prompt tokens served from the prefix cache.
+      cached_tokens: prompt tokens served from the prefix cache (host tier included).
+      host_cached_tokens: tokens reloaded from the host KV tier instead of computed
+        (``serving.host_kv_cache``), over all its admissions (a preempted request's too).
       completion_tokens: tokens generated so far, including these.
       first_token_time: wall-clock seconds of the first generated token, or None.
       scheduled_time: wall-clock seconds when the request was first scheduled
@@ -234,6 +236,7 @@ class TokenEvent:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     completion_tokens: int = 0
     first_token_time: float | None = None
     scheduled_time: float | None = None
@@ -268,6 +271,9 @@ class EngineStats:
       spec_draft_tokens: draft tokens they verified (lifetime).
       spec_accepted_tokens: draft tokens accepted (lifetime); a row emits its accepted
         drafts plus one, so tokens per step = 1 + accepted / verify rows.
+      host_kv_hits, host_kv_stores, host_kv_evictions: the host KV tier's pages reloaded,
+        stored and dropped (lifetime; all 0 without one).
+      host_kv_usage_bytes, host_kv_capacity_bytes: its bytes held and its bound.
     """
 
     num_running: int = 0
@@ -282,6 +288,11 @@ class EngineStats:
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    host_kv_hits: int = 0
+    host_kv_stores: int = 0
+    host_kv_evictions: int = 0
+    host_kv_usage_bytes: int = 0
+    host_kv_capacity_bytes: int = 0
 
 
 class EngineOverloadedError(RuntimeError):

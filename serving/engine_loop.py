@@ -42,6 +42,11 @@ Speculative decoding (``EngineConfig.speculative``): a verify step's rows are
 dispatched and read back by ``serving.speculative_steps``, which also says
 when the loop reads back before planning.
 
+Host KV tier (``host_kv_cache_bytes`` > 0): cached pages evicted from the device
+pool are copied to a host-memory LRU and prefix hits there reloaded
+(``serving.host_tier_steps``: reads before anything writes the evicted pages,
+loads before the steps, the host copies after them).
+
 Disaggregated serving (``connector``: a ``serving.kv_connector.KvConnector``, set by
 ``xlaserve engine``): a request with ``kv_transfer`` waits outside the scheduler, its
 pages reserved, while they are pulled, and is queued once they are in its prefix
@@ -86,6 +91,8 @@ from serving.engine_client import (
     TokenEvent,
     TokenLogprobs,
 )
+from serving.host_kv_cache import HostKVCache
+from serving.host_tier_steps import HostTier, host_kv_stats
 from serving.kv_cache_manager import KVCacheManager
 from serving.kv_events import KvEventJournal
 from serving.logprobs import HostLogprobs, PromptLogprobs
@@ -139,6 +146,7 @@ class EngineLoop:
         view of it is built at the first constrained request, or shared with
         the gateway that checked it: about 2 s for Gemma). None: requests with
         ``structured_output`` are rejected.
+      host_kv_cache_bytes: the host KV tier's bound in bytes (0: no host tier).
 
     Raises:
       ValueError: `max_queued_events` below 2 (a token event and the final one).
@@ -147,7 +155,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, max_waiting: int = 256, max_waiting_tokens: int | None = None,
                  token_budget: int | None = None, enable_prefix_caching: bool = True,
                  max_queued_events: int | None = DEFAULT_MAX_QUEUED_EVENTS,
-                 tokenizer: TextTokenizer | None = None):
+                 tokenizer: TextTokenizer | None = None, host_kv_cache_bytes: int = 0):
         if max_queued_events is not None and max_queued_events < 2:
             raise ValueError(f"max_queued_events must be >= 2, got {max_queued_events}")
         self.engine = engine
@@ -156,7 +164,9 @@ class EngineLoop:
         self.max_queued_events = max_queued_events
         self.max_waiting_tokens = max_waiting_tokens or max_waiting * cfg.max_model_len
         self.kv_events = KvEventJournal()  # the prefix cache's page hashes, for routers
-        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events)
+        self.host_kv = HostKVCache(host_kv_cache_bytes) if host_kv_cache_bytes > 0 and enable_prefix_caching else None
+        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events, self.host_kv)
+        self.host_tier = None if self.host_kv is None else HostTier(engine, self.kv, self.host_kv, self.kv_events)
         self.scheduler = Scheduler(
             self.kv, num_slots=cfg.max_slots,
             token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
@@ -355,6 +365,7 @@ class EngineLoop:
         ev = TokenEvent(
             request_id=seq.req.request_id, token_ids=ids, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
+            host_cached_tokens=r.host_cached_tokens,
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
             scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error,
             logprobs=logprobs, prompt_logprobs=prompt_lp, num_draft_tokens=r.num_draft_tokens,
@@ -448,6 +459,8 @@ class EngineLoop:
         sched = self.scheduler
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
+        if self.host_tier is not None:  # evicted pages out before the connector writes any
+            self.host_tier.save_evicted()
         for got in self.connector.get_finished()[1] if self.connector is not None else ():
             if got.error is not None:
                 self._finish(got.seq, "error", got.error)
@@ -496,10 +509,13 @@ class EngineLoop:
             kv_pages_total=kv.num_pages - 1,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
-            spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens)
+            spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+            **host_kv_stats(self.host_kv))
         if self.on_step is not None:
             self.on_step(plan)
         failed: list[tuple[_Sequence, str]] = []  # matchers that failed while filling masks
+        if self.host_tier is not None:
+            self.host_tier.before_dispatch()
         dispatched = [d for d in (self._dispatch_prefill(plan, failed), self._dispatch_decode(plan, failed),
                                   dispatch_verify(self, plan)) if d]
         for seq, error in failed:  # after dispatch: the step already holds their rows
@@ -507,6 +523,8 @@ class EngineLoop:
         # Read back the previous turn's tokens while this turn's steps run.
         for step in pending:
             self._process(*step)
+        if self.host_tier is not None:  # and the evicted pages' copies into host memory
+            self.host_tier.after_dispatch()
         return dispatched
 
     def _token_mask(self, seqs: list[_Sequence], samples: list[bool], failed: list):

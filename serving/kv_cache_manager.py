@@ -51,6 +51,20 @@ Invariants (checked by :meth:`check_invariants`, relied on by the scheduler):
 Freed pages keep their cached content and sit in the free queue in LRU order
 (least recently freed first); eviction takes from its head only when a page
 is needed.
+
+Host tier (``host``: a ``serving.host_kv_cache.HostKVCache`` or anything with
+``contains(key)``): a cached page evicted for reuse is recorded, with its key,
+for the engine to copy to host memory before the page is written again
+(:meth:`take_evicted`; the pages of a preempted request stay cached on device
+and are recorded when evicted). :meth:`lookup_prefix` continues past the
+device hit into keys the host tier holds (``PrefixHit.host_keys``), and
+:meth:`allocate_pages` gives those pages fresh device pages, recorded as loads
+(:meth:`take_loads`) that the engine must write before the next step runs;
+they are cached (in the hash maps) from then on::
+
+    keys:     h0  h1  h2 | h3  h4 | h5 ...
+              device hit | host   | computed
+    pages:    7   3   9  | 14 15  | 16 ...       loads: (14, h3), (15, h4)
 """
 
 from __future__ import annotations
@@ -89,13 +103,17 @@ class PrefixHit:
 
     Attributes:
       page_ids: the cached pages, in order.
-      num_tokens: tokens they hold (len(page_ids) * page_size).
+      num_tokens: tokens they hold, the host-tier pages included.
       keys: the chained key of each page.
+      host_keys: keys of the pages right after ``page_ids`` held in the host tier
+        (reloaded, not recomputed); ``num_tokens`` counts them too:
+        (len(page_ids) + len(host_keys)) * page_size.
     """
 
     page_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     keys: tuple[bytes, ...] = ()
+    host_keys: tuple[bytes, ...] = ()
 
 
 NO_HIT = PrefixHit()
@@ -134,13 +152,15 @@ class KVCacheManager:
         find nothing, nothing is hashed).
       events: publishes every page hash added to or evicted from the prefix
         cache (``serving.kv_events``, for routers); None: nothing is published.
+      host: the host tier under the prefix cache (anything with ``contains(key) ->
+        bool``; see the module docstring); None: evicted pages are dropped.
 
     Raises:
       ValueError: num_pages < 2 or page_size < 1.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 events: KvEventJournal | None = None):
+                 events: KvEventJournal | None = None, host=None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -149,6 +169,9 @@ class KVCacheManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
+        self.host = host if enable_prefix_caching else None
+        self._to_save: dict[bytes, int] = {}  # key -> evicted page, to copy to the host tier
+        self._loads: list[tuple[int, bytes]] = []  # (fresh page, key) to write from the host tier
         self._ref_count = [0] * num_pages
         # Free pages, least recently freed first (OrderedDict as an LRU queue).
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
@@ -197,21 +220,42 @@ class KVCacheManager:
     def lookup_prefix(self, token_ids: Sequence[int], salt: str | None, max_tokens: int) -> PrefixHit:
         """The longest cached prefix of ``token_ids`` in whole pages, at most ``max_tokens`` long.
 
+        With a host tier, the prefix continues past the device pages with the pages
+        the host tier holds (``host_keys``), up to the first page in neither tier.
         Takes no references: pass the hit to :meth:`allocate_pages` (before
         anything else allocates) to hold its pages.
         """
         if not self.enable_prefix_caching:
             return NO_HIT
         ps = self.page_size
-        pages, keys, key = [], [], None
+        pages, keys, host_keys, key = [], [], [], None
         for i in range(min(max_tokens, len(token_ids)) // ps):
             key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt)
-            page = self._page_of.get(key)
-            if page is None:
+            page = None if host_keys else self._page_of.get(key)
+            if page is not None:
+                pages.append(page)
+                keys.append(key)
+            elif self.host is not None and self.host.contains(key):
+                host_keys.append(key)
+            else:
                 break
-            pages.append(page)
-            keys.append(key)
-        return PrefixHit(tuple(pages), len(pages) * ps, tuple(keys)) if pages else NO_HIT
+        if not pages and not host_keys:
+            return NO_HIT
+        return PrefixHit(tuple(pages), (len(pages) + len(host_keys)) * ps, tuple(keys), tuple(host_keys))
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """(page id, key) of the cached pages evicted since the last call whose key the host
+        tier lacks, in eviction order; the caller copies them out before anything writes
+        those pages (they were handed out again). Empty without a host tier."""
+        out = [(p, key) for key, p in self._to_save.items()]
+        self._to_save.clear()
+        return out
+
+    def take_loads(self) -> list[tuple[int, bytes]]:
+        """(page id, key) of the fresh pages given to host-tier hits since the last call: the
+        caller writes each key's host copy into its page before the next step runs."""
+        out, self._loads = self._loads, []
+        return out
 
     # -- ownership ---------------------------------------------------------------
 
@@ -241,14 +285,17 @@ class KVCacheManager:
             stale prefix (one of its pages was evicted since the lookup).
         """
         held = self._held.get(request_id)
-        if prefix.page_ids:
+        if prefix.page_ids or prefix.host_keys:
             if held is not None:
                 raise ValueError(f"request {request_id!r} already holds pages; a prefix hit is for a new request")
             for p, key in zip(prefix.page_ids, prefix.keys):
                 if self._hash_of.get(p) != key:
                     raise ValueError(f"stale prefix hit: page {p} no longer holds its key")
+            if prefix.host_keys and (self.host is None or not all(map(self.host.contains, prefix.host_keys))):
+                raise ValueError("stale prefix hit: the host tier no longer holds its pages")
+        loads = len(prefix.host_keys) if held is None else 0
         num_held = len(held.pages) if held else len(prefix.page_ids)
-        need = max(0, self.pages_for(num_tokens) - num_held)
+        need = max(0, self.pages_for(num_tokens) - num_held - loads) + loads  # loads: fresh pages too
         # Hit pages that nobody holds sit in the free queue: holding them uses it up too.
         reclaimed = sum(1 for p in prefix.page_ids if self._ref_count[p] == 0)
         if need + reclaimed + watermark > len(self._free):
@@ -256,24 +303,33 @@ class KVCacheManager:
         if held is None:
             if need == 0 and not prefix.page_ids:
                 return True
-            held = self._held[request_id] = _Held(keys=list(prefix.keys), num_cached=len(prefix.page_ids),
-                                                  pinned=pinned)
+            held = self._held[request_id] = _Held(keys=list(prefix.keys) + list(prefix.host_keys),
+                                                  num_cached=len(prefix.page_ids) + loads, pinned=pinned)
             for p in prefix.page_ids:
                 if self._ref_count[p] == 0:
                     del self._free[p]
                 self._ref_count[p] += 1
                 held.pages.append(p)
-        evicted = []
-        for _ in range(need):
+        evicted, stored = [], []
+        for i in range(need):
             p, _ = self._free.popitem(last=False)
             key = self._hash_of.pop(p, None)
             if key is not None:
                 del self._page_of[key]
                 evicted.append(key)
+                if self.host is not None and not self.host.contains(key):
+                    self._to_save[key] = p
             self._ref_count[p] = 1
             held.pages.append(p)
-        if evicted and self.events is not None:
-            self.events.publish(removed=evicted)
+            if i < loads:  # a host-tier page: loaded into p, cached from now on
+                key = prefix.host_keys[i]
+                self._loads.append((p, key))
+                if key not in self._page_of:  # (else a duplicate: private to this request)
+                    self._page_of[key] = p
+                    self._hash_of[p] = key
+                    stored.append(key)
+        if self.events is not None and (evicted or stored):
+            self.events.publish(stored=stored, removed=evicted)
         return True
 
     def fork(self, request_id: str, parent_id: str, num_computed: int, num_tokens: int,

@@ -194,8 +194,8 @@ class KvConnector:
         return None
 
     def get_num_new_matched_tokens(self, prompt_ids, salt: str | None, params: KvTransferParams) -> tuple[int, int]:
-        """(tokens this replica's prefix cache holds, tokens the remote side supplies beyond
-        them) for a request's offer."""
+        """(tokens this replica's prefix cache holds, its host KV tier included, tokens the
+        remote side supplies beyond them) for a request's offer."""
         hit = self.kv.lookup_prefix(prompt_ids, salt, params.num_tokens)
         return hit.num_tokens, params.num_tokens - hit.num_tokens
 
@@ -213,6 +213,8 @@ class KvConnector:
             return False
         self.kv.record_lookup(len(prompt), local)
         seq.sched.cached_tokens = local
+        # Host-tier pages are loaded into the reserved pages before the loop's next step.
+        seq.sched.host_cached_tokens += len(hit.host_keys) * self.kv.page_size
         rec = self._receiving[req.request_id] = _Receiving(seq, params, holder, time.monotonic())
         self.update_state_after_alloc(rec, local // self.kv.page_size)
         return True

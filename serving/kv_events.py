@@ -17,6 +17,11 @@ in the numbers and answers by subscribing again (a fresh snapshot)::
     batch 43: removed [h1]       -> {h0, h7, h8}
     batch 45: ...                -> gap (44 lost): resubscribe
 
+Tiers: with a host KV tier (``serving.host_kv_cache``), batches also name the
+hashes copied into host memory (``host_stored``) and dropped from it
+(``host_removed``); a page may be in both tiers. A router weighs a host-tier
+hit below a device hit (it is reloaded, not recomputed, but not free).
+
 The hashes carry the request's prefix-cache salt (a tenant scope), so they
 reveal no prompt and match only requests of the same scope.
 
@@ -43,14 +48,19 @@ class KvEventBatch:
       seq: consecutive from 1 (0: the empty cache before any batch).
       stored: page hashes now cached (16-byte chained keys).
       removed: page hashes no longer cached.
-      snapshot: True for a subscription's first batch: ``stored`` is then the
-        whole cached set as of ``seq`` (and ``removed`` is empty).
+      host_stored: page hashes now in the host tier.
+      host_removed: page hashes no longer in the host tier.
+      snapshot: True for a subscription's first batch: ``stored`` and
+        ``host_stored`` are then the whole cached sets of each tier as of
+        ``seq`` (and the removed lists are empty).
     """
 
     seq: int
     stored: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
     snapshot: bool = False
+    host_stored: tuple[bytes, ...] = ()
+    host_removed: tuple[bytes, ...] = ()
 
 
 class KvSubscription:
@@ -100,6 +110,7 @@ class KvEventJournal:
     def __init__(self, max_subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE) -> None:
         self._lock = threading.Lock()
         self._cached: set[bytes] = set()
+        self._host: set[bytes] = set()
         self._seq = 0
         self._subscribers: list[KvSubscription] = []
         self.max_subscriber_queue = max_subscriber_queue
@@ -109,16 +120,21 @@ class KvEventJournal:
         """The number of the last batch published (0: none yet)."""
         return self._seq
 
-    def publish(self, stored: Iterable[bytes] = (), removed: Iterable[bytes] = ()) -> None:
-        """Records one change (nothing when both are empty) and offers it to every subscriber."""
+    def publish(self, stored: Iterable[bytes] = (), removed: Iterable[bytes] = (),
+                host_stored: Iterable[bytes] = (), host_removed: Iterable[bytes] = ()) -> None:
+        """Records one change (nothing when all are empty) and offers it to every subscriber.
+        Within each tier, ``removed`` applies before ``stored``."""
         stored, removed = tuple(stored), tuple(removed)
-        if not stored and not removed:
+        host_stored, host_removed = tuple(host_stored), tuple(host_removed)
+        if not (stored or removed or host_stored or host_removed):
             return
         with self._lock:
             self._seq += 1
             self._cached.difference_update(removed)
             self._cached.update(stored)
-            batch = KvEventBatch(self._seq, stored, removed)
+            self._host.difference_update(host_removed)
+            self._host.update(host_stored)
+            batch = KvEventBatch(self._seq, stored, removed, host_stored=host_stored, host_removed=host_removed)
             subscribers = list(self._subscribers)
         for sub in subscribers:
             sub._offer(batch)
@@ -126,7 +142,8 @@ class KvEventJournal:
     def subscribe(self) -> KvSubscription:
         """A new subscription (call on the subscriber's event loop): its snapshot, then every later batch."""
         with self._lock:
-            sub = KvSubscription(self, KvEventBatch(self._seq, tuple(self._cached), snapshot=True),
+            sub = KvSubscription(self, KvEventBatch(self._seq, tuple(self._cached), snapshot=True,
+                                                    host_stored=tuple(self._host)),
                                  self.max_subscriber_queue)
             self._subscribers.append(sub)
         return sub
@@ -137,6 +154,11 @@ class KvEventJournal:
                 self._subscribers.remove(sub)
 
     def cached(self) -> frozenset[bytes]:
-        """The cached page hashes now."""
+        """The cached page hashes now (the device tier)."""
         with self._lock:
             return frozenset(self._cached)
+
+    def host_cached(self) -> frozenset[bytes]:
+        """The page hashes in the host tier now."""
+        with self._lock:
+            return frozenset(self._host)

@@ -136,7 +136,10 @@ class SchedRequest:
       output_ids: generated tokens read back so far.
       num_inflight: generated tokens sampled on device, not yet read back.
       num_computed: tokens whose K/V are in (or being written to) the cache.
-      cached_tokens: prompt tokens served from the prefix cache at first admission.
+      cached_tokens: prompt tokens served from the prefix cache at first admission
+        (host-tier pages included).
+      host_cached_tokens: tokens reloaded from the host tier instead of computed, summed
+        over its admissions (a preempted request's resumption too).
       slot: the engine slot while running.
       token_on_device: the last known token was sampled on device and sits in
         the slot (so a decode row can feed it). False after admission: a
@@ -164,6 +167,7 @@ class SchedRequest:
     num_inflight: int = 0
     num_computed: int = 0
     cached_tokens: int | None = None
+    host_cached_tokens: int = 0
     slot: int | None = None
     token_on_device: bool = False
     status: Status = Status.WAITING
@@ -510,6 +514,8 @@ class Scheduler:
                 return None
         self.waiting.remove(req)
         req.num_computed = start
+        if start == hit.num_tokens:  # (a fork loads nothing from the host tier)
+            req.host_cached_tokens += len(hit.host_keys) * self.kv.page_size
         if req.cached_tokens is None:
             req.cached_tokens = min(start, len(req.prompt_ids))
             self.kv.record_lookup(len(req.prompt_ids), req.cached_tokens)

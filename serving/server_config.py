@@ -39,6 +39,7 @@ class ServerConfig:
     max_waiting_tokens: int | None = None
     token_budget: int | None = None
     enable_prefix_caching: bool = True
+    host_kv_cache_gib: float = 0.0
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 * 1024 * 1024
@@ -80,6 +81,8 @@ class ServerConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.quantization not in ("none", "int8"):  # model.quantization.QUANTIZATIONS (no JAX here)
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if not self.host_kv_cache_gib >= 0:
+            raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),

@@ -111,3 +111,16 @@ def test_batch_interference_runs_on_the_tiny_model(tmp_path):
     assert list(out["phases"]) == ["idle", "batch", "interactive load"]
     assert all(len(p["ttft_s"]) == 2 and p["ttft_p50_s"] > 0 for p in out["phases"].values())
     assert json.loads((tmp_path / "out.json").read_text())["args"]["lines"] == 16
+
+
+def test_host_kv_tier_benchmark_runs_on_the_tiny_model(tmp_path):
+    """Recompute and host-hit TTFT of one repeat; the replay reloads every full prompt page."""
+    from benchmarks import host_kv_tier
+
+    out = host_kv_tier.main(["--model", "tiny-random", "--prompt-tokens", "100", "--page-size", "8",
+                             "--prefill-chunk", "32", "--max-tokens", "2", "--repeats", "1",
+                             "--json", str(tmp_path / "out.json")])
+    (row,) = out["repeats"]
+    assert row["host_cached_tokens"] == row["cached_tokens"] == 96 and row["host_hit_pages"] == 12
+    assert out["identical_output"] and out["ratio"] > 0
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["prompt_tokens"] == 100

@@ -296,6 +296,7 @@ def test_request_trace(gw):
     assert t["status"] == "ok" and t["retries"] == 1
     assert t["prefix_cache"] == "hit"  # the same prompt again
     assert t["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert t["host_cached_tokens"] == 0  # (no host KV tier: the device prefix cache served them)
     timings = t["timings"]
     assert 0 <= timings["queue_time_s"] <= timings["ttft_s"] <= timings["e2e_s"]
     assert timings["itl_max_s"] >= timings["itl_mean_s"] > 0

@@ -8,7 +8,8 @@ from importing certain packages:
     serving.gateway             ↛ jax, flax, model, kernels_pallas, sharding
     serving.scheduler,
     serving.kv_cache_manager,
-    serving.kv_events           ↛ jax, flax
+    serving.kv_events,
+    serving.host_kv_cache       ↛ jax, flax
     serving.rpc.remote_engine,
     serving.rpc.convert         ↛ jax, flax, model, kernels_pallas, sharding (the gateway's side of gRPC)
     model                       ↛ serving, sharding
@@ -37,6 +38,7 @@ RULES = [
     ("serving.scheduler", ("jax", "jaxlib", "flax")),
     ("serving.kv_cache_manager", ("jax", "jaxlib", "flax")),
     ("serving.kv_events", ("jax", "jaxlib", "flax")),
+    ("serving.host_kv_cache", ("jax", "jaxlib", "flax")),
     ("serving.rpc.remote_engine", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
     ("serving.rpc.convert", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
     ("model", ("serving", "sharding")),

@@ -372,6 +372,7 @@ def _trace_body(row: dict) -> dict:
         "tool_calls": row["tool_calls"],
         "cost_usd": row["cost_usd"],
         "prefix_cache": trace.get("prefix_cache"),
+        "host_cached_tokens": trace.get("host_cached_tokens", 0),
         "replica": trace.get("replica"),
         "prefill_replica": trace.get("prefill_replica"),
         "decode_replica": trace.get("decode_replica"),

@@ -63,6 +63,7 @@ class RequestMeter:
     first_token_time: float | None = None
     last_token_time: float | None = None
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of those and of recomputations, reloaded from the host KV tier
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -87,6 +88,7 @@ class RequestMeter:
         if ev.scheduled_time is not None and self.scheduled_time is None:
             self.scheduled_time = ev.scheduled_time
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+        self.host_cached_tokens = max(self.host_cached_tokens, ev.host_cached_tokens)
         if ev.replica is not None:
             self.replica = ev.replica
         if ev.prefill_replica is not None:
@@ -212,6 +214,7 @@ class Metering:
             "settled_tokens": used,
             "requested_prompt_tokens": m.prompt_tokens,
             "prefix_cache": prefix_cache,
+            "host_cached_tokens": m.host_cached_tokens,
             "reasoning_tokens": reasoning_tokens,
             "tool_calls": tool_calls,
             "replica": m.replica,

@@ -10,10 +10,13 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:rate_limit_rejections_total{scope,limit},
               xlaserve:prefix_cache_queries_total, xlaserve:prefix_cache_hits_total (tokens),
               xlaserve:spec_decode_num_drafts_total, xlaserve:spec_decode_num_draft_tokens_total,
-              xlaserve:spec_decode_num_accepted_tokens_total (speculative decoding, as vLLM's)
+              xlaserve:spec_decode_num_accepted_tokens_total (speculative decoding, as vLLM's),
+              xlaserve:host_kv_cache_hits_total, xlaserve:host_kv_cache_stores_total,
+              xlaserve:host_kv_cache_evictions_total (host KV tier, in pages)
   gauges      xlaserve:num_requests_running, xlaserve:num_requests_waiting,
               xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
-              xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step
+              xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
+              xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
 
 Every series has a ``model_name`` label. Gateway counters are updated when a
 request's ledger row is completed, from the same numbers, so they agree with
@@ -76,10 +79,28 @@ class EngineStatsCollector(Collector):
         per_step = GaugeMetricFamily("xlaserve:spec_decode_tokens_per_step",
                                      "Tokens a speculating request gets per step (1 + accepted / "
                                      "verified rows), over the engine's life.", labels=["model_name"])
+        host = {  # the host KV tier (serving.host_kv_cache): EngineStats field -> family
+            "host_kv_hits": CounterMetricFamily("xlaserve:host_kv_cache_hits",
+                                                "Host KV tier: pages reloaded instead of recomputed.",
+                                                labels=["model_name"]),
+            "host_kv_stores": CounterMetricFamily("xlaserve:host_kv_cache_stores",
+                                                  "Host KV tier: evicted device pages copied in.",
+                                                  labels=["model_name"]),
+            "host_kv_evictions": CounterMetricFamily("xlaserve:host_kv_cache_evictions",
+                                                     "Host KV tier: pages dropped to make room.",
+                                                     labels=["model_name"]),
+            "host_kv_usage_bytes": GaugeMetricFamily("xlaserve:host_kv_cache_usage_bytes",
+                                                     "Host KV tier: bytes of pages held.", labels=["model_name"]),
+            "host_kv_capacity_bytes": GaugeMetricFamily("xlaserve:host_kv_cache_capacity_bytes",
+                                                        "Host KV tier: its bound in bytes (0: off).",
+                                                        labels=["model_name"]),
+        }
         for name, stats_fn in self.engines().items():
             if stats_fn is None:
                 continue
             s = stats_fn()
+            for field, family in host.items():
+                family.add_metric([name], getattr(s, field, 0))
             running.add_metric([name], s.num_running)
             waiting.add_metric([name], s.num_waiting)
             kv.add_metric([name], s.kv_cache_usage)
@@ -95,7 +116,7 @@ class EngineStatsCollector(Collector):
             acceptance.add_metric([name], ok / proposed if proposed else 0.0)
             per_step.add_metric([name], 1 + ok / rows if rows else 0.0)
         return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
-                per_step]
+                per_step, *host.values()]
 
 
 class GatewayMetrics:

@@ -15,7 +15,10 @@ in-process engine. Policies (``--router``):
   hashes them; its load is the larger of the pages this gateway's requests in
   flight there add (uncached prompt pages and their completions) and the
   prompt pages waiting there (``GetLoad``, other gateways' requests
-  included). The lowest cost wins.
+  included). The lowest cost wins. A prompt page the replica holds in its host
+  KV tier (``serving.host_kv_cache``; its KV events name the tier) right after
+  its device hit is reloaded rather than computed: it saves ``host_page_weight``
+  (0.25) of what a device page saves.
 - ``least-load``: the fewest requests (the larger of the replica's running +
   waiting and this gateway's in-flight count).
 - ``round-robin``: the next replica that is up.
@@ -32,7 +35,7 @@ replica that is down is skipped; a request whose replica fails before its
 first event, or refuses it as overloaded, is sent to the next one (all
 overloaded: the gateway's 503); a request it was running ends with an
 "error" event. Decisions are counted by replica and reason (``cache_hit``,
-``load``, ``imbalance``, ``least_load``, ``round_robin``, ``parent``,
+``host_cache_hit`` (only host-tier pages matched), ``load``, ``imbalance``, ``least_load``, ``round_robin``, ``parent``,
 ``retry``), and each event carries the URL of the replica that served it
 (``TokenEvent.replica``, the trace's ``replica``).
 
@@ -69,6 +72,8 @@ from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable, info_mis
 log = logging.getLogger("xlaserve.router")
 
 POLICIES = ("kv-aware", "least-load", "round-robin")
+HOST_PAGE_WEIGHT = 0.25
+"""What a replica's host-tier page saves, against a device-cached page (kv-aware)."""
 
 
 @dataclasses.dataclass
@@ -89,6 +94,8 @@ class Router:
         prefix ties between waiting behind the first one's prefill and computing the
         prefix again elsewhere, and half such bursts scatter (tests/test_router.py).
       balance_abs, balance_rel: the imbalance guard's thresholds (requests; a ratio).
+      host_page_weight: kv-aware: the part of a device hit's saving that a host-tier hit
+        saves, per page (0..1; the page is reloaded, not recomputed, but not free).
 
     Raises:
       ValueError: no replicas, an unknown policy, or replicas that disagree on
@@ -96,7 +103,8 @@ class Router:
     """
 
     def __init__(self, replicas: Sequence[RemoteEngine], policy: str = "kv-aware",
-                 prefill_weight: float = 2.0, balance_abs: int = 16, balance_rel: float = 1.5) -> None:
+                 prefill_weight: float = 2.0, balance_abs: int = 16, balance_rel: float = 1.5,
+                 host_page_weight: float = HOST_PAGE_WEIGHT) -> None:
         if not replicas:
             raise ValueError("a router needs at least one engine replica")
         if policy not in POLICIES:
@@ -108,6 +116,7 @@ class Router:
         self.replicas = list(replicas)
         self.policy = policy
         self.prefill_weight = prefill_weight
+        self.host_page_weight = host_page_weight
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -221,14 +230,16 @@ class Router:
         if hashes is None:
             hashes = prompt_page_hashes(request.prompt_ids, up[0].page_size, request.cache_salt)
         pages = -(-len(request.prompt_ids) // up[0].page_size)
-        best, best_cost, best_hit = None, None, 0
+        best, best_cost, best_hit, best_host = None, None, 0, 0
         for r in up:
-            # Pages it holds, or will once the requests in flight there are computed.
-            hit = r.kv_index.matched_pages(hashes, self._pending[id(r)])
-            cost = self.prefill_weight * (pages - hit) + self._pages_on(r)
+            # Pages it holds, or will once the requests in flight there are computed, then
+            # the pages its host tier holds right after them.
+            hit, host = r.kv_index.matched_tiers(hashes, self._pending[id(r)])
+            cost = self.prefill_weight * (pages - hit - self.host_page_weight * host) + self._pages_on(r)
             if best_cost is None or cost < best_cost:
-                best, best_cost, best_hit = r, cost, hit
-        return best, "cache_hit" if best_hit else "load", best_hit
+                best, best_cost, best_hit, best_host = r, cost, hit, host
+        reason = "cache_hit" if best_hit else "host_cache_hit" if best_host else "load"
+        return best, reason, best_hit
 
     @contextlib.asynccontextmanager
     async def track(self, rid: str, replica: RemoteEngine, hashes: tuple[bytes, ...], pages: int):
@@ -307,6 +318,9 @@ class _RouterCollector(Collector):
                                           "Requests this gateway has in flight on the replica.", labels=labels),
             "cached": GaugeMetricFamily("xlaserve:replica_cached_pages",
                                         "Prefix-cache pages the router knows the replica holds.", labels=labels),
+            "host_cached": GaugeMetricFamily("xlaserve:replica_host_cached_pages",
+                                             "Host KV tier pages the router knows the replica holds.",
+                                             labels=labels),
         }
         inflight = collections.Counter(f.replica.url for f in self.router._inflight.values())
         for r in self.router.replicas:
@@ -320,6 +334,7 @@ class _RouterCollector(Collector):
                                        if s.prefix_cache_queries else 0.0)
             families["inflight"].add_metric(lv, inflight[r.url])
             families["cached"].add_metric(lv, len(r.kv_index.keys))
+            families["host_cached"].add_metric(lv, len(r.kv_index.host_keys))
         decisions = CounterMetricFamily("xlaserve:router_decisions", "Routing decisions by replica and reason.",
                                         labels=["model_name", "replica", "reason"])
         for (url, reason), n in sorted(self.router.decisions.items()):

@@ -105,6 +105,7 @@ def _logprobs_from_proto(m: pb.TokenLogprobs) -> TokenLogprobs:
 def tokens_to_proto(ev: TokenEvent) -> pb.Tokens:
     """The tokens and counts of an event (its finish reason and error go in Complete / Error)."""
     m = pb.Tokens(token_ids=ev.token_ids, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
+                  host_cached_tokens=ev.host_cached_tokens,
                   completion_tokens=ev.completion_tokens, num_preemptions=ev.num_preemptions,
                   num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
                   kv_transfer_bytes=ev.kv_transfer_bytes, kv_transfer_seconds=ev.kv_transfer_seconds)
@@ -142,6 +143,7 @@ def event_from_proto(request_id: str, m: pb.Tokens, finish_reason: str | None = 
     return TokenEvent(
         request_id=request_id, token_ids=tuple(m.token_ids), finish_reason=finish_reason,
         prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens, completion_tokens=m.completion_tokens,
+        host_cached_tokens=m.host_cached_tokens,
         first_token_time=m.first_token_time if m.HasField("first_token_time") else None,
         scheduled_time=m.scheduled_time if m.HasField("scheduled_time") else None,
         num_preemptions=m.num_preemptions, error=error,
@@ -159,7 +161,7 @@ def load_to_proto(s: EngineStats) -> pb.Load:
         kv_pages_used=s.kv_pages_used, kv_pages_total=s.kv_pages_total,
         prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
         prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-        num_preemptions=s.num_preemptions)
+        num_preemptions=s.num_preemptions, **_host_kv(s))
 
 
 def load_from_proto(m: pb.Load) -> EngineStats:
@@ -168,4 +170,13 @@ def load_from_proto(m: pb.Load) -> EngineStats:
         kv_cache_usage=m.kv_pages_used / m.kv_pages_total if m.kv_pages_total else 0.0,
         kv_pages_used=m.kv_pages_used, kv_pages_total=m.kv_pages_total,
         prefix_cache_queries=m.prefix_cache_queries, prefix_cache_hits=m.prefix_cache_hits,
-        num_preemptions=m.num_preemptions)
+        num_preemptions=m.num_preemptions, **_host_kv(m))
+
+
+_HOST_KV_FIELDS = ("host_kv_hits", "host_kv_stores", "host_kv_evictions", "host_kv_usage_bytes",
+                   "host_kv_capacity_bytes")
+
+
+def _host_kv(src) -> dict[str, int]:
+    """The host KV tier's counters of an ``EngineStats`` or ``pb.Load`` (same names in both)."""
+    return {f: getattr(src, f) for f in _HOST_KV_FIELDS}

@@ -122,10 +122,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         sub = self.engine.kv_events.subscribe()
         try:
             s = sub.snapshot
-            yield pb.KvEventBatch(seq=s.seq, snapshot=True, stored=s.stored)
+            yield pb.KvEventBatch(seq=s.seq, snapshot=True, stored=s.stored, host_stored=s.host_stored)
             while True:
                 b = await sub.next()
-                yield pb.KvEventBatch(seq=b.seq, stored=b.stored, removed=b.removed)
+                yield pb.KvEventBatch(seq=b.seq, stored=b.stored, removed=b.removed,
+                                      host_stored=b.host_stored, host_removed=b.host_removed)
         finally:
             sub.close()
 

@@ -103,40 +103,56 @@ class ReplicaKvIndex:
 
     Attributes:
       seq: the number of the last batch applied (None: no snapshot yet).
-      keys: the cached page hashes.
+      keys: the cached page hashes (device prefix cache).
+      host_keys: the page hashes in its host KV tier.
       resyncs: snapshots taken after the first (gaps, broken streams).
     """
 
     def __init__(self) -> None:
         self.seq: int | None = None
         self.keys: set[bytes] = set()
+        self.host_keys: set[bytes] = set()
         self.resyncs = 0
 
-    def reset(self, seq: int | None, keys=()) -> None:
+    def reset(self, seq: int | None, keys=(), host_keys=()) -> None:
         """Starts over from a snapshot (None: nothing known)."""
         if seq is not None and self.seq is not None:
             self.resyncs += 1
         self.seq = seq
         self.keys = set(keys)
+        self.host_keys = set(host_keys)
 
-    def apply(self, seq: int, stored=(), removed=()) -> bool:
+    def apply(self, seq: int, stored=(), removed=(), host_stored=(), host_removed=()) -> bool:
         """Applies batch ``seq``; False (nothing applied) when it is not the next one."""
         if self.seq is None or seq != self.seq + 1:
             return False
         self.keys.difference_update(removed)
         self.keys.update(stored)
+        self.host_keys.difference_update(host_removed)
+        self.host_keys.update(host_stored)
         self.seq = seq
         return True
 
     def matched_pages(self, hashes, pending=()) -> int:
-        """How many of the leading page ``hashes`` are cached (or in ``pending``, a container
-        of hashes about to be)."""
+        """How many of the leading page ``hashes`` are cached on device (or in ``pending``, a
+        container of hashes about to be)."""
         n = 0
         for h in hashes:
             if h not in self.keys and h not in pending:
                 break
             n += 1
         return n
+
+    def matched_tiers(self, hashes, pending=()) -> tuple[int, int]:
+        """(leading pages cached on device or pending, the host-tier pages right after them):
+        the replica reloads the latter instead of computing them (as its lookup does)."""
+        device = self.matched_pages(hashes, pending)
+        host = 0
+        for h in hashes[device:]:
+            if h not in self.host_keys:
+                break
+            host += 1
+        return device, host
 
 
 class RemoteEngine:
@@ -254,10 +270,11 @@ class RemoteEngine:
             try:
                 async for batch in call:
                     if batch.snapshot:
-                        self.kv_index.reset(batch.seq, batch.stored)
+                        self.kv_index.reset(batch.seq, batch.stored, batch.host_stored)
                     elif self.drop_next_kv_batch:
                         self.drop_next_kv_batch = False
-                    elif not self.kv_index.apply(batch.seq, batch.stored, batch.removed):
+                    elif not self.kv_index.apply(batch.seq, batch.stored, batch.removed,
+                                                 batch.host_stored, batch.host_removed):
                         log.warning("engine replica %s: KV event %d after %s: events lost, resubscribing",
                                     self.url, batch.seq, self.kv_index.seq)
                         break
