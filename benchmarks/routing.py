@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -43,9 +44,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
+def _start(args: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+    """``xlaserve ARGS`` in a child process logging to ``log``, on the CPUs ``cpus`` (all: None)."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen([sys.executable, "-m", "serving.cli", "--log-level", "WARNING", *args],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=pin)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
