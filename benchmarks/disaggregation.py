@@ -93,13 +93,14 @@ async def _load(url: str, args) -> dict:
         warm = [2] + [(5 * j + 1) % 400 + 10 for j in range(args.long_prompt - 1)]
         await _stream(client, model, warm, 8, None, None)
         t_start = time.perf_counter()
-        long_ttft, moved = [], []
+        long_ttft, moved, pulled = [], [], []
         for k in range(args.long_prompts):
             prompt = [2] + [(7 * j + 97 * (k + 1)) % 400 + 10 for j in range(args.long_prompt - 1)]
             ttft, rid = await _stream(client, model, prompt, 8, None, None)
             long_ttft.append(ttft)
             trace = (await client.get(f"/v1/requests/{rid}")).json()
             moved.append(trace.get("kv_transfer_bytes", 0))
+            pulled.append(trace.get("kv_transfer_seconds", 0.0))
         t_end = time.perf_counter()
         stop.set()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -108,7 +109,7 @@ async def _load(url: str, args) -> dict:
             "itl_max_ms": 1e3 * max(window), "itl_samples": len(window),
             "long_ttft_p50_s": percentile(long_ttft, 50), "long_ttft_max_s": max(long_ttft),
             "long_ttft_s": long_ttft,
-            "kv_bytes_per_prompt": sum(moved) / len(moved)}
+            "kv_bytes_per_prompt": sum(moved) / len(moved), "kv_transfer_s": pulled}
 
 
 def run_mode(mode: str, args, tmp: Path) -> dict:
