@@ -185,6 +185,7 @@ class EngineLoop:
         self._inbox_tokens: collections.deque[int] = collections.deque()
         self._open_slots = cfg.max_slots
         self._stats = EngineStats()  # replaced (not mutated) by the loop thread each turn
+        self._pings: list[asyncio.Future] = []  # taken in this turn, resolved after its stats
         self._num_preemptions = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -271,7 +272,9 @@ class EngineLoop:
         self._inbox.put(("wake", None))
 
     def ping(self) -> asyncio.Future:
-        """A future the loop thread resolves (to None) at its next turn: proof that it turns."""
+        """A future the loop thread resolves (to None) at its next turn: proof that it turns.
+        Resolved once that turn has published its stats, so :meth:`stats` read after it
+        reflects every submit and cancel made before the ping."""
         fut = asyncio.get_running_loop().create_future()
         self._inbox.put(("ping", fut))
         return fut
@@ -436,7 +439,7 @@ class EngineLoop:
                 if seq is not None:
                     self._finish(seq, "cancelled")
             elif kind == "ping":
-                item.get_loop().call_soon_threadsafe(lambda f=item: f.done() or f.set_result(None))
+                self._pings.append(item)
 
     def _run(self) -> None:
         pending: list = []
@@ -511,6 +514,9 @@ class EngineLoop:
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
             **host_kv_stats(self.host_kv))
+        for fut in self._pings:
+            fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+        self._pings.clear()
         if self.on_step is not None:
             self.on_step(plan)
         failed: list[tuple[_Sequence, str]] = []  # matchers that failed while filling masks
