@@ -35,8 +35,8 @@ Structured output: a constrained request's mask for step n+1 depends on its
 token of step n, so while one runs, the loop reads back the previous turn's
 tokens *before* planning (the pipelining above is given up only then), feeds
 them to the requests' llguidance matchers and fills the step's token bitmask
-on the host (``serving.structured_output``, in llguidance's threads) before
-dispatching. A matcher that fails ends its request with "error", not the loop.
+on the host (``serving.structured_steps`` over ``serving.structured_output``, in
+llguidance's threads) before dispatching. A matcher that fails ends its request with "error", not the loop.
 
 Speculative decoding (``EngineConfig.speculative``): a verify step's rows are
 dispatched and read back by ``serving.speculative_steps``, which also says
@@ -99,6 +99,7 @@ from serving.logprobs import HostLogprobs, PromptLogprobs
 from serving.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.speculative_steps import SpecCounters, dispatch_verify, process_verify
 from serving.step_plan import StepPlan
+from serving.structured_steps import request_matcher, step_mask
 from serving.tokenizer_protocol import TextTokenizer
 from serving.verify_step import VerifyOutput
 
@@ -236,7 +237,7 @@ class EngineLoop:
         self._validate(request)
         n = len(request.prompt_ids)
         s = request.sampling
-        matcher = self._matcher(request)
+        matcher = request_matcher(self.tokenizer, request)
         seed = random.getrandbits(32) if s.seed is None else int(s.seed) & 0xFFFFFFFF
         stop_ids = () if s.ignore_eos else tuple(s.stop_token_ids)
         settings = sampling_request.settings(s, seed, self.engine.model_cfg.vocab_size, stop_ids)
@@ -323,25 +324,6 @@ class EngineLoop:
         finally:
             if not done:  # the consumer went away: stop generating
                 self._inbox.put(("cancel", seq.req.request_id))
-
-    def _matcher(self, request: EngineRequest):
-        """The request's llguidance matcher (None: unconstrained); compiled grammars are cached.
-
-        Raises:
-          RequestRejectedError: the constraint does not compile, or this loop has no tokenizer.
-        """
-        so = request.sampling.structured_output
-        if so is None:
-            return None
-        if self.tokenizer is None:
-            raise RequestRejectedError("structured output needs the engine's tokenizer")
-        # llguidance is imported only here: an engine without it still runs.
-        from serving.structured_output import StructuredOutputError, grammars_for
-
-        try:
-            return grammars_for(self.tokenizer).matcher(so)
-        except StructuredOutputError as e:
-            raise RequestRejectedError(f"invalid structured output ({so.kind}): {e}") from None
 
     def _validate(self, request: EngineRequest) -> None:
         cfg = self.cfg
@@ -534,23 +516,10 @@ class EngineLoop:
         return dispatched
 
     def _token_mask(self, seqs: list[_Sequence], samples: list[bool], failed: list):
-        """The structured-output bitmask of a step's rows ([rows, W] int32), or None when
-        no row that samples is constrained. A matcher in error is appended to `failed`
-        (its row left unconstrained)."""
+        """The step's structured-output bitmask (``serving.structured_steps.step_mask``)."""
         if not self._constrained:
             return None
-        matchers = [(seq.matcher, i) for i, (seq, s) in enumerate(zip(seqs, samples))
-                    if s and seq.matcher is not None and seq.armed_by is None]
-        if not matchers:
-            return None
-        from serving.structured_output import grammars_for
-
-        mask = grammars_for(self.tokenizer).fill(matchers, len(seqs), self.engine.model_cfg.vocab_size)
-        for m, i in matchers:
-            if m.is_error():
-                failed.append((seqs[i], f"structured output failed: {m.get_error()}"))
-                mask[i] = -1
-        return mask
+        return step_mask(self.tokenizer, self.engine.model_cfg.vocab_size, seqs, samples, failed)
 
     def _dispatch_prefill(self, plan: StepPlan, failed: list):
         """Dispatches the plan's prefill rows; returns (output, [(seq, i)] for rows that sample,

@@ -25,6 +25,7 @@ from serving.engine_client import EngineRequest, RequestRejectedError, SamplingP
 from serving.engine_loop import EngineLoop
 from serving.sampling import SamplingArrays, sample
 from serving.structured_output import Grammars, StructuredOutputError
+from serving.structured_steps import request_matcher
 from serving.token_bitmask import apply_token_bitmask, mask_words, pad_rows
 from tests.engine_helpers import collect
 
@@ -228,10 +229,8 @@ def test_invalid_constraint_or_no_tokenizer_is_rejected_at_submit(loop, tiny_tok
 
     with pytest.raises(RequestRejectedError, match="regex"):
         asyncio.run(submit(loop, StructuredOutput("regex", "a(b")))
-    bare = EngineLoop.__new__(EngineLoop)
-    bare.tokenizer = None
-    with pytest.raises(RequestRejectedError, match="tokenizer"):
-        bare._matcher(_req("x", tiny_tokenizer, StructuredOutput("regex", "a")))
+    with pytest.raises(RequestRejectedError, match="tokenizer"):  # an engine loop built without one
+        request_matcher(None, _req("x", tiny_tokenizer, StructuredOutput("regex", "a")))
 
 
 def test_gateway_over_the_engine_loop_returns_constrained_text(loop, tiny_tokenizer):
