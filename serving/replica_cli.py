@@ -72,7 +72,9 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
     async def serve() -> None:
         service = EngineService(loop, info)
         server, port = await start_server(service, args.host, args.grpc_port)
-        log.info("engine replica of %s serving gRPC on %s:%d", info.model, args.host, port)
+        log.info("engine replica of %s serving gRPC on %s:%d, role %s%s", info.model, args.host, port, args.role,
+                 f", KV transport {info.kv_transport} (--kv-transport {args.kv_transport})"
+                 if info.kv_transport else "")
         if not _is_loopback(args.host):
             log.warning("the engine service has no authentication: keep %s:%d on a private network",
                         args.host, port)
@@ -107,6 +109,7 @@ def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, bal
     import grpc
 
     from model.tokenizer_files import tokenizer_from_files
+    from serving.gateway import disaggregation
     from serving.gateway.router import Router
     from serving.rpc.remote_engine import RemoteEngine, fetch_model_info, parse_engine_url
 
@@ -131,5 +134,10 @@ def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, bal
     router = Router(replicas, policy=policy, prefill_weight=prefill_weight, balance_abs=balance_abs,
                     balance_rel=balance_rel)
     tokenizer = tokenizer_from_files(dict(first.tokenizer_files))
-    log.info("routing %s (%s) over %d engine replicas, %d answering", first.model, policy, len(urls), len(infos))
+    roles = ", ".join(f"{u} {i.role or 'both'}" + (f" (KV over {i.kv_transport})" if i.role in ("prefill", "decode")
+                                                    else "") for u, i in infos.items())
+    log.info("routing %s (%s) over %d engine replicas, %d answering: %s", first.model, policy, len(urls),
+             len(infos), roles)
+    for why in disaggregation.unpaired(replicas):
+        log.warning("%s", why)
     return router, tokenizer, first.model, first

@@ -17,24 +17,26 @@ from serving.engine_client import (
     StructuredOutput,
     TokenEvent,
 )
+from serving.gateway import disaggregation
 from serving.gateway.router import Router
 from serving.rpc import engine_pb2 as pb
 from serving.rpc.remote_engine import ReplicaUnavailable
 from tests.test_router import INFO, FakeReplica, drain, prompt
 
 
-def info(role: str) -> pb.ModelInfo:
+def info(role: str, kv_transport: str = "jax") -> pb.ModelInfo:
     m = pb.ModelInfo()
     m.CopyFrom(INFO)
     m.role = role
+    m.kv_transport = kv_transport
     return m
 
 
 class FakePrefill(FakeReplica):
     """Answers a kv_produce request with an offer (and its own cached tokens)."""
 
-    def __init__(self, name: str):
-        super().__init__(name, info("prefill"))
+    def __init__(self, name: str, kv_transport: str = "jax"):
+        super().__init__(name, info("prefill", kv_transport))
         self.requests: list[EngineRequest] = []
         self.released: list[str] = []
         self.fail_with_error = False
@@ -47,7 +49,7 @@ class FakePrefill(FakeReplica):
         if self.fail_with_error:
             yield TokenEvent(req.request_id, (), "error", error="prefill failed: boom")
             return
-        offer = KvTransferParams(f"t-{req.request_id}", "jax", 32, 16, (1, 1, 16, 8), "bfloat16")
+        offer = KvTransferParams(f"t-{req.request_id}", self.kv_transport, 32, 16, (1, 1, 16, 8), "bfloat16")
         yield TokenEvent(req.request_id, (5,), "length", prompt_tokens=len(req.prompt_ids), cached_tokens=16,
                          completion_tokens=1, scheduled_time=100.0, kv_transfer=offer)
 
@@ -56,8 +58,8 @@ class FakePrefill(FakeReplica):
 
 
 class FakeDecode(FakeReplica):
-    def __init__(self, name: str):
-        super().__init__(name, info("decode"))
+    def __init__(self, name: str, kv_transport: str = "jax"):
+        super().__init__(name, info("decode", kv_transport))
         self.requests: list[EngineRequest] = []
 
     async def generate(self, req):
@@ -172,3 +174,22 @@ def test_cancel_during_the_decode_hop_aborts_on_the_decode_replica():
 
     asyncio.run(main())
     assert d.aborted == ["c"] and p.aborted == []
+
+
+def test_only_replicas_of_one_kv_transport_pair():
+    """A decode replica is chosen among those that pull over the offer's transport; a prefill
+    replica no decode replica can pull from takes no prompts, and the gateway says why."""
+    pj, pg, dj, dg = FakePrefill("pj"), FakePrefill("pg", "grpc"), FakeDecode("dj"), FakeDecode("dg", "grpc")
+    dj.load = dataclasses.replace(dj.load, num_running=5)  # busier: least load alone would pick dg
+    router = Router([pj, dg, dj], policy="round-robin")
+    for i in range(3):
+        asyncio.run(drain(router, request(f"r{i}")))
+    assert len(pj.requests) == 3 and len(dj.requests) == 3 and not dg.requests
+    assert all(r.kv_transfer.transport == "jax" for r in dj.requests)
+    assert disaggregation.unpaired([pj, dg, dj]) == []
+
+    lone = Router([pg, dj])  # nothing pulls over grpc: the decode replica computes prompts itself
+    evs = asyncio.run(drain(lone, request("x")))
+    assert evs[-1].finish_reason == "length" and not pg.requests and dj.requests[-1].kv_transfer is None
+    [why] = disaggregation.unpaired([pg, dj])
+    assert pg.url in why and "--kv-transport" in why and "'grpc'" in why and "'jax'" in why

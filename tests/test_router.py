@@ -30,6 +30,7 @@ class FakeReplica:
         self.kv_index.reset(0)
         self.page_size = info.page_size
         self.role = info.role or "both"
+        self.kv_transport = info.kv_transport
         self.fail_before_first = False
         self.overloaded = False
         self.gate: asyncio.Event | None = None  # set: generate waits for it before finishing

@@ -14,7 +14,9 @@ Given up replicas of role ``prefill`` and of role ``decode`` (``GetModelInfo``),
    the prompt, samples and decodes. Its events are the request's, carrying
    ``prefill_replica`` and the bytes and seconds of the pull.
 
-Requests that need the prompt computed in their own slot (prompt log
+Only replicas with the same ``--kv-transport`` pair (a prefill replica no decode
+replica can pull from takes no prompts; :func:`unpaired` says why, in the
+gateway's start-up log). Requests that need the prompt computed in their own slot (prompt log
 probabilities, penalties: they take no prefix-cache hit) and the ``n`` choices
 of one prompt go to a decode replica whole. A prefill replica that fails before
 answering is replaced by the next (none left: the decode replica computes the
@@ -74,10 +76,26 @@ class TransferStats:
                 self.buckets[i] += 1
 
 
-def pools(replicas: Sequence[RemoteEngine]) -> tuple[list[RemoteEngine], list[RemoteEngine]]:
-    """The up replicas of role prefill, and of role decode."""
+def pools(replicas: Sequence[RemoteEngine], transport: str | None = None
+          ) -> tuple[list[RemoteEngine], list[RemoteEngine]]:
+    """The up replicas of role prefill that some up decode replica can pull from (the same
+    ``--kv-transport``), and the up decode replicas (of ``transport`` if given)."""
     up = [r for r in replicas if r.up]
-    return [r for r in up if r.role == "prefill"], [r for r in up if r.role == "decode"]
+    decodes = [r for r in up if r.role == "decode" and transport in (None, r.kv_transport)]
+    pullable = {r.kv_transport for r in decodes}
+    return [r for r in up if r.role == "prefill" and r.kv_transport in pullable], decodes
+
+
+def unpaired(replicas: Sequence[RemoteEngine]) -> list[str]:
+    """Why some prefill replicas can hand their pages to no decode replica (mismatched
+    ``--kv-transport``), one line each; empty when every prefill replica pairs."""
+    replicas = [r for r in replicas if r.info is not None]  # (those that answered)
+    decode_transports = {r.kv_transport for r in replicas if r.role == "decode"}
+    if not decode_transports:
+        return []
+    return [f"prefill replica {r.url} offers KV pages over {r.kv_transport!r}, but the decode replicas "
+            f"pull over {', '.join(sorted(map(repr, decode_transports)))}: give them the same --kv-transport"
+            for r in replicas if r.role == "prefill" and r.kv_transport not in decode_transports]
 
 
 async def disaggregated(router: "Router", request: EngineRequest, hashes: tuple[bytes, ...]
@@ -119,7 +137,7 @@ async def disaggregated(router: "Router", request: EngineRequest, hashes: tuple[
     decode_req = request if offer is None else dataclasses.replace(request, kv_transfer=offer)
     tried_decode: list[RemoteEngine] = []
     while True:
-        _, decodes = pools(router.replicas)
+        _, decodes = pools(router.replicas, offer.transport if offer is not None else None)
         candidates = [r for r in decodes if r not in tried_decode]
         if not candidates:
             if offer is not None:

@@ -206,6 +206,11 @@ class RemoteEngine:
         """both | prefill | decode (``GetModelInfo``; both for replicas that predate roles)."""
         return self.info.role or "both"
 
+    @property
+    def kv_transport(self) -> str:
+        """How it moves KV pages: jax | grpc ("" for a replica that takes no part)."""
+        return self.info.kv_transport
+
     # -- lifecycle ---------------------------------------------------------------
 
     async def open(self) -> None:
