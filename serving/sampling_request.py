@@ -55,7 +55,8 @@ def validate_request(request: EngineRequest, vocab: int, max_model_len: int, usa
     if pages > usable_pages:
         raise RequestRejectedError(
             f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) needs {pages} KV-cache pages "
-            f"but the cache has {usable_pages}; lower max_tokens")
+            f"but the cache has {usable_pages}; "
+            + ("lower max_tokens" if pages_needed(n) <= usable_pages else "shorten the prompt"))
     if request.priority not in priorities:
         raise RequestRejectedError(f"priority must be one of {sorted(priorities)}")
     bad = [t for t in request.prompt_ids if not 0 <= t < vocab]

@@ -285,8 +285,14 @@ def test_rejects_what_can_never_fit_the_cache():
     async def submit():
         lp.submit(request(prompt(40), max_tokens=40))
 
-    with pytest.raises(RequestRejectedError, match="needs 10 KV-cache pages but the cache has 7"):
+    with pytest.raises(RequestRejectedError, match="needs 10 KV-cache pages but the cache has 7; lower max_tokens"):
         asyncio.run(submit())
+
+    async def submit_long():
+        lp.submit(request(prompt(64), max_tokens=1))  # the prompt alone needs 8 pages
+
+    with pytest.raises(RequestRejectedError, match="needs 9 KV-cache pages but the cache has 7; shorten the prompt"):
+        asyncio.run(submit_long())
 
 
 def test_kv_capacity_is_what_a_request_can_hold_alone():
