@@ -72,8 +72,10 @@ def _overrides(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def build_engine(cfg, warmup: bool = True):
-    """Loads the model and starts the batching loop. Returns (EngineLoop, tokenizer, model name)."""
+def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
+    """Loads the model and starts the batching loop (``warmup``: compiling the common shapes
+    first, the decode ones only with ``warmup_decode``). Returns (EngineLoop, tokenizer,
+    model name)."""
     from serving.backend_policy import BackendPolicy
     from serving.engine import Engine
     from serving.engine_config import EngineConfig
@@ -94,7 +96,7 @@ def build_engine(cfg, warmup: bool = True):
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching,
                       max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer,
                       host_kv_cache_bytes=int(cfg.host_kv_cache_gib * GIB))
-    loop.start(warmup=warmup)
+    loop.start(warmup=warmup, warmup_decode=warmup_decode)
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
     return loop, tokenizer, model.cfg.name

@@ -364,13 +364,14 @@ class Engine:
         self._in_flight = out
         return out
 
-    def warmup(self) -> None:
+    def warmup(self, decode: bool = True) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:
         every prefill (token bucket, page-table width) that fresh prompts packed
-        up to ``max_prefill_seqs`` per step can reach, and every decode
-        (batch, page-table width) bucket, so no running stream stalls on a
+        up to ``max_prefill_seqs`` per step can reach, and (``decode``) every decode
+        and verify (batch, page-table width) bucket, so no running stream stalls on a
         compile. Prefill of later chunks (a prefix in the cache) compiles on
-        first use. Writes go to the null page 0 only, so the cache is unaffected."""
+        first use. Writes go to the null page 0 only, so the cache is unaffected.
+        ``decode=False`` is for a replica that only computes prompts (``--role prefill``)."""
         cfg = self.cfg
         null_pages = (0,) * cfg.max_pages_per_seq
         T = 16
@@ -384,6 +385,9 @@ class Engine:
                 self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
                               for i, n in enumerate(lens)])
             T *= 2
+        if not decode:
+            jax.block_until_ready(self.state.slot_tokens)
+            return
         for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}):
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
                 position = min(P * cfg.page_size, cfg.max_model_len) - 1

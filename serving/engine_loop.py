@@ -282,11 +282,12 @@ class EngineLoop:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def start(self, warmup: bool = True) -> None:
-        """Starts the loop thread (after an optional warmup compile of the common shapes)."""
+    def start(self, warmup: bool = True, warmup_decode: bool = True) -> None:
+        """Starts the loop thread (after an optional warmup compile of the common shapes;
+        the decode ones only with ``warmup_decode``)."""
         if warmup:
             t0 = time.perf_counter()
-            self.engine.warmup()
+            self.engine.warmup(decode=warmup_decode)
             log.info("warmup compiled %d programs in %.1f s", len(self.engine.compile_times),
                      time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._run, name="xlaserve-engine", daemon=True)

@@ -56,7 +56,8 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
         return run_follower(cfg)
     if args.role == "decode" and cfg.enable_prefix_caching is False:
         raise ValueError("--role decode needs the prefix cache: received KV pages enter it")
-    loop, tokenizer, name = build_engine(cfg)
+    # A prefill replica's requests end at their first token: its decode programs compile on first use.
+    loop, tokenizer, name = build_engine(cfg, warmup_decode=args.role != "prefill")
     if loop.engine.lockstep is None:
         from serving.kv_connector import KvConnector
         from serving.kv_transport import Transport, resolve
