@@ -16,9 +16,9 @@ Given up replicas of role ``prefill`` and of role ``decode`` (``GetModelInfo``),
 
 Only replicas with the same ``--kv-transport`` pair (a prefill replica no decode
 replica can pull from takes no prompts; :func:`unpaired` says why, in the
-gateway's start-up log). Requests that need the prompt computed in their own slot (prompt log
-probabilities, penalties: they take no prefix-cache hit) and the ``n`` choices
-of one prompt go to a decode replica whole. A prefill replica that fails before
+gateway's start-up log). Requests that need the prompt computed in their own
+slot (prompt log probabilities, penalties: they take no prefix-cache hit) and
+the ``n`` choices of one prompt go to a decode replica whole. A prefill replica that fails before
 answering is replaced by the next (none left: the decode replica computes the
 prompt itself); a decode replica that fails before its first event is replaced
 by the next, which pulls the same offer (it waits on the prefill side until its
