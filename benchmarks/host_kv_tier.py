@@ -106,6 +106,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-
 if __name__ == "__main__":
     main()

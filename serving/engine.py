@@ -385,14 +385,11 @@ class Engine:
                 self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
                               for i, n in enumerate(lens)])
             T *= 2
-        if not decode:
-            jax.block_until_ready(self.state.slot_tokens)
-            return
-        for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}):
+        for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}) if decode else ():
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
                 position = min(P * cfg.page_size, cfg.max_model_len) - 1
                 self.decode([DecodeRow("warmup", 0, position, null_pages, GREEDY)] * B)
-        spec = cfg.speculative
+        spec = cfg.speculative if decode else None
         if spec is not None:  # verify buckets up to the batch size that speculates
             drafts = (0,) * spec.num_tokens
             for B in sorted({batch_bucket(n, cfg) for n in range(1, min(spec.max_batch, cfg.max_slots) + 1)}):

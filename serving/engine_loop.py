@@ -36,7 +36,8 @@ token of step n, so while one runs, the loop reads back the previous turn's
 tokens *before* planning (the pipelining above is given up only then), feeds
 them to the requests' llguidance matchers and fills the step's token bitmask
 on the host (``serving.structured_steps`` over ``serving.structured_output``, in
-llguidance's threads) before dispatching. A matcher that fails ends its request with "error", not the loop.
+llguidance's threads) before dispatching. A matcher that fails ends its request
+with "error", not the loop.
 
 Speculative decoding (``EngineConfig.speculative``): a verify step's rows are
 dispatched and read back by ``serving.speculative_steps``, which also says

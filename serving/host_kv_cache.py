@@ -62,9 +62,7 @@ class HostKVCache:
         """Whether ``key`` is held (neither counted nor touched in the LRU order)."""
         return key in self._entries
 
-    def contains(self, key: bytes) -> bool:
-        """Same as ``key in cache`` (a callable for ``KVCacheManager(host=...)``)."""
-        return key in self._entries
+    contains = __contains__  # (the callable ``KVCacheManager(host=...)`` asks)
 
     def keys(self) -> list[bytes]:
         """The held keys, least recently used first."""

@@ -83,6 +83,9 @@ class ServerConfig:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if not self.host_kv_cache_gib >= 0:
             raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib!r}")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib needs the prefix cache (host pages are found by prefix hash): "
+                             "turn prefix caching on or the host tier off")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),

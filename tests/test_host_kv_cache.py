@@ -343,3 +343,13 @@ def dataclasses_replace_usage(s):
     import dataclasses
 
     return dataclasses.replace(s, kv_cache_usage=0.0)
+
+
+def test_a_host_tier_without_the_prefix_cache_or_below_zero_is_refused():
+    from serving.server_config import ServerConfig
+
+    with pytest.raises(ValueError, match="needs the prefix cache"):
+        ServerConfig(host_kv_cache_gib=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match=">= 0"):
+        ServerConfig(host_kv_cache_gib=-1)
+    assert ServerConfig(host_kv_cache_gib=0, enable_prefix_caching=False).host_kv_cache_gib == 0
