@@ -38,7 +38,7 @@ def model_gguf_path(name: str) -> Path:
     """The GGUF file behind a configs/models.yaml name (or a .gguf path itself)."""
     if name.endswith(".gguf"):
         return Path(name)
-    from serving.model_registry import known_models
+    from serving.loading.model_registry import known_models
 
     spec = known_models()[name]
     if spec["source"] != "gguf-package":

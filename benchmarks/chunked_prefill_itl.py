@@ -14,7 +14,7 @@ import asyncio
 import statistics
 
 from benchmarks.common import build_engine, percentile, timed_request
-from serving.engine_loop import EngineLoop
+from serving.runtime.engine_loop import EngineLoop
 
 
 def main() -> None:

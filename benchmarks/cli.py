@@ -26,7 +26,7 @@ _COMMANDS = {
 
 def register(subparsers) -> None:
     """Adds ``bench`` to the xlaserve command's subparsers (an ``xlaserve.commands`` entry point,
-    pyproject.toml: serving/cli.py finds it without importing this package)."""
+    pyproject.toml: serving/cli/main.py finds it without importing this package)."""
     bench = subparsers.add_parser("bench", help="benchmarks: " + ", ".join(_COMMANDS),
                                   description=__doc__.splitlines()[0])
     bench.add_argument("benchmark", choices=sorted(_COMMANDS))

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 
-from serving.engine_client import EngineRequest, SamplingParams
+from serving.contract.engine_client import EngineRequest, SamplingParams
 
 
 def build_engine(model: str, dtype: str = "float32", **engine_overrides):
     """(Engine, tokenizer) with the server's defaults, overridden by engine_overrides."""
-    from serving.engine import Engine
-    from serving.engine_config import EngineConfig
-    from serving.model_registry import load_model
-    from serving.compilation_cache import enable_compilation_cache
+    from serving.engine.engine import Engine
+    from serving.config.engine_config import EngineConfig
+    from serving.loading.model_registry import load_model
+    from serving.engine.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     m, tok = load_model(model, dtype=dtype, progress=False)

@@ -21,8 +21,8 @@ import statistics
 
 from benchmarks.engine import SHAPES, make_engine, random_model, time_decode
 from kernels_pallas.dot_rows import DotRows
-from serving.backend_policy import BackendPolicy
-from serving.engine import Engine
+from serving.engine.backend_policy import BackendPolicy
+from serving.engine.engine import Engine
 
 
 def _parse_rows(text: str) -> DotRows:

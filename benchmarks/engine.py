@@ -105,8 +105,8 @@ def variant_parts(label: str) -> tuple[str, str]:
 
 def load_named_model(name: str, dtype: str, quantization: str = "none"):
     """(model, tokenizer) from configs/models.yaml or a GGUF path (needs the gguf extra)."""
-    from serving.model_registry import load_model
-    from serving.compilation_cache import enable_compilation_cache
+    from serving.loading.model_registry import load_model
+    from serving.engine.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     return load_model(name, dtype=dtype, progress=False, quantization=quantization)
@@ -117,9 +117,9 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
     """An Engine sized for ``max_slots`` sequences of ``max_context`` tokens, KV in ``dtype``
     (``whole_table_attention``: sliding layers' decode reads the whole page table, the
     formulation before the window gather, as a baseline)."""
-    from serving.backend_policy import BackendPolicy
-    from serving.engine import Engine
-    from serving.engine_config import EngineConfig
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.engine.engine import Engine
+    from serving.config.engine_config import EngineConfig
 
     policy = BackendPolicy.detect()
     if whole_table_attention:
@@ -134,7 +134,7 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
 
 def decode_rows(engine, slots: int, context: int) -> list:
     """``slots`` decode rows at ``context`` tokens, each on its own pages."""
-    from serving.step_plan import DecodeRow
+    from serving.core.sched.step_plan import DecodeRow
 
     per_seq = -(-context // engine.cfg.page_size)
     return [DecodeRow(f"bench-{s}", s, context - 1, tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)))
@@ -158,7 +158,7 @@ def time_decode(engine, slots: int, context: int, steps: int, repeats: int) -> f
 
 def time_prefill(engine, tokens: int, repeats: int) -> float:
     """Seconds for one prefill step of a ``tokens``-token prompt at position 0 (median)."""
-    from serving.step_plan import PrefillRow
+    from serving.core.sched.step_plan import PrefillRow
 
     ps = engine.cfg.page_size
     pages = tuple(range(1, 1 + -(-tokens // ps)))
@@ -272,7 +272,7 @@ def run_baselines(args, report: dict) -> None:
 
 
 def _start_loop(model, dtype: str, slots: int, max_len: int):
-    from serving.engine_loop import EngineLoop
+    from serving.runtime.engine_loop import EngineLoop
 
     loop = EngineLoop(make_engine(model, dtype, slots, max_len))
     loop.start(warmup=False)

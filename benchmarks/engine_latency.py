@@ -14,7 +14,7 @@ import asyncio
 import statistics
 import time
 
-from serving.engine_client import EngineRequest, SamplingParams
+from serving.contract.engine_client import EngineRequest, SamplingParams
 
 
 async def _one(loop, rid: str, prompt: list[int], max_tokens: int):
@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from serving.cli import build_engine
-    from serving.server_config import load_server_config
+    from serving.cli.main import build_engine
+    from serving.config.server_config import load_server_config
 
     cfg = load_server_config(model=args.model, dtype=args.dtype, max_slots=max(8, max(args.streams)),
                              num_pages=2048)

@@ -21,10 +21,10 @@ from typing import AsyncIterator
 
 import httpx
 
-from serving.engine_client import EngineRequest, TokenEvent
-from serving.gateway.api_keys import Limits
+from serving.contract.engine_client import EngineRequest, TokenEvent
+from serving.gateway.accounts.api_keys import Limits
 from serving.gateway.app import ServedModel, create_app
-from serving.gateway.services import GatewayServices
+from serving.gateway.services.gateway_services import GatewayServices
 
 
 class InstantEngine:

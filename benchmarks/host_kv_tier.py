@@ -22,9 +22,9 @@ import statistics
 import time
 
 from benchmarks.common import build_engine
-from serving.engine_client import EngineRequest, SamplingParams
-from serving.engine_loop import EngineLoop
-from serving.host_kv_cache import GIB
+from serving.contract.engine_client import EngineRequest, SamplingParams
+from serving.runtime.engine_loop import EngineLoop
+from serving.core.kv.host_kv_cache import GIB
 
 
 def synthetic_prompt(n: int, offset: int, vocab: int) -> list[int]:

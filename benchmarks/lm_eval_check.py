@@ -49,7 +49,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TASK_DIR = Path("benchmarks") / "lm_eval_task"  # relative to the repository root, as the YAML's data paths
 TASKS = ("xlaserve_mc", "xlaserve_ppl")
-# The server's shape: that of tests/test_server_e2e.py, so its compiled programs are reused.
+# The server's shape: that of tests/e2e/test_server_e2e.py, so its compiled programs are reused.
 SERVER_ARGS = ["--dtype", "float32", "--max-slots", "8", "--num-pages", "1024", "--max-model-len", "2048"]
 STARTUP_TIMEOUT_S = 600.0
 
@@ -81,7 +81,7 @@ def serve(model: str, log_path: Path, db_path: Path):
       RuntimeError: the server exited or was not healthy within STARTUP_TIMEOUT_S (its log's tail).
     """
     port = _free_port()
-    cmd = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", "--model", model,
+    cmd = [sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve", "--model", model,
            *SERVER_ARGS, "--port", str(port), "--database-url", f"sqlite:///{db_path}"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -165,8 +165,8 @@ def compare(logged: list[Logged], model_name: str, tolerance: float) -> tuple[li
     import numpy as np
 
     from benchmarks.lm_eval_reference import ReferenceScorer, encode_pair
-    from serving.compilation_cache import enable_compilation_cache
-    from serving.model_registry import load_model
+    from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.loading.model_registry import load_model
 
     enable_compilation_cache()
     model, tok = load_model(model_name, dtype="float32", progress=False)

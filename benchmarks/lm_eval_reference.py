@@ -39,7 +39,7 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
     """(context ids, continuation ids) as lm-eval's ``_encode_pair`` splits them (causal models).
 
     Args:
-      tok: the served tokenizer (``serving.tokenizer_protocol.TextTokenizer``).
+      tok: the served tokenizer (``serving.contract.tokenizer_protocol.TextTokenizer``).
       context: non-empty conditioning text.
       continuation: the text scored.
     """

@@ -175,9 +175,9 @@ def bench_attention(args) -> None:
 def bench_engine(args) -> None:
     """The engine's prefill step, random Gemma 3 270M weights, per (S, formulation, workload)."""
     from benchmarks.engine import random_model
-    from serving.engine import Engine
-    from serving.engine_config import EngineConfig
-    from serving.step_plan import PrefillRow
+    from serving.engine.engine import Engine
+    from serving.config.engine_config import EngineConfig
+    from serving.core.sched.step_plan import PrefillRow
 
     model = random_model("gemma3-270m", args.dtype)
     vocab = model.cfg.vocab_size
@@ -218,13 +218,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def serve(serve_args: list[str], log_path: Path, timeout_s: float):
-    """Runs `python -m serving.cli serve ARGS` on a free loopback port until /health is 200;
-    yields its /v1 base URL and kills it on exit (as tests/server_process.py does)."""
+    """Runs `python -m serving.cli.main serve ARGS` on a free loopback port until /health is 200;
+    yields its /v1 base URL and kills it on exit (as tests/support/server_process.py does)."""
     import httpx
 
     port = _free_port()
     log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve",
                              *serve_args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -263,7 +263,7 @@ def _load_runs(base_url: str, model: str, runs: list[tuple[int, float, int]]) ->
 
 def bench_http(args) -> None:
     """Two servers, one prompt per step and the default, the same load on each."""
-    from serving.server_config import load_server_config
+    from serving.config.server_config import load_server_config
 
     default_seqs = load_server_config().max_prefill_seqs
     runs = [(32, args.short_words, args.max_tokens), (8, args.long_words, args.max_tokens)]

@@ -47,7 +47,7 @@ def _free_port() -> int:
 def _start(args: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
     """``xlaserve ARGS`` in a child process logging to ``log``, on the CPUs ``cpus`` (all: None)."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen([sys.executable, "-m", "serving.cli", "--log-level", "WARNING", *args],
+    return subprocess.Popen([sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=pin)
 
 

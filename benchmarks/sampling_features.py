@@ -21,8 +21,8 @@ import time
 import jax
 
 from benchmarks.engine import SHAPES, make_engine, random_model
-from serving.engine_client import MAX_LOGIT_BIAS, MAX_LOGPROBS
-from serving.step_plan import DecodeRow, SamplingSettings
+from serving.contract.engine_client import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from serving.core.sched.step_plan import DecodeRow, SamplingSettings
 
 FEATURES = {
     "plain": SamplingSettings(),

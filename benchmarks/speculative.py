@@ -80,7 +80,7 @@ def prose_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
 
 def run_streams(loop, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy requests, all at once; decode tokens/s, the ids, and the loop's speculation counts."""
-    from serving.engine_client import EngineRequest, SamplingParams
+    from serving.contract.engine_client import EngineRequest, SamplingParams
 
     before = dataclasses.replace(loop.spec_counters)
 
@@ -131,8 +131,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from benchmarks.common import build_engine
-    from serving.engine_loop import EngineLoop
-    from serving.speculative import SpeculativeConfig
+    from serving.runtime.engine_loop import EngineLoop
+    from serving.core.sched.speculative import SpeculativeConfig
 
     print(f"load average at the start: {_loadavg()}", flush=True)
     max_streams = max(args.streams)

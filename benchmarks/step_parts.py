@@ -68,16 +68,16 @@ def decode_parts(engine, model, rows, step_seconds: float, repeats: int = 3) -> 
     """Times the attention and the output head of the decode step of ``rows`` alone.
 
     Args:
-      engine: the ``serving.engine.Engine`` whose step was timed (its KV cache,
+      engine: the ``serving.engine.engine.Engine`` whose step was timed (its KV cache,
         sizes and backend policy are used).
       model: the model the engine serves (its config, dtype and head weight).
-      rows: the step's ``serving.step_plan.DecodeRow`` list.
+      rows: the step's ``serving.core.sched.step_plan.DecodeRow`` list.
       step_seconds: the measured time of the whole step.
       repeats: timed runs of each part (median).
     """
     from kernels_pallas.attention import paged_attention
     from model.layers import weight
-    from serving.step_batch import DecodeBatch
+    from serving.engine.step_batch import DecodeBatch
 
     cfg = model.cfg
     compute = engine.policy.compute(dtype=model.dtype)

@@ -47,10 +47,10 @@ SERVER_ARGS = ["--model", "tiny-random", "--max-model-len", "512", "--max-slots"
 
 
 def start_server(server_dir: Path, port: int, workdir: Path) -> subprocess.Popen:
-    """``python -m serving.cli serve`` from `server_dir` on 127.0.0.1:`port`, once /health is 200."""
+    """``python -m serving.cli.main serve`` from `server_dir` on 127.0.0.1:`port`, once /health is 200."""
     log = open(workdir / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", *SERVER_ARGS,
+        [sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve", *SERVER_ARGS,
          "--port", str(port), "--database-url", f"sqlite:///{workdir / 'ledger.db'}"],
         cwd=server_dir, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     deadline = time.time() + 600

@@ -18,8 +18,8 @@ import statistics
 import time
 
 from benchmarks.common import build_engine
-from serving.engine_client import EngineRequest, SamplingParams, StructuredOutput
-from serving.engine_loop import EngineLoop
+from serving.contract.engine_client import EngineRequest, SamplingParams, StructuredOutput
+from serving.runtime.engine_loop import EngineLoop
 
 REGEX = StructuredOutput("regex", "[a-z ]{1000}")  # never complete within max_tokens: every step constrained
 

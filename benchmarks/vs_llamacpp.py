@@ -5,7 +5,7 @@
         --variant spec="--speculative ngram --num-speculative-tokens 4"
     xlaserve bench vs-llamacpp ...                        # the same
 
-For each ``--variant NAME="FLAGS"`` in turn, starts ``python -m serving.cli
+For each ``--variant NAME="FLAGS"`` in turn, starts ``python -m serving.cli.main
 serve FLAGS`` (the server's defaults plus FLAGS, any ``xlaserve serve`` flags,
 on a free loopback port, its ledger in a temporary SQLite file), waits for
 ``/health``, streams greedy completions (``temperature`` 0, ``ignore_eos``,
@@ -182,7 +182,7 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m serving.cli serve FLAGS`` on a free loopback port, from ``server_dir``.
+    """``python -m serving.cli.main serve FLAGS`` on a free loopback port, from ``server_dir``.
 
     Raises RuntimeError (with the log's tail) when it exits or is not healthy within timeout_s.
     """
@@ -196,7 +196,7 @@ class Server:
             args += ["--database-url", f"sqlite:///{workdir / 'ledger.db'}"]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", *args,
+            [sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve", *args,
              "--port", str(self.port)],
             cwd=server_dir, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self._wait_healthy(timeout_s)

@@ -19,7 +19,7 @@ dropped), so every tile holds at least ``min_rows`` rows::
     0 < M mod tile < min_rows (M > tile) -> M rounded up so the last tile holds min_rows
     otherwise                            -> M
 
-The backend policy (``serving.backend_policy``) picks the numbers for its
+The backend policy (``serving.engine.backend_policy``) picks the numbers for its
 platform when batch invariance is on; the default (1, no tile) pads nothing.
 This is the fixed-kernel half of the batch-invariant matmul of "Defeating
 Nondeterminism in LLM Inference" (Horace He, Thinking Machines Lab, 2025):

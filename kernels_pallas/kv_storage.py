@@ -6,7 +6,7 @@ back, and every function here is a no-op for any other dtype, so code that
 reads through :func:`from_storage` works whatever the storage.
 
 Which platforms store bits is :func:`storage_dtype`'s table, consulted by the
-engine's backend policy (``serving.backend_policy``), never by the model or the
+engine's backend policy (``serving.engine.backend_policy``), never by the model or the
 kernels: XLA:CPU does not scatter or dynamic-update bfloat16 in place (each
 KV write converted the whole cache: 4.4 s per decode step for a 4096-page
 cache, against 0.12 ms in float32; benchmarks/RESULTS.md) and slices a

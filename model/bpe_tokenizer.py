@@ -1,6 +1,6 @@
 """Tokenizers of the models users bring, on the ``tokenizers`` library.
 
-:class:`BPETokenizer` implements ``serving.tokenizer_protocol.TextTokenizer``
+:class:`BPETokenizer` implements ``serving.contract.tokenizer_protocol.TextTokenizer``
 (as ``model.tokenizer.Tokenizer`` does for Gemma's SentencePiece) around a
 ``tokenizers.Tokenizer``, built from:
 

@@ -3,7 +3,7 @@
 The decoders in ``model/`` compute in logical dtypes and never ask JAX which
 platform they run on. Every backend-specific choice they depend on arrives in
 one static :class:`Compute` argument of ``__call__``, made once by the engine's
-backend policy (``serving.backend_policy``):
+backend policy (``serving.engine.backend_policy``):
 
   * how a matmul with very few rows is computed (``pad_single_row``, ``dot_rows``),
   * which paged-attention implementation and block sizes run (``attention``),

@@ -22,7 +22,7 @@ Two dropless implementations of the expert matmuls (``impl``):
 
 "auto" chooses by the number of assignment rows: "capacity" up to
 ``MoEConfig.capacity_max_rows`` rows, "ragged" beyond. The threshold is the
-backend policy's (``serving.backend_policy``), measured with ``python -m
+backend policy's (``serving.engine.backend_policy``), measured with ``python -m
 benchmarks.moe_dispatch`` (benchmarks/RESULTS.md "MoE expert matmuls"): where
 ``ragged_dot`` has no fast lowering, the capacity einsum wins at decode sizes
 and loses once its E x T work grows; with the default threshold 0, "auto" is

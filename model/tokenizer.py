@@ -1,7 +1,7 @@
 """SentencePiece tokenizers: Gemma 3's, rebuilt from the GGUF vocabulary, and real ``.model`` files.
 
 :class:`Tokenizer` wraps any SentencePiece model (implements
-``serving.tokenizer_protocol.TextTokenizer``). Its constructors:
+``serving.contract.tokenizer_protocol.TextTokenizer``). Its constructors:
 
 - :meth:`Tokenizer.from_gguf` / :meth:`~Tokenizer.from_pieces` /
   :meth:`~Tokenizer.tiny`: Gemma 3's vocabulary by the recipe of `model.gemma_vocab` (these
@@ -26,7 +26,7 @@ Gemma's vocabulary is rebuilt from its GGUF by the recipe in
 (``model.chat_template``) inserts control ids.
 
 This module must not import JAX: the gateway uses it through
-``serving.tokenizer_protocol.TextTokenizer``.
+``serving.contract.tokenizer_protocol.TextTokenizer``.
 """
 
 from __future__ import annotations

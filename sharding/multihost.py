@@ -85,7 +85,7 @@ def initialize(pc: ProcessConfig | None, timeout_s: int = 120) -> bool:
 class Lockstep:
     """Process 0 publishes each engine step's batch; the others run the same step.
 
-    Used by ``serving.engine.Engine`` (``lockstep=``): ``Engine.run`` calls
+    Used by ``serving.engine.engine.Engine`` (``lockstep=``): ``Engine.run`` calls
     :meth:`publish` on process 0; followers call :meth:`follow` with the
     engine's ``run_published``.
     """

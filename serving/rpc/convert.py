@@ -1,6 +1,6 @@
 """The engine client's dataclasses to and from the engine service's messages.
 
-``serving.engine_client`` (``EngineRequest``, ``SamplingParams``,
+``serving.contract.engine_client`` (``EngineRequest``, ``SamplingParams``,
 ``TokenEvent``, ``EngineStats``) on one side, ``serving/rpc/engine.proto`` on
 the other; each function is one direction of one message. Floats travel as
 float64, so what arrives equals what was sent (log probabilities as the
@@ -11,7 +11,7 @@ No JAX here: the gateway uses this module.
 
 from __future__ import annotations
 
-from serving.engine_client import (
+from serving.contract.engine_client import (
     EngineRequest,
     EngineStats,
     KvTransferParams,

@@ -120,7 +120,7 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullKv(self, request, context):
-        """KV transfer, host staging (serving/kv_transport.py): a finished prompt's offered pages, in
+        """KV transfer, host staging (serving/replica/kv_transport.py): a finished prompt's offered pages, in
         layer-stacked chunks; the decode side asks only for the chunks it does not cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -31,7 +31,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from serving.engine_client import (
+from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
     EngineStats,

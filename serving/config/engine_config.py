@@ -1,0 +1,138 @@
+"""The engine's static sizes and the shape buckets its steps compile for (no JAX).
+
+Shapes are fixed per compilation and come from small bucket sets (JetStream's
+approach), so the number of compiled programs stays small:
+
+  * T: prefill token-count buckets, powers of two from 16 up to the prefill chunk.
+  * B: decode batch buckets, powers of two from ``min_decode_batch`` up to the
+    slot count; a step's rows are the running slots, so a lone stream does not
+    pay for 32 slots.
+  * P: page-table width buckets, powers of two (in pages) from 128 tokens'
+    worth (64 in a prefill step) up to ``max_pages_per_seq``, covering the
+    longest sequence in the step, so attention work follows the real context
+    length.
+  * S: prefill rows, ``max_prefill_seqs`` (at most ``max_slots``: each row is a
+    running request in its own slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.core.sched.speculative import SpeculativeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static sizes of the engine.
+
+    Attributes:
+      max_slots: decode rows (concurrently running sequences).
+      page_size: tokens per KV page.
+      num_pages: KV pool size in pages, including the null page 0.
+      max_model_len: context window in tokens (prompt + generated).
+      prefill_chunk: most tokens in one prefill step (a power of two >= 16).
+      max_prefill_seqs: sequences packed into one prefill step (S); above
+        ``max_slots`` it is lowered to ``max_slots`` (each row takes a slot).
+      min_decode_batch: smallest decode batch bucket in rows (None: the backend
+        policy's, ``serving.engine.backend_policy``).
+      kv_dtype: KV cache dtype name ("float32" or "bfloat16"); the backend
+        policy decides how it is stored.
+      speculative: n-gram speculative decoding (None: off); its ``num_tokens`` (K)
+        shapes the verify step, T = rows * (K + 1) tokens (``serving.engine.verify_step``).
+    """
+
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int = 4096
+    max_model_len: int = 8192
+    prefill_chunk: int = 512
+    max_prefill_seqs: int = 32
+    min_decode_batch: int | None = None
+    kv_dtype: str = "float32"
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self):
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.max_model_len % self.page_size:
+            raise ValueError("max_model_len must be a multiple of page_size")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
+        if self.max_prefill_seqs > self.max_slots:
+            object.__setattr__(self, "max_prefill_seqs", self.max_slots)
+        if self.min_decode_batch is not None and self.min_decode_batch < 1:
+            raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
+        # A pool smaller than one full context is allowed: requests that could
+        # never fit are rejected at submit (RequestRejectedError).
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.max_model_len // self.page_size
+
+    @classmethod
+    def from_server_config(cls, server, model_cfg) -> "EngineConfig":
+        """The engine sizes of ``xlaserve serve`` (and of every process of a multi-host job).
+
+        Args:
+          server: a ``serving.config.server_config.ServerConfig``.
+          model_cfg: the served model's ``model.config.ModelConfig``: the context
+            window is the smaller of ``server.max_model_len`` and ``max_position``.
+        """
+        return cls(
+            max_slots=server.max_slots, page_size=server.page_size, num_pages=server.num_pages,
+            max_model_len=min(server.max_model_len, model_cfg.max_position),
+            prefill_chunk=server.prefill_chunk, max_prefill_seqs=server.max_prefill_seqs,
+            min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype,
+            speculative=SpeculativeConfig.from_settings(
+                server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
+                server.prompt_lookup_max, server.speculative_max_batch))
+
+
+def _pow2_at_least(n: int, lo: int, hi: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+def token_bucket(n: int, cfg: EngineConfig) -> int:
+    """Prefill token-count bucket for n tokens (16, 32, ..., prefill_chunk)."""
+    return _pow2_at_least(n, 16, cfg.prefill_chunk)
+
+
+MIN_PAGE_BUCKET_TOKENS = 128
+"""The narrowest page-table bucket of a decode (and verify) step, in tokens. The
+XLA decode attention gathers and scores the table's whole width for every row,
+so at 32 slots of ~150-token contexts a 512-token table made the attention
+about a third of Gemma 3 270M's bf16 step on a 2-core CPU; 128 cuts that work
+4x for short contexts at the cost of two more decode widths (128, 256) to
+compile per batch bucket (benchmarks/RESULTS.md, issue 17)."""
+
+
+def page_bucket(num_pages: int, cfg: EngineConfig) -> int:
+    """Page-table width bucket covering num_pages (powers of two, >= 128 tokens' worth)."""
+    lo = max(1, min(MIN_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
+    return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
+
+
+MIN_PREFILL_PAGE_BUCKET_TOKENS = 64
+"""The narrowest page-table bucket of a prefill step, in tokens. The XLA prefill
+gathers the table's width once per query block (``paged_prefill_attention_xla``),
+so a step of short packed prompts over a 512-token table did 8x the attention
+work of one over 64 tokens (``python -m benchmarks.prefill_packing attention``,
+benchmarks/RESULTS.md); decode keeps :data:`MIN_PAGE_BUCKET_TOKENS`."""
+
+
+def prefill_page_bucket(num_pages: int, cfg: EngineConfig) -> int:
+    """Page-table width bucket of a prefill step covering num_pages (powers of two,
+    >= 64 tokens' worth)."""
+    lo = max(1, min(MIN_PREFILL_PAGE_BUCKET_TOKENS // cfg.page_size, cfg.max_pages_per_seq))
+    return _pow2_at_least(num_pages, lo, cfg.max_pages_per_seq)
+
+
+def batch_bucket(n: int, cfg: EngineConfig) -> int:
+    """Decode batch bucket for n running slots (``cfg.min_decode_batch`` resolved, see Engine)."""
+    return _pow2_at_least(n, min(cfg.min_decode_batch or 1, cfg.max_slots), cfg.max_slots)

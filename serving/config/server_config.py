@@ -1,0 +1,165 @@
+"""Server settings: ``configs/server.yaml`` overlaid with command-line overrides.
+
+Also the data directory (``XLASERVE_DATA_DIR``, default: the user's data dir)
+under which caches (dequantized weights, tokenizer, compiled programs) live.
+No JAX here: the gateway reads its settings and data directory from this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from serving.config.config_files import read_config
+from serving.core.sched.speculative import SpeculativeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """See configs/server.yaml for each field's meaning and unit."""
+
+    model: str = "gemma-3-270m"
+    revision: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    max_model_len: int = 8192
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int = 4096
+    prefill_chunk: int = 512
+    max_prefill_seqs: int = 32
+    min_decode_batch: int | None = None
+    max_waiting: int = 256
+    max_waiting_tokens: int | None = None
+    token_budget: int | None = None
+    enable_prefix_caching: bool = True
+    host_kv_cache_gib: float = 0.0
+    attention_impl: str = "auto"
+    drain_timeout: float = 30.0
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_file_bytes: int = 100 * 1024 * 1024
+    batch_concurrency: int = 8
+    batch_lease_seconds: float = 30.0
+    max_prompt_chars: int = 1_000_000
+    default_chat_max_tokens: int | None = None
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    stream_buffer_events: int = 1024
+    stream_write_timeout: float = 30.0
+    served_model_name: str | None = None
+    database_url: str | None = None
+    redis_url: str | None = None
+    prices: str | None = None
+    allow_unauthenticated: bool = False
+    policy_blocklist: tuple[str, ...] = ()
+    policy_blocklist_applies_to: tuple[str, ...] = ("input", "output")
+    policy_plugins: tuple[str, ...] = ()
+    prefix_cache_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    otel_traces: bool = False
+    log_text: bool = False
+    mesh: str | None = None
+    checkpoint: str | None = None
+    chat_template: str | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    quantization: str = "none"
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    speculative_max_batch: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8"):  # model.quantization.QUANTIZATIONS (no JAX here)
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if not self.host_kv_cache_gib >= 0:
+            raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib!r}")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib needs the prefix cache (host pages are found by prefix hash): "
+                             "turn prefix caching on or the host tier off")
+        if self.kv_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
+        for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
+                            ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1)):
+            if getattr(self, name) is not None and getattr(self, name) < least:
+                raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if not self.batch_lease_seconds > 0:
+            raise ValueError(f"batch_lease_seconds must be positive, got {self.batch_lease_seconds!r}")
+        if not self.stream_write_timeout > 0:
+            raise ValueError(f"stream_write_timeout must be positive, got {self.stream_write_timeout!r}")
+        for name in ("policy_blocklist", "policy_blocklist_applies_to", "policy_plugins"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "prefix_cache_groups", _groups(self.prefix_cache_groups))
+        SpeculativeConfig.from_settings(self.speculative, self.num_speculative_tokens,  # raises if invalid
+                                        self.prompt_lookup_min, self.prompt_lookup_max,
+                                        self.speculative_max_batch)
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "ServerConfig":
+        """Returns a copy with the non-None overrides applied. Raises ValueError on unknown keys."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown server settings {sorted(unknown)}; known: {sorted(known)}")
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _groups(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``prefix_cache_groups`` ({group: [tenant, ...]}, or its pairs) as sorted hashable pairs.
+
+    Raises:
+      ValueError: not a mapping of names to lists of names.
+    """
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        items = [(group, tenants) for group, tenants in (items or ())]
+    except (TypeError, ValueError):
+        raise ValueError(f"prefix_cache_groups must map group names to lists of tenants, "
+                         f"got {value!r}") from None
+    pairs = []
+    for group, tenants in items:
+        if (not isinstance(group, str) or isinstance(tenants, str)
+                or not isinstance(tenants, (list, tuple)) or not tenants
+                or not all(isinstance(t, str) for t in tenants)):
+            raise ValueError(f"prefix_cache_groups: group {group!r} must name a non-empty list "
+                             f"of tenants, got {tenants!r}")
+        pairs.append((group, tuple(tenants)))
+    return tuple(sorted(pairs))
+
+
+def load_server_config(path: str | os.PathLike | None = None, **overrides) -> ServerConfig:
+    """Defaults from configs/server.yaml (or ``path``), then ``overrides``.
+
+    Raises:
+      ValueError: unknown keys or invalid values.
+    """
+    data = yaml.safe_load(Path(path).read_text()) if path else read_config("server.yaml")
+    return ServerConfig().with_overrides(data or {}).with_overrides(overrides)
+
+
+def data_dir() -> Path:
+    """``$XLASERVE_DATA_DIR``, else the platform's user data directory for xlaserve."""
+    env = os.environ.get("XLASERVE_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("xlaserve"))
+
+
+def cache_dir(kind: str) -> Path:
+    """A cache folder under the data dir: "weights", "tokenizer" or "jax"."""
+    d = data_dir() / "cache" / kind
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -1,0 +1,108 @@
+"""A bounded host-memory LRU of KV pages, keyed by their prefix-cache page hashes.
+
+The second tier under the device prefix cache (``serving.core.kv.kv_cache_manager``):
+a page evicted from the device pool (cached pages of finished or preempted
+requests, reused for others) is copied here, under the same chained key
+(``page_hash``), and a later prefix hit reloads it instead of recomputing it.
+``serving.runtime.host_tier_steps`` moves the pages between the tiers; this module
+only holds them::
+
+    device prefix cache  --evicted page (k, v)-->  HostKVCache  --prefix hit-->  fresh device page
+                                                   (LRU, <= capacity_bytes)
+
+An entry is one page of every layer: ``k`` and ``v`` numpy arrays, each
+``[layers, kv_heads, page_size, head_dim]`` in the cache's storage dtype (one
+page of what ``serving.engine.kv_pages.read_pages`` returns). The bound counts
+``k.nbytes + v.nbytes`` of every entry; storing past it evicts the least
+recently used entries (stored or read) first.
+
+No JAX here. Thread-safe (a lock): the engine loop's thread puts and gets,
+metrics scrapes read the counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+
+GIB = 1 << 30
+
+
+class HostKVCache:
+    """Byte-bounded LRU of page hash -> (k, v).
+
+    Args:
+      capacity_bytes: most bytes of page arrays held (>= 0; 0 holds nothing).
+
+    Attributes (lifetime counters, in pages):
+      hits: entries read by :meth:`get` (pages reloaded instead of recomputed).
+      misses: :meth:`get` calls that found nothing.
+      stores: entries added by :meth:`put`.
+      evictions: entries dropped to make room.
+
+    Raises:
+      ValueError: a negative capacity.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = int(capacity_bytes)
+        self.usage_bytes = 0
+        self.hits = self.misses = self.stores = self.evictions = 0
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is held (neither counted nor touched in the LRU order)."""
+        return key in self._entries
+
+    contains = __contains__  # (the callable ``KVCacheManager(host=...)`` asks)
+
+    def keys(self) -> list[bytes]:
+        """The held keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def get(self, key: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+        """The page's (k, v) (each ``[layers, kv_heads, page_size, head_dim]``), now the most
+        recently used; None if not held. Counts a hit or a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
+
+    def put(self, key: bytes, k: np.ndarray, v: np.ndarray) -> tuple[bool, list[bytes]]:
+        """Stores one page (the arrays are kept, not copied), evicting least recently used
+        entries until it fits. A key already held is only touched (same key: same content).
+
+        Returns:
+          (whether ``key`` was newly stored, the keys evicted to make room). A page larger
+          than the whole capacity is not stored and evicts nothing.
+        """
+        size = k.nbytes + v.nbytes
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return False, []
+            if size > self.capacity_bytes:
+                return False, []
+            evicted = []
+            while self.usage_bytes + size > self.capacity_bytes:
+                old, (ok, ov) = self._entries.popitem(last=False)
+                self.usage_bytes -= ok.nbytes + ov.nbytes
+                self.evictions += 1
+                evicted.append(old)
+            self._entries[key] = (k, v)
+            self.usage_bytes += size
+            self.stores += 1
+            return True, evicted

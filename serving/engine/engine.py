@@ -1,0 +1,402 @@
+"""The engine: device state and the two jitted step functions.
+
+It owns the parameters (split once from the NNX model), the device state (the
+paged KV cache and each slot's last sampled token) and the backend policy,
+and executes the steps that the engine loop (``serving.runtime.engine_loop``) plans
+with the scheduler. The step contract (the current form of the one drawn in
+the project's architecture notes)::
+
+    prefill_step(params, state: DeviceState, batch: PrefillBatch) -> (state, StepOutput [S])
+    prefill_logprobs_step(params, state, batch: PromptLogprobsBatch)
+                                                    -> (state, (StepOutput [S], PromptLogprobs [T]))
+    decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, StepOutput [B])
+    verify_step(params, state, batch: VerifyBatch)  -> (state, VerifyOutput)   speculative decoding:
+                      rows of [last token, drafts] sampled at every token (serving.engine.verify_step)
+
+    DeviceState   kv_cache: KVCache    k, v [layers, kv_heads, num_pages, page_size, head_dim]
+                  slot_tokens [slots]  int32: each slot's last sampled token
+                  output_counts, prompt_seen [slots, V]: token counts for the penalties
+                                       (serving.engine.sample.token_counts)
+    StepOutput    tokens [R], the sampled tokens' log probabilities and top ids
+                  (serving.engine.sample.logprobs; computed only when a row asks)
+
+Each step turns its rows' raw float32 logits into tokens in vLLM's order:
+logit processors (``serving.engine.sample.logits_processors``: bias, min_tokens, penalties),
+then ``serving.engine.sample.sampling.sample``; log probabilities come from the raw logits.
+    PrefillBatch, DecodeBatch: serving.engine.step_batch (shapes and buckets there and in
+                  serving.config.engine_config)
+
+The prefill step first copies the batch's pages for forked requests (``n``
+choices sharing one prompt: ``PrefillBatch.copy_src``/``copy_dst``), so the
+copy is ordered after every earlier step's writes and before this step's.
+
+Both are pure and jitted once per shape bucket, with ``state`` donated by name
+(``donate_argnames``), so the cache is updated in place. What depends on the
+platform is fixed when the engine is built, by its :class:`BackendPolicy`
+(``serving.engine.backend_policy``): the storage of bfloat16 KV pages and stacked
+weights, the model's ``Compute`` (dot, attention implementation, MoE), the
+argmax, the smallest decode bucket and the dispatch-sync rule.
+
+A prefill row's sampled token (when the row ends its sequence's known tokens)
+and every decode row's token are written into ``slot_tokens``; the decode step
+reads its input tokens from there, so the host never waits for step n's tokens
+before dispatching step n+1 (JetStream-style pipelining). A row's sample is
+keyed by (seed, position), so it depends only on the row.
+
+Sharded serving: given a ``jax.sharding.Mesh`` (``sharding.mesh``), the
+parameters are placed by their logical axes (``sharding.placement``), the KV
+cache is created in its sharding (KV heads over ``tensor`` where they divide
+it, pages over ``data``), and both steps are jitted with that state sharding
+as their output sharding and run under ``jax.set_mesh(mesh)`` (which the MoE
+layer's expert-parallel ``shard_map`` reads; its mesh axis names come from
+the sharding rules through ``Compute``). XLA's SPMD partitioner inserts the
+tensor-parallel collectives. Batches are replicated.
+
+Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
+publishes each batch's kind and leaves before running it, and the other
+processes run the same step from what they receive (:meth:`Engine.run_published`),
+so every process takes part in every collective in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.compute import Compute
+from model.kv_cache import KVCache
+from serving.engine.backend_policy import BackendPolicy
+from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket
+from serving.engine import kv_pages
+from serving.engine.sample import token_counts
+from serving.engine.sample.logits_processors import sample_processed
+from serving.engine.sample.logprobs import StepOutput, prompt_logprobs, token_logprobs
+from serving.engine.sample.sampling import SamplingArrays
+from serving.engine.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
+from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow
+from serving.engine.sample.token_bitmask import mask_words, pad_rows
+from serving.engine.verify_step import VerifyBatch, verify_step, verify_treedef
+
+log = logging.getLogger(__name__)
+
+StepBatch = PrefillBatch | DecodeBatch | VerifyBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceState:
+    """What the steps update in place (donated).
+
+    Attributes:
+      kv_cache: the paged KV cache of all layers, in the policy's storage dtype.
+      slot_tokens: [max_slots] int32, each slot's last sampled token.
+      output_counts: [max_slots, V] int32 generated-token counts per slot (``serving.engine.sample.token_counts``).
+      prompt_seen: [max_slots, V] bool prompt tokens per slot.
+    """
+
+    kv_cache: KVCache
+    slot_tokens: jax.Array
+    output_counts: jax.Array
+    prompt_seen: jax.Array
+
+
+def _write_slots(slot_tokens: jax.Array, slot_ids: jax.Array, real: jax.Array,
+                 tokens: jax.Array) -> jax.Array:
+    """slot_tokens with tokens[i] written to slot slot_ids[i] for real rows (padding rows
+    scatter out of bounds and are dropped)."""
+    return slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(tokens, mode="drop")
+
+
+def _select(logits: jax.Array, positions: jax.Array, s: SamplingArrays, counts: jax.Array,
+            seen: jax.Array, slot_ids: jax.Array, argmax_block) -> StepOutput:
+    """Raw logits [R, V] -> processed -> sampled tokens, with log probabilities of the raw ones."""
+    tokens = sample_processed(logits, positions, s, counts, seen, slot_ids, argmax_block)
+    return token_logprobs(logits, tokens, s.num_logprobs)
+
+
+def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                    batch: PrefillBatch, all_logits: bool):
+    model = nnx.merge(graphdef, params)
+    md = batch.attention_metadata(state.kv_cache.page_size)
+    indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
+    kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
+    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute)
+    row_logits = logits[batch.logits_indices] if all_logits else logits
+    starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
+    counts, seen = token_counts.count_prefill(
+        state.output_counts, state.prompt_seen, batch.tokens, batch.positions, batch.token_rows,
+        batch.real_tokens, batch.slot_ids, batch.prompt_lens, batch.real_rows & (starts == 0))
+    out = _select(row_logits, batch.kv_lens, batch.sampling, counts, seen, batch.slot_ids, argmax_block)
+    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
+    return DeviceState(kv_cache, slot_tokens, counts, seen), out, logits
+
+
+def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                  batch: PrefillBatch):
+    state, out, _ = _prefill_common(graphdef, compute, argmax_block, params, state, batch, False)
+    return state, out
+
+
+def _prefill_logprobs_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                           batch: PromptLogprobsBatch):
+    """A prefill that also scores every token's successor (logits at all T tokens)."""
+    state, out, logits = _prefill_common(graphdef, compute, argmax_block, params, state, batch, True)
+    return state, (out, prompt_logprobs(logits, batch.next_ids))
+
+
+def _decode_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+                 batch: DecodeBatch):
+    model = nnx.merge(graphdef, params)
+    rows = batch.slot_ids.shape[0]
+    tokens = state.slot_tokens[jnp.minimum(batch.slot_ids, state.slot_tokens.shape[0] - 1)]
+    md = batch.attention_metadata(state.kv_cache.page_size)
+    logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
+                             jnp.arange(rows, dtype=jnp.int32), compute=compute)
+    counts = token_counts.count_decode(state.output_counts, batch.slot_ids, batch.real_rows, tokens)
+    out = _select(logits, batch.lengths, batch.sampling, counts, state.prompt_seen, batch.slot_ids,
+                  argmax_block)
+    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
+    return DeviceState(kv_cache, slot_tokens, counts, state.prompt_seen), out
+
+
+class Engine:
+    """Device state plus compiled steps. Not thread-safe: one caller (the engine loop)."""
+
+    def __init__(self, model: nnx.Module, cfg: EngineConfig, mesh=None, rules=None, lockstep=None,
+                 policy: BackendPolicy | None = None):
+        """Args:
+          model: a decoder of ``model/`` (Gemma3 or Llama) with ``.cfg``.
+          cfg: engine sizes (``min_decode_batch`` None: the policy's).
+          mesh: optional ``jax.sharding.Mesh`` with axes data, tensor, expert.
+          rules: ``sharding.rules.ShardingRules`` (default: configs/sharding.yaml).
+          lockstep: optional ``sharding.multihost.Lockstep`` (multi-process serving).
+          policy: the backend policy (default: :meth:`BackendPolicy.detect` for the
+            mesh's devices, or JAX's default backend).
+
+        Raises:
+          ValueError: the mesh cannot split the model (e.g. tensor does not divide heads).
+        """
+        self.policy = policy or BackendPolicy.detect(mesh)
+        if cfg.min_decode_batch is None:
+            cfg = dataclasses.replace(cfg, min_decode_batch=self.policy.min_decode_batch)
+        self.cfg = cfg
+        self.model_cfg = model.cfg
+        self.mesh = mesh
+        self.lockstep = lockstep
+        graphdef, params = nnx.split(model)
+        kv_stored = self.policy.storage_dtype(jnp.dtype(cfg.kv_dtype))
+        kv_shape = KVCache.shape(model.cfg, cfg.num_pages, cfg.page_size)
+        if mesh is None:
+            self.params = self.policy.store_params(params)
+            self.state = DeviceState(KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_stored),
+                                     jnp.zeros((cfg.max_slots,), jnp.int32),
+                                     *token_counts.zeros(cfg.max_slots, model.cfg.vocab_size))
+            out_shardings = None
+            compute = self.policy.compute(dtype=model.dtype)
+        else:
+            from sharding.placement import kv_cache_sharding, place_params, replicated, sharded_zeros
+            from sharding.rules import ShardingRules
+
+            rules = rules or ShardingRules.default()
+            self.params = self.policy.store_params(place_params(params, mesh, rules))
+            kv_sh = kv_cache_sharding(kv_shape, mesh, rules)
+            rep = replicated(mesh)
+            self.state = DeviceState(
+                KVCache(sharded_zeros(kv_shape, kv_stored, kv_sh), sharded_zeros(kv_shape, kv_stored, kv_sh)),
+                sharded_zeros((cfg.max_slots,), jnp.int32, rep),
+                sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.int32, rep),
+                sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.bool_, rep))
+            out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
+            compute = self.policy.compute(rules, dtype=model.dtype)
+        jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
+        self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
+        self._steps = {
+            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
+            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute,
+                                                      self.policy.argmax_block)),
+            "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
+        }
+        if cfg.speculative is not None:
+            self._steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
+                                                          cfg.speculative.num_tokens))
+        self._treedefs = {kind: verify_treedef() if kind == "verify" else batch_treedef(kind)
+                          for kind in self._steps}
+        self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
+        self.compile_times: dict[tuple, float] = {}
+        self._in_flight = None
+        self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.state.kv_cache
+
+    # -- steps -------------------------------------------------------------------------
+
+    def prefill(self, rows: Sequence[PrefillRow], token_mask: np.ndarray | None = None):
+        """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows (as the
+        prompt-logprobs variant when a row has prompt tokens to score).
+
+        `token_mask`: [len(rows), ceil(vocab / 32)] int32 structured-output
+        bitmask of the rows (``serving.engine.sample.token_bitmask``), or None: unconstrained.
+
+        Returns:
+          a :class:`~serving.engine.sample.logprobs.StepOutput` of [S] device arrays (not yet
+          synced); row i is the token sampled after rows[i] (meaningful only when
+          rows[i].samples). The variant returns ``(StepOutput, PromptLogprobs)``,
+          the latter [T] in the batch's token order (rows back to back).
+
+        Raises:
+          ValueError: too many rows or tokens for one step.
+        """
+        cls = PromptLogprobsBatch if any(r.wants_prompt_logprobs for r in rows) else PrefillBatch
+        mask = pad_rows(token_mask, self.cfg.max_prefill_seqs, self.mask_words)
+        return self.run(cls.from_rows(rows, self.cfg, mask))
+
+    def decode(self, rows: Sequence[DecodeRow], token_mask: np.ndarray | None = None) -> StepOutput:
+        """Dispatches one decode step over the given plan rows (running slots).
+
+        `token_mask`: as for :meth:`prefill`.
+
+        Returns:
+          a :class:`~serving.engine.sample.logprobs.StepOutput` of [B] device arrays (not yet
+          synced); row i belongs to rows[i].
+
+        Raises:
+          ValueError: no rows or more than ``max_slots``.
+        """
+        mask = pad_rows(token_mask, batch_bucket(max(len(rows), 1), self.cfg), self.mask_words)
+        return self.run(DecodeBatch.from_rows(rows, self.cfg, mask))
+
+    def verify(self, rows: Sequence[DecodeRow]):
+        """Dispatches one verify step (speculative decoding) over plan rows with their last
+        token and drafts (``DecodeRow.last_token``, ``draft_ids``).
+
+        Returns:
+          a :class:`~serving.engine.verify_step.VerifyOutput` of device arrays (not yet synced):
+          row i's tokens start at sum(1 + len(rows[j].draft_ids) for j < i).
+
+        Raises:
+          ValueError: speculative decoding is off, no rows, or more than ``max_slots``.
+        """
+        if self.cfg.speculative is None:
+            raise ValueError("this engine was built without speculative decoding")
+        K = self.cfg.speculative.num_tokens
+        T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
+        return self.run(VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words)))
+
+    # -- whole pages (KV transfer, host tier) ----------------------------------------
+
+    def read_pages(self, page_ids: Sequence[int], chunk_pages: int) -> tuple[jax.Array, jax.Array]:
+        """Dispatches a copy of up to ``chunk_pages`` pages of every layer (``serving.engine.kv_pages``).
+
+        Returns:
+          (k, v) device arrays [layers, kv_heads, chunk_pages, page_size, head_dim] in the
+          storage dtype, not yet synced; entries past ``len(page_ids)`` hold the null page.
+
+        Raises:
+          ValueError: too many pages; RuntimeError: a multi-host engine (not supported).
+        """
+        self._single_host("reading KV pages")
+        return kv_pages.read_pages(self.state.kv_cache, kv_pages.pad_page_ids(page_ids, chunk_pages))
+
+    def write_pages(self, page_ids: Sequence[int], k, v) -> None:
+        """Dispatches writing ``k``, ``v`` [layers, kv_heads, C, page_size, head_dim] (host or
+        device arrays, C >= len(page_ids); rows past ``len(page_ids)`` go to the null page)
+        into the cache's pages ``page_ids``, ordered before every later step.
+
+        Raises:
+          ValueError: more pages than the chunk holds; RuntimeError: a multi-host engine.
+        """
+        self._single_host("writing KV pages")
+        ids = kv_pages.pad_page_ids(page_ids, k.shape[2])
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        with ctx:
+            self.state = self._write_pages(self.state, ids, k, v)
+
+    def _single_host(self, what: str) -> None:
+        if self.lockstep is not None:
+            raise RuntimeError(f"{what} is not supported on a multi-host engine")
+
+    def run(self, batch: StepBatch):
+        """Runs one step on a host-built batch; returns its output (device arrays).
+
+        With a lockstep, process 0 publishes the batch first so that the other
+        processes run the same step.
+        """
+        if self.lockstep is not None:
+            self.lockstep.publish(batch.kind, [np.asarray(x) for x in jax.tree.leaves(batch)])
+        return self._dispatch(batch)
+
+    def run_published(self, kind: str, leaves: list[np.ndarray]) -> None:
+        """A follower process's step: the batch the leader published, rebuilt from its leaves."""
+        self._dispatch(jax.tree.unflatten(self._treedefs[kind], leaves))
+
+    def _dispatch(self, batch: StepBatch):
+        if self._sync_each_step and self._in_flight is not None:
+            # On a multi-device CPU mesh every device's share of a collective runs on one
+            # shared thread pool; with many multi-device steps queued, the participants of
+            # a later step's all-gather can hold the threads that an earlier one waits for,
+            # and the step deadlocks (seen: 7 of 8 devices waiting in an all-gather within
+            # 2000 unsynchronised tiny-moe decode steps on 1x1x8). The policy says wait.
+            jax.block_until_ready(self._in_flight)
+        if self.mesh is not None and jax.process_count() > 1:
+            from sharding.multihost import global_inputs
+
+            batch = global_inputs(batch, self.mesh)
+        key = batch.shape_key
+        t0 = time.perf_counter()
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        with ctx:
+            self.state, out = self._steps[batch.kind](self.params, self.state, batch)
+        if key not in self.compile_times:
+            # The first call of a shape includes tracing and compiling (or a
+            # persistent-cache hit); dispatch of later calls is asynchronous.
+            self.compile_times[key] = time.perf_counter() - t0
+            log.info("compiled %s in %.2f s", key, self.compile_times[key])
+        self._in_flight = out
+        return out
+
+    def warmup(self, decode: bool = True) -> None:
+        """Compiles (or loads from the persistent cache) the common programs up front:
+        every prefill (token bucket, page-table width) that fresh prompts packed
+        up to ``max_prefill_seqs`` per step can reach, and (``decode``) every decode
+        and verify (batch, page-table width) bucket, so no running stream stalls on a
+        compile. Prefill of later chunks (a prefix in the cache) compiles on
+        first use. Writes go to the null page 0 only, so the cache is unaffected.
+        ``decode=False`` is for a replica that only computes prompts (``--role prefill``)."""
+        cfg = self.cfg
+        null_pages = (0,) * cfg.max_pages_per_seq
+        T = 16
+        while T <= cfg.prefill_chunk:
+            widths = {prefill_page_bucket(n, cfg) for n in range(1, -(-T // cfg.page_size) + 1)}
+            for P in sorted(widths):
+                per_row = min(P * cfg.page_size, T)  # rows of at most P pages fill the T tokens
+                if -(-T // per_row) > cfg.max_prefill_seqs:
+                    continue  # more rows than a step takes: fresh prompts never make this shape
+                lens = [per_row] * (T // per_row) + ([T % per_row] if T % per_row else [])
+                self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
+                              for i, n in enumerate(lens)])
+            T *= 2
+        for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}) if decode else ():
+            for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
+                position = min(P * cfg.page_size, cfg.max_model_len) - 1
+                self.decode([DecodeRow("warmup", 0, position, null_pages, GREEDY)] * B)
+        spec = cfg.speculative if decode else None
+        if spec is not None:  # verify buckets up to the batch size that speculates
+            drafts = (0,) * spec.num_tokens
+            for B in sorted({batch_bucket(n, cfg) for n in range(1, min(spec.max_batch, cfg.max_slots) + 1)}):
+                for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
+                    position = min(P * cfg.page_size, cfg.max_model_len) - 1 - spec.num_tokens
+                    row = DecodeRow("warmup", 0, max(position, 0), null_pages, GREEDY, last_token=0,
+                                    draft_ids=drafts)
+                    self.verify([row] * B)
+        jax.block_until_ready(self.state.slot_tokens)

@@ -1,0 +1,71 @@
+"""Bearer-token authentication of ``/v1`` routes.
+
+* Keys configured (any key in the database, revoked ones included): ``Authorization: Bearer
+  KEY`` is required; a missing or unknown key is 401 ``invalid_api_key``, a
+  revoked key 403 ``api_key_revoked``.
+* No keys configured: the server runs open and every caller is the
+  ``anonymous`` tenant (whatever Authorization header it sends, so clients
+  that always send one, like the openai package, work). ``xlaserve serve``
+  allows that only on a loopback address, or with ``--allow-unauthenticated``.
+
+Database look-ups run in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from serving.gateway.accounts.api_keys import ANONYMOUS, KeyStore, Principal
+from serving.gateway.http.errors import OpenAIError
+
+_HAS_KEYS_TTL_S = 1.0
+
+
+def unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(message, status_code=401, code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+class Authenticator:
+    """Resolves a request's Authorization header to a :class:`Principal`.
+
+    Args:
+      key_store: the keys (None: always open, for in-process use and tests).
+    """
+
+    def __init__(self, key_store: KeyStore | None) -> None:
+        self.key_store = key_store
+        self._has_keys: tuple[float, bool] = (-1e9, False)
+
+    async def _keys_configured(self) -> bool:
+        t, value = self._has_keys
+        now = time.monotonic()
+        if now - t > _HAS_KEYS_TTL_S:
+            value = await anyio.to_thread.run_sync(self.key_store.has_keys)
+            self._has_keys = (now, value)
+        return value
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        """The caller for an ``Authorization`` header value (or None).
+
+        Raises:
+          OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key).
+        """
+        if self.key_store is None or not await self._keys_configured():
+            return ANONYMOUS
+        if not authorization:
+            raise unauthorized("You didn't provide an API key. Send it in an Authorization header "
+                               "as 'Authorization: Bearer YOUR_KEY'.")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise unauthorized("The Authorization header must be 'Bearer YOUR_KEY'.")
+        status, principal = await anyio.to_thread.run_sync(self.key_store.lookup, token)
+        if status == "revoked":
+            raise OpenAIError("This API key has been revoked.", status_code=403, code="api_key_revoked")
+        if principal is None:
+            raise unauthorized(f"Incorrect API key provided: {token[:10]}…. Create one with "
+                               "'xlaserve keys create --tenant NAME'.")
+        return principal

@@ -1,0 +1,230 @@
+"""The gateway's database: API keys, tenants, the request ledger, files, batches and
+stored responses.
+
+One SQLAlchemy Core schema that runs on SQLite (the default: a WAL-mode file
+under ``$XLASERVE_DATA_DIR``, shared by ``xlaserve serve`` and the ``keys`` /
+``usage`` commands) and on PostgreSQL (a ``postgresql+psycopg://`` URL, for
+several gateways sharing one ledger). Nothing here imports JAX.
+
+Tables::
+
+    tenants   name* | rpm | tpm | max_concurrent | models (JSON list or NULL = all) | created_at
+    api_keys  key_id* | tenant | name | key_hash (sha256, unique) | key_prefix | is_admin
+              | rpm | tpm | max_concurrent | created_at | revoked_at
+    requests  request_id* | x_request_id | tenant | key_id | model | priority | stream
+              | status | finish_reason | error | created_at | day | first_token_at
+              | finished_at | prompt_tokens | cached_tokens | completion_tokens
+              | reasoning_tokens | tool_calls | queue_time_s | ttft_s | itl_mean_s
+              | itl_max_s | e2e_s | cost_usd | trace (JSON)
+    files     file_id* | tenant | purpose | filename | bytes | created_at | content (bytes)
+    batches   batch_id* | tenant | key_id | endpoint | input_file_id | output_file_id
+              | error_file_id | status | completion_window | metadata (JSON) | errors (JSON)
+              | created_at | in_progress_at | finalizing_at | completed_at | failed_at
+              | expired_at | cancelling_at | cancelled_at | expires_at | total | completed
+              | failed | lease_owner | lease_expires_at
+    batch_lines  batch_id* | line_no* | custom_id | body (JSON) | status | attempt_id
+              | attempts (JSON list) | outcome (JSON: the output or error line) | finished_at
+    responses response_id* | tenant | model | created_at | previous_response_id
+              | response (JSON: the response object) | history (JSON: the conversation's
+              chat messages, this response's output included)
+
+Times are Unix seconds (float); durations are seconds; ``day`` is the UTC date
+of ``created_at`` ("YYYY-MM-DD"), kept for grouping. A ``requests`` row is
+written with status "running" at admission and completed at the end, so a
+crashed server leaves visible incomplete rows rather than none. Files and
+batches (``files.py``, ``batches.py``, ``batch_runner.py``) live here too, so
+several gateways sharing one PostgreSQL see the same ones; a batch line's
+``attempt_id`` is the X-Request-ID of its ledger row. Stored responses
+(``response_store.py``) hold what ``previous_response_id`` continues.
+"""
+
+from __future__ import annotations
+
+import os
+
+import sqlalchemy as sa
+
+DATABASE_URL_ENV = "XLASERVE_DATABASE_URL"
+
+metadata = sa.MetaData()
+
+tenants = sa.Table(
+    "tenants", metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("rpm", sa.Integer, nullable=True),
+    sa.Column("tpm", sa.Integer, nullable=True),
+    sa.Column("max_concurrent", sa.Integer, nullable=True),
+    sa.Column("models", sa.Text, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+api_keys = sa.Table(
+    "api_keys", metadata,
+    sa.Column("key_id", sa.String(32), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("name", sa.String(256), nullable=True),
+    sa.Column("key_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("key_prefix", sa.String(16), nullable=False),
+    sa.Column("is_admin", sa.Boolean, nullable=False, default=False),
+    sa.Column("rpm", sa.Integer, nullable=True),
+    sa.Column("tpm", sa.Integer, nullable=True),
+    sa.Column("max_concurrent", sa.Integer, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=True),
+)
+
+requests = sa.Table(
+    "requests", metadata,
+    sa.Column("request_id", sa.String(128), primary_key=True),
+    sa.Column("x_request_id", sa.String(256), nullable=True, index=True),
+    sa.Column("tenant", sa.String(128), nullable=True, index=True),
+    sa.Column("key_id", sa.String(32), nullable=True, index=True),
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("priority", sa.String(16), nullable=False),
+    sa.Column("stream", sa.Boolean, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("finish_reason", sa.String(32), nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("day", sa.String(10), nullable=False),
+    sa.Column("first_token_at", sa.Float, nullable=True),
+    sa.Column("finished_at", sa.Float, nullable=True),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False, default=0),
+    sa.Column("cached_tokens", sa.Integer, nullable=False, default=0),
+    sa.Column("completion_tokens", sa.Integer, nullable=False, default=0),
+    sa.Column("reasoning_tokens", sa.Integer, nullable=False, default=0),
+    sa.Column("tool_calls", sa.Integer, nullable=False, default=0),
+    sa.Column("queue_time_s", sa.Float, nullable=True),
+    sa.Column("ttft_s", sa.Float, nullable=True),
+    sa.Column("itl_mean_s", sa.Float, nullable=True),
+    sa.Column("itl_max_s", sa.Float, nullable=True),
+    sa.Column("e2e_s", sa.Float, nullable=True),
+    sa.Column("cost_usd", sa.Float, nullable=False, default=0.0),
+    sa.Column("trace", sa.Text, nullable=True),
+)
+
+
+files = sa.Table(
+    "files", metadata,
+    sa.Column("file_id", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("purpose", sa.String(32), nullable=False),
+    sa.Column("filename", sa.String(512), nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("content", sa.LargeBinary, nullable=False),
+)
+
+batches = sa.Table(
+    "batches", metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("key_id", sa.String(32), nullable=True),
+    sa.Column("endpoint", sa.String(64), nullable=False),
+    sa.Column("input_file_id", sa.String(64), nullable=False),
+    sa.Column("output_file_id", sa.String(64), nullable=True),
+    sa.Column("error_file_id", sa.String(64), nullable=True),
+    sa.Column("status", sa.String(16), nullable=False, index=True),
+    sa.Column("completion_window", sa.String(8), nullable=False),
+    sa.Column("metadata", sa.Text, nullable=True),
+    sa.Column("errors", sa.Text, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    *(sa.Column(f"{t}_at", sa.Float, nullable=True) for t in (
+        "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("total", sa.Integer, nullable=False, default=0),
+    sa.Column("completed", sa.Integer, nullable=False, default=0),
+    sa.Column("failed", sa.Integer, nullable=False, default=0),
+    sa.Column("lease_owner", sa.String(128), nullable=True),
+    sa.Column("lease_expires_at", sa.Float, nullable=True),
+)
+
+batch_lines = sa.Table(
+    "batch_lines", metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("line_no", sa.Integer, primary_key=True),
+    sa.Column("custom_id", sa.String(512), nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=True),
+    sa.Column("attempts", sa.Text, nullable=True),
+    sa.Column("outcome", sa.Text, nullable=True),
+    sa.Column("finished_at", sa.Float, nullable=True),
+    sa.UniqueConstraint("batch_id", "custom_id", name="uq_batch_lines_custom_id"),
+)
+
+
+responses = sa.Table(
+    "responses", metadata,
+    sa.Column("response_id", sa.String(128), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("previous_response_id", sa.String(128), nullable=True),
+    sa.Column("response", sa.Text, nullable=False),
+    sa.Column("history", sa.Text, nullable=False),
+)
+
+
+def cursor_page(conn: sa.Connection, table: sa.Table, id_column: str, where, limit: int,
+                after: str | None, descending: bool = True) -> tuple[list[dict], bool]:
+    """One page of `table`'s rows matching `where`, ordered by (created_at, id).
+
+    Args:
+      after: the id of the last row of the previous page (None: the first page); an id
+        that matches no row (under `where`) gives an empty page.
+      descending: newest first (OpenAI's default order for lists).
+
+    Returns:
+      (rows as dicts, whether more rows follow).
+    """
+    idc, created = table.c[id_column], table.c.created_at
+    q = sa.select(*(c for c in table.c if c.name != "content")).where(where)
+    if after is not None:
+        mark = conn.execute(sa.select(created).where(where, idc == after)).scalar()
+        if mark is None:
+            return [], False
+        if descending:
+            q = q.where(sa.or_(created < mark, sa.and_(created == mark, idc < after)))
+        else:
+            q = q.where(sa.or_(created > mark, sa.and_(created == mark, idc > after)))
+    order = (created.desc(), idc.desc()) if descending else (created, idc)
+    rows = [dict(r) for r in conn.execute(q.order_by(*order).limit(limit + 1)).mappings()]
+    return rows[:limit], len(rows) > limit
+
+
+def default_database_url() -> str:
+    """``$XLASERVE_DATABASE_URL``, else SQLite at ``$XLASERVE_DATA_DIR/xlaserve.db``."""
+    env = os.environ.get(DATABASE_URL_ENV)
+    if env:
+        return env
+    from serving.config.server_config import data_dir
+
+    d = data_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{d / 'xlaserve.db'}"
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cur.execute("PRAGMA synchronous=NORMAL")  # durable across a process crash in WAL mode
+    cur.execute("PRAGMA busy_timeout=10000")  # the CLI and the server share the file
+    cur.close()
+
+
+def open_database(url: str | None = None) -> sa.Engine:
+    """A SQLAlchemy engine for `url` (default: :func:`default_database_url`), tables created.
+
+    Raises:
+      sqlalchemy.exc.ArgumentError: an unparsable URL.
+      sqlalchemy.exc.OperationalError: the database cannot be reached or opened.
+    """
+    url = url or default_database_url()
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(url, connect_args={"timeout": 10})
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+    else:
+        engine = sa.create_engine(url, pool_pre_ping=True)
+    metadata.create_all(engine)
+    return engine

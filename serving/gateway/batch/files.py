@@ -1,0 +1,245 @@
+"""OpenAI's Files API for batch input and output: ``/v1/files``.
+
+Routes (all scoped to the caller's tenant: another tenant's file is a 404):
+
+* ``POST /v1/files``: a ``multipart/form-data`` upload with a ``file`` part and
+  ``purpose=batch``; answers the file object. The body is held to the server's
+  ``max_file_bytes`` (413 in OpenAI's shape, counted while the upload streams
+  in, never after reading it all), not to ``max_request_bytes``.
+* ``GET /v1/files`` (``purpose``, ``limit`` 1..10000, ``after``, ``order``
+  asc|desc by creation), ``GET /v1/files/{file_id}``,
+  ``GET /v1/files/{file_id}/content`` (the bytes as uploaded or written),
+  ``DELETE /v1/files/{file_id}``.
+
+Contents are stored in the gateway database (``database.files``), so every
+gateway sharing it serves the same files. A batch's output and error files
+are files of purpose ``batch_output``, written by the batch runner. The lines
+of a ``batch`` file are checked when a batch is created from it
+(``batches.py``), as OpenAI does; the upload only checks its size and purpose.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from email.message import Message
+from typing import Any, Callable, Literal
+
+import anyio
+import sqlalchemy as sa
+from fastapi import Depends, FastAPI, Query, Request
+from pydantic import BaseModel
+from starlette.datastructures import UploadFile
+from starlette.responses import JSONResponse, Response
+
+from serving.gateway.accounts.api_keys import Principal
+from serving.gateway.accounts.database import cursor_page
+from serving.gateway.accounts.database import files as files_table
+from serving.gateway.http.errors import REQUEST_TOO_LARGE, OpenAIError
+from serving.gateway.http.openapi import error_responses
+
+FILES_PATH = "/v1/files"
+UPLOAD_PURPOSES = ("batch",)
+"""Purposes a client may upload; ``batch_output`` files are written by batches only."""
+FORM_OVERHEAD_BYTES = 64 * 1024
+"""Room for the multipart framing and the ``purpose`` field on top of ``max_file_bytes``."""
+MAX_LIST_LIMIT = 10_000
+
+
+class FileObject(BaseModel):
+    """OpenAI's file object (times in Unix seconds)."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+def list_page(data: list[dict], has_more: bool) -> dict:
+    """OpenAI's cursor-paged list body: ``data``, ``has_more``, ``first_id``, ``last_id``."""
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+def file_not_found(file_id: str, param: str = "file_id") -> OpenAIError:
+    """404 for a file that does not exist or belongs to another tenant."""
+    return OpenAIError(f"No such File object: {file_id}", status_code=404, param=param,
+                       code="file_not_found")
+
+
+def file_object(row: dict) -> dict:
+    """The API's JSON for a ``files`` row."""
+    return FileObject(id=row["file_id"], bytes=row["bytes"], created_at=int(row["created_at"]),
+                      filename=row["filename"], purpose=row["purpose"]).model_dump(mode="json")
+
+
+class FileStore:
+    """Files in the gateway database. Every method blocks on it (call from a worker thread).
+
+    Args:
+      engine: a SQLAlchemy engine (tables created; see ``database.py``).
+      clock: Unix seconds now (injectable for tests).
+    """
+
+    def __init__(self, engine: sa.Engine, clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self.clock = clock
+
+    def create(self, tenant: str, purpose: str, filename: str, content: bytes,
+               conn: sa.Connection | None = None) -> dict:
+        """Stores a file; returns its row (without the content).
+
+        Args:
+          conn: a connection whose transaction the insert joins (None: its own).
+        """
+        row = dict(file_id="file-" + uuid.uuid4().hex, tenant=tenant, purpose=purpose,
+                   filename=filename, bytes=len(content), created_at=self.clock())
+        stmt = files_table.insert().values(content=content, **row)
+        if conn is not None:
+            conn.execute(stmt)
+        else:
+            with self.engine.begin() as c:
+                c.execute(stmt)
+        return row
+
+    def get(self, file_id: str, tenant: str) -> dict | None:
+        """The row of `tenant`'s file `file_id` (without the content), or None."""
+        cols = [c for c in files_table.c if c.name != "content"]
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(*cols).where(files_table.c.file_id == file_id,
+                                                      files_table.c.tenant == tenant)).mappings().first()
+        return None if row is None else dict(row)
+
+    def content(self, file_id: str, tenant: str) -> bytes | None:
+        """The bytes of `tenant`'s file `file_id`, or None."""
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(files_table.c.content).where(
+                files_table.c.file_id == file_id, files_table.c.tenant == tenant)).scalar()
+
+    def list(self, tenant: str, purpose: str | None = None, limit: int = MAX_LIST_LIMIT,
+             after: str | None = None, descending: bool = True) -> tuple[list[dict], bool]:
+        """(rows, has_more) of `tenant`'s files, newest first unless not `descending`."""
+        where = files_table.c.tenant == tenant
+        if purpose is not None:
+            where = sa.and_(where, files_table.c.purpose == purpose)
+        with self.engine.connect() as conn:
+            return cursor_page(conn, files_table, "file_id", where, limit, after, descending)
+
+    def delete(self, file_id: str, tenant: str) -> bool:
+        """Deletes `tenant`'s file `file_id`. Returns False if there was none."""
+        with self.engine.begin() as conn:
+            res = conn.execute(files_table.delete().where(files_table.c.file_id == file_id,
+                                                          files_table.c.tenant == tenant))
+        return res.rowcount > 0
+
+
+def upload_body_limit(max_file_bytes: int | None) -> int | None:
+    """The most bytes a ``POST /v1/files`` body may have: the file plus the form's framing."""
+    return None if max_file_bytes is None else max_file_bytes + FORM_OVERHEAD_BYTES
+
+
+def file_too_large(max_file_bytes: int, size: int) -> OpenAIError:
+    return OpenAIError(f"The file ({size} bytes) is larger than this server accepts: at most "
+                       f"{max_file_bytes} bytes (the server's max_file_bytes).", status_code=413,
+                       param="file", code=REQUEST_TOO_LARGE)
+
+
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)}}}}}}}
+
+
+def _require_multipart(content_type: str | None) -> None:
+    header = Message()
+    header["content-type"] = content_type or ""
+    if header.get_content_type() != "multipart/form-data":
+        raise OpenAIError(f"Content-Type must be 'multipart/form-data'; got "
+                          f"{repr(content_type) if content_type else 'none'}.", status_code=415,
+                          code="unsupported_media_type")
+
+
+def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal: Callable,
+                        max_file_bytes: int | None) -> None:
+    """Adds the ``/v1/files`` routes to `app`.
+
+    Args:
+      store: returns the file store (raising OpenAIError 404 ``no_ledger`` when
+        the server keeps no database).
+      principal: the FastAPI dependency that authenticates the caller.
+      max_file_bytes: the largest file in bytes (None: unlimited).
+    """
+
+    async def run(fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(lambda: fn(*args))
+
+    @app.post(FILES_PATH, response_model=FileObject, openapi_extra=_UPLOAD_BODY,
+              responses=error_responses(400, 401, 403, 404, 413, 415))
+    async def upload_file(request: Request, caller: Principal = Depends(principal)) -> Response:
+        files = store()
+        _require_multipart(request.headers.get("content-type"))
+        async with request.form(max_files=1, max_fields=8) as form:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:
+                raise OpenAIError(f"'purpose' must be one of {', '.join(UPLOAD_PURPOSES)}; got "
+                                  f"{purpose!r}.", param="purpose")
+            if not isinstance(upload, UploadFile):
+                raise OpenAIError("Missing required parameter: 'file' (a file part of the form).",
+                                  param="file")
+            if max_file_bytes is not None and (upload.size or 0) > max_file_bytes:
+                raise file_too_large(max_file_bytes, upload.size)
+            content = await upload.read()
+            filename = (upload.filename or "upload.jsonl")[:512]
+        row = await run(files.create, caller.tenant, purpose, filename, content)
+        return JSONResponse(file_object(row))
+
+    @app.get(FILES_PATH, response_model=FileList, responses=error_responses(400, 401, 403, 404, 413))
+    async def list_files(purpose: str | None = None,
+                         limit: int = Query(MAX_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+                         after: str | None = None, order: Literal["asc", "desc"] = "desc",
+                         caller: Principal = Depends(principal)) -> Response:
+        rows, has_more = await run(store().list, caller.tenant, purpose, limit, after, order == "desc")
+        return JSONResponse(list_page([file_object(r) for r in rows], has_more))
+
+    @app.get(FILES_PATH + "/{file_id}", response_model=FileObject,
+             responses=error_responses(401, 403, 404, 413))
+    async def retrieve_file(file_id: str, caller: Principal = Depends(principal)) -> Response:
+        row = await run(store().get, file_id, caller.tenant)
+        if row is None:
+            raise file_not_found(file_id)
+        return JSONResponse(file_object(row))
+
+    @app.get(FILES_PATH + "/{file_id}/content", response_class=Response, responses={
+        200: {"description": "The file's bytes.",
+              "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        **error_responses(401, 403, 404, 413)})
+    async def file_content(file_id: str, caller: Principal = Depends(principal)) -> Response:
+        content = await run(store().content, file_id, caller.tenant)
+        if content is None:
+            raise file_not_found(file_id)
+        return Response(bytes(content), media_type="application/octet-stream")
+
+    @app.delete(FILES_PATH + "/{file_id}", response_model=FileDeleted,
+                responses=error_responses(401, 403, 404, 413))
+    async def delete_file(file_id: str, caller: Principal = Depends(principal)) -> Response:
+        if not await run(store().delete, file_id, caller.tenant):
+            raise file_not_found(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})

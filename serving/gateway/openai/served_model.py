@@ -1,0 +1,50 @@
+"""A model the gateway serves: its name, engine, tokenizer, context window and KV-cache capacity."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from serving.contract.engine_client import EngineClient
+from serving.contract.tokenizer_protocol import TextTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """A model the gateway serves.
+
+    Attributes:
+      name: the id clients pass as ``model``.
+      engine: generates tokens for it.
+      tokenizer: its text <-> ids mapping and chat template.
+      max_model_len: context window in tokens (prompt + completion).
+      created: Unix seconds reported by ``/v1/models``.
+      kv_capacity_tokens: the most tokens (prompt + completion) one request
+        can hold in the engine's KV cache (``EngineClient.kv_capacity_tokens``);
+        None: no bound beyond the context window.
+      default_chat_max_tokens: the operator's cap on the completion of a chat
+        request that sends no ``max_tokens`` (None: the largest that fits,
+        :attr:`max_request_tokens` minus the prompt).
+      tool_call_parser: the format its tool calls are parsed from (a name of
+        ``tool_parsers.TOOL_PARSERS``; None: it cannot choose to call tools).
+      reasoning_parser: "think" when it thinks in ``<think>...</think>`` (the
+        thinking is returned apart as ``reasoning_content``); None: it does not.
+    """
+
+    name: str
+    engine: EngineClient
+    tokenizer: TextTokenizer
+    max_model_len: int
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    kv_capacity_tokens: int | None = None
+    default_chat_max_tokens: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + completion) one request can ever have: the
+        smaller of the context window and the KV-cache capacity."""
+        if self.kv_capacity_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.kv_capacity_tokens)

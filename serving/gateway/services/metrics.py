@@ -1,0 +1,180 @@
+"""Prometheus metrics of the gateway and its engines (prometheus-client).
+
+Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
+
+  histograms  xlaserve:time_to_first_token_seconds, xlaserve:inter_token_latency_seconds,
+              xlaserve:e2e_request_latency_seconds, xlaserve:request_queue_time_seconds
+  counters    xlaserve:requests_total{status}, xlaserve:request_success_total{finish_reason},
+              xlaserve:prompt_tokens_total, xlaserve:generation_tokens_total,
+              xlaserve:cached_prompt_tokens_total, xlaserve:request_cost_usd_total,
+              xlaserve:rate_limit_rejections_total{scope,limit},
+              xlaserve:prefix_cache_queries_total, xlaserve:prefix_cache_hits_total (tokens),
+              xlaserve:spec_decode_num_drafts_total, xlaserve:spec_decode_num_draft_tokens_total,
+              xlaserve:spec_decode_num_accepted_tokens_total (speculative decoding, as vLLM's),
+              xlaserve:host_kv_cache_hits_total, xlaserve:host_kv_cache_stores_total,
+              xlaserve:host_kv_cache_evictions_total (host KV tier, in pages)
+  gauges      xlaserve:num_requests_running, xlaserve:num_requests_waiting,
+              xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
+              xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
+              xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
+
+Every series has a ``model_name`` label. Gateway counters are updated when a
+request's ledger row is completed, from the same numbers, so they agree with
+the ledger; engine gauges are read from ``EngineClient.stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Buckets as vLLM's (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineStatsCollector(Collector):
+    """Reads each engine's ``stats()`` at scrape time.
+
+    Args:
+      engines: model name -> a callable returning the engine's stats (an
+        object with num_running, num_waiting, kv_cache_usage,
+        prefix_cache_queries, prefix_cache_hits), or None when it has none.
+    """
+
+    def __init__(self, engines: Callable[[], Mapping[str, Callable[[], object] | None]]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterable:
+        running = GaugeMetricFamily("xlaserve:num_requests_running",
+                                    "Requests in the engine's running batch.", labels=["model_name"])
+        waiting = GaugeMetricFamily("xlaserve:num_requests_waiting",
+                                    "Requests waiting for admission.", labels=["model_name"])
+        kv = GaugeMetricFamily("xlaserve:kv_cache_usage_perc",
+                               "Fraction of KV-cache pages in use (0..1).", labels=["model_name"])
+        hit_rate = GaugeMetricFamily("xlaserve:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / prompt tokens "
+                                     "looked up, over the engine's life.", labels=["model_name"])
+        queries = CounterMetricFamily("xlaserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", labels=["model_name"])
+        hits = CounterMetricFamily("xlaserve:prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache.", labels=["model_name"])
+        drafts = CounterMetricFamily("xlaserve:spec_decode_num_drafts",
+                                     "Speculative decoding: verified rows that had draft tokens.",
+                                     labels=["model_name"])
+        draft_tokens = CounterMetricFamily("xlaserve:spec_decode_num_draft_tokens",
+                                           "Speculative decoding: draft tokens verified.", labels=["model_name"])
+        accepted = CounterMetricFamily("xlaserve:spec_decode_num_accepted_tokens",
+                                       "Speculative decoding: draft tokens accepted.", labels=["model_name"])
+        acceptance = GaugeMetricFamily("xlaserve:spec_decode_acceptance_rate",
+                                       "Accepted / verified draft tokens, over the engine's life.",
+                                       labels=["model_name"])
+        per_step = GaugeMetricFamily("xlaserve:spec_decode_tokens_per_step",
+                                     "Tokens a speculating request gets per step (1 + accepted / "
+                                     "verified rows), over the engine's life.", labels=["model_name"])
+        host = {  # the host KV tier (serving.core.kv.host_kv_cache): EngineStats field -> family
+            "host_kv_hits": CounterMetricFamily("xlaserve:host_kv_cache_hits",
+                                                "Host KV tier: pages reloaded instead of recomputed.",
+                                                labels=["model_name"]),
+            "host_kv_stores": CounterMetricFamily("xlaserve:host_kv_cache_stores",
+                                                  "Host KV tier: evicted device pages copied in.",
+                                                  labels=["model_name"]),
+            "host_kv_evictions": CounterMetricFamily("xlaserve:host_kv_cache_evictions",
+                                                     "Host KV tier: pages dropped to make room.",
+                                                     labels=["model_name"]),
+            "host_kv_usage_bytes": GaugeMetricFamily("xlaserve:host_kv_cache_usage_bytes",
+                                                     "Host KV tier: bytes of pages held.", labels=["model_name"]),
+            "host_kv_capacity_bytes": GaugeMetricFamily("xlaserve:host_kv_cache_capacity_bytes",
+                                                        "Host KV tier: its bound in bytes (0: off).",
+                                                        labels=["model_name"]),
+        }
+        for name, stats_fn in self.engines().items():
+            if stats_fn is None:
+                continue
+            s = stats_fn()
+            for field, family in host.items():
+                family.add_metric([name], getattr(s, field, 0))
+            running.add_metric([name], s.num_running)
+            waiting.add_metric([name], s.num_waiting)
+            kv.add_metric([name], s.kv_cache_usage)
+            hit_rate.add_metric([name], s.prefix_cache_hits / s.prefix_cache_queries
+                                if s.prefix_cache_queries else 0.0)
+            queries.add_metric([name], s.prefix_cache_queries)
+            hits.add_metric([name], s.prefix_cache_hits)
+            rows, proposed, ok = (getattr(s, "spec_verify_rows", 0), getattr(s, "spec_draft_tokens", 0),
+                                  getattr(s, "spec_accepted_tokens", 0))
+            drafts.add_metric([name], rows)
+            draft_tokens.add_metric([name], proposed)
+            accepted.add_metric([name], ok)
+            acceptance.add_metric([name], ok / proposed if proposed else 0.0)
+            per_step.add_metric([name], 1 + ok / rows if rows else 0.0)
+        return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
+                per_step, *host.values()]
+
+
+class GatewayMetrics:
+    """The gateway's metrics in their own registry (one per app, so tests can run several)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("xlaserve:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              ["model_name"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("xlaserve:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens.",
+                             ["model_name"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("xlaserve:e2e_request_latency_seconds",
+                             "Time from arrival to the end of the request.",
+                             ["model_name"], buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("xlaserve:request_queue_time_seconds",
+                                    "Time a request waited before its first prefill step.",
+                                    ["model_name"], buckets=_REQUEST_BUCKETS, registry=r)
+        self.requests = Counter("xlaserve:requests", "Requests by final status "
+                                "(ok, error, cancelled, rate_limited).",
+                                ["model_name", "status"], registry=r)
+        self.success = Counter("xlaserve:request_success", "Finished requests by finish_reason.",
+                               ["model_name", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("xlaserve:prompt_tokens", "Prompt tokens of metered requests.",
+                                     ["model_name"], registry=r)
+        self.cached_tokens = Counter("xlaserve:cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix cache.",
+                                     ["model_name"], registry=r)
+        self.generation_tokens = Counter("xlaserve:generation_tokens", "Generated tokens.",
+                                         ["model_name"], registry=r)
+        self.cost = Counter("xlaserve:request_cost_usd", "Cost of metered requests in USD.",
+                            ["model_name"], registry=r)
+        self.rate_limited = Counter("xlaserve:rate_limit_rejections",
+                                    "Requests rejected by a rate limit.",
+                                    ["model_name", "scope", "limit"], registry=r)
+
+    def add_engine_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def observe_request(self, model: str, status: str, finish_reason: str | None,
+                        prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost: float,
+                        queue_time: float | None, ttft: float | None, itls: Iterable[float],
+                        e2e: float | None) -> None:
+        """Records one finished (metered) request."""
+        self.requests.labels(model, status).inc()
+        if finish_reason is not None and status == "ok":
+            self.success.labels(model, finish_reason).inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.cached_tokens.labels(model).inc(cached_tokens)
+        self.generation_tokens.labels(model).inc(completion_tokens)
+        self.cost.labels(model).inc(cost)
+        if queue_time is not None:
+            self.queue_time.labels(model).observe(queue_time)
+        if ttft is not None:
+            self.ttft.labels(model).observe(ttft)
+        h = self.itl.labels(model)
+        for x in itls:
+            h.observe(x)
+        if e2e is not None:
+            self.e2e.labels(model).observe(e2e)

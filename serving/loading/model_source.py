@@ -1,0 +1,155 @@
+"""What a ``--model`` value names: the one place the four forms are told apart.
+
+    registry name    gemma-3-270m, tiny-random, ...   (configs/models.yaml)
+    GGUF file        path/to/model.gguf
+    HF directory     path/to/dir  (config.json + model.safetensors or model.safetensors.index.json)
+    Hub id           org/name     (resolved by huggingface_hub into its cache)
+
+:func:`resolve_model` returns a :class:`ModelSource`; ``serving.loading.model_registry``
+loads it, ``serving.cli.shard_plan`` converts or plans it. An existing path wins
+over a hub id of the same spelling. A hub id is fetched with
+``huggingface_hub.snapshot_download`` (only the files a model needs,
+:data:`SERVE_FILES`): from its cache (``HF_HOME`` / ``HF_HUB_CACHE``) when
+``HF_HUB_OFFLINE=1`` or the Hub cannot be reached, downloaded otherwise;
+``HF_TOKEN`` (or a ``huggingface-cli login`` token) is read by the library for
+gated and private repositories.
+
+No JAX here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+__all__ = ["ModelSource", "resolve_model", "is_hub_id", "SERVE_FILES", "CONFIG_FILES", "ACCEPTED_FORMS"]
+
+SERVE_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
+               "model.safetensors.index.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+               "chat_template.jinja")
+"""``allow_patterns`` for serving a hub id: config, weights (not a repository's
+``consolidated.safetensors`` or ``original/`` copies), tokenizer and chat template."""
+
+CONFIG_FILES = ("config.json",)
+"""``allow_patterns`` for planning a hub id (``xlaserve shard-plan``)."""
+
+ACCEPTED_FORMS = ("a model name from configs/models.yaml ({names}), a path to a .gguf file, "
+                  "a Hugging Face checkpoint directory (config.json with model.safetensors or "
+                  "model.safetensors.index.json), or a Hugging Face Hub id (org/name)")
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A resolved ``--model`` value.
+
+    Attributes:
+      kind: "registry", "gguf", "hf" (a local Hugging Face directory) or "hub"
+        (a hub id, now a directory in huggingface_hub's cache).
+      value: the ``--model`` value as given.
+      name: the served model name: the registry name, the GGUF's stem, the
+        directory's name, or the hub id.
+      path: the GGUF file or the checkpoint directory (for "hub": the cached
+        snapshot); None for "registry".
+    """
+
+    kind: str
+    value: str
+    name: str
+    path: Path | None = None
+
+    @property
+    def is_hf(self) -> bool:
+        """A Hugging Face checkpoint directory (local, or a hub id's snapshot)."""
+        return self.kind in ("hf", "hub")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether ``value`` is spelled as a Hub repository id ``org/name``."""
+    return bool(_HUB_ID.fullmatch(value)) and ".." not in value
+
+
+def _registry() -> dict:
+    from serving.config.config_files import read_config
+
+    return read_config("models.yaml")
+
+
+def _is_orbax_checkpoint(p: Path) -> bool:
+    return (p / "config.json").is_file() and (p / "params").is_dir()
+
+
+def resolve_model(value: str, revision: str | None = None, files: tuple[str, ...] = SERVE_FILES,
+                  registry: dict | None = None) -> ModelSource:
+    """Tells which of the four forms ``value`` is; a hub id is fetched (or found in the cache).
+
+    Args:
+      value: the ``--model`` value.
+      revision: for a hub id, the branch, tag or commit (None: ``main``); any
+        other form with a revision is an error.
+      files: for a hub id, the ``allow_patterns`` to fetch (:data:`SERVE_FILES`,
+        or :data:`CONFIG_FILES` for planning).
+      registry: configs/models.yaml's entries (default: read it).
+
+    Returns:
+      A :class:`ModelSource`.
+
+    Raises:
+      ValueError: none of the forms (the message lists them), a directory that is
+        not a Hugging Face checkpoint (naming what it lacks; an orbax checkpoint is
+        pointed to ``--checkpoint``), a revision for a local model, or a hub id
+        that cannot be fetched (the library's reason: offline without a cached
+        snapshot, an unknown or gated repository, ...).
+    """
+    registry = _registry() if registry is None else registry
+    path = Path(value).expanduser()
+    if revision is not None and (value in registry or path.exists() or not is_hub_id(value)):
+        raise ValueError(f"--revision {revision!r} applies to a Hugging Face Hub id, not to {value!r}")
+    if value in registry:
+        return ModelSource("registry", value, value)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", value, path.stem, path)
+    if path.is_dir():
+        return ModelSource("hf", value, path.resolve().name, _check_hf_dir(path, files=files))
+    if path.suffix == ".gguf" or path.exists():
+        raise ValueError(f"--model {value!r}: no such .gguf file" if not path.exists() else
+                         f"--model {value!r} is a file but not a .gguf; use " + _forms(registry))
+    if is_hub_id(value):
+        return ModelSource("hub", value, value, _check_hf_dir(_snapshot(value, revision, files), hub=True,
+                                                              files=files))
+    raise ValueError(f"unknown model {value!r}: use {_forms(registry)}")
+
+
+def _forms(registry: dict) -> str:
+    return ACCEPTED_FORMS.format(names=", ".join(sorted(registry)))
+
+
+def _check_hf_dir(path: Path, hub: bool = False, files: tuple[str, ...] = SERVE_FILES) -> Path:
+    """``path`` if it holds what ``files`` asks for of a Hugging Face checkpoint, else a ValueError
+    naming what is missing."""
+    where = "the Hub snapshot " + str(path) if hub else str(path)
+    if not hub and _is_orbax_checkpoint(path):
+        raise ValueError(f"{path} is an xlaserve (orbax) checkpoint: serve it with --checkpoint {path}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{where} is not a Hugging Face checkpoint: it has no config.json")
+    if files == CONFIG_FILES:
+        return path
+    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+        raise ValueError(f"{where} is not a Hugging Face checkpoint xlaserve reads: it has neither "
+                         f"model.safetensors nor model.safetensors.index.json")
+    return path
+
+
+def _snapshot(repo_id: str, revision: str | None, files: tuple[str, ...]) -> Path:
+    """The local snapshot directory of ``repo_id`` at ``revision`` (huggingface_hub's cache)."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=list(files))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        raise ValueError(f"cannot fetch the Hugging Face Hub model {repo_id!r}"
+                         f"{'' if revision is None else f' at revision {revision!r}'}: {e}") from None
+    return Path(folder)

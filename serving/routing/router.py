@@ -1,0 +1,355 @@
+"""The router: which engine replica serves a request, behind one ``EngineClient``.
+
+:class:`Router` drives several remote replicas
+(``serving.rpc.remote_engine.RemoteEngine``) and is itself an
+``EngineClient``, so the gateway serves through it exactly as through an
+in-process engine. Policies (``--router``):
+
+- ``kv-aware`` (default), after NVIDIA Dynamo's KV router: each replica's cost is
+  ``prefill_weight * (prompt pages it would have to compute) + (its load in pages)``;
+  the pages it would not compute are the request's leading prompt pages found
+  in the replica's cached page hashes (its KV events) or in the prompts of
+  requests in flight there (computed soon: SGLang's router inserts a prompt
+  into its tree as it routes it), hashed with the request's prefix-cache salt
+  (the tenant scope, ``cache_scope.py``) exactly as the engine's prefix cache
+  hashes them; its load is the larger of the pages this gateway's requests in
+  flight there add (uncached prompt pages and their completions) and the
+  prompt pages waiting there (``GetLoad``, other gateways' requests
+  included). The lowest cost wins. A prompt page the replica holds in its host
+  KV tier (``serving.core.kv.host_kv_cache``; its KV events name the tier) right after
+  its device hit is reloaded rather than computed: it saves ``host_page_weight``
+  (0.25) of what a device page saves.
+- ``least-load``: the fewest requests (the larger of the replica's running +
+  waiting and this gateway's in-flight count).
+- ``round-robin``: the next replica that is up.
+
+Imbalance guard (SGLang's cache-aware router): when the most and least loaded
+replicas differ by more than ``balance_abs`` requests *and* the most loaded
+carries more than ``balance_rel`` times the least, kv-aware routing gives way
+to least-load, so a hot prefix spills to other replicas instead of piling
+onto the one that caches it (llm-d reports ~55% request success for
+prefix-only scoring under such load).
+
+The choices of one prompt (``parent_id``) go where their parent went. A
+replica that is down is skipped; a request whose replica fails before its
+first event, or refuses it as overloaded, is sent to the next one (all
+overloaded: the gateway's 503); a request it was running ends with an
+"error" event. Decisions are counted by replica and reason (``cache_hit``,
+``host_cache_hit`` (only host-tier pages matched), ``load``, ``imbalance``, ``least_load``, ``round_robin``, ``parent``,
+``retry``), and each event carries the URL of the replica that served it
+(``TokenEvent.replica``, the trace's ``replica``).
+
+Disaggregated serving: with up replicas of role ``prefill`` and ``decode``,
+each request's prompt goes to a prefill replica (by the policy above, among
+them) and its decoding to the least-loaded decode replica, the KV pages moving
+between them (``serving.routing.disaggregation``); replicas of role ``both``
+serve requests whole otherwise. Decisions then have the reasons
+``prefill_<reason>`` and ``decode``; the transfers' bytes and seconds are
+metrics.
+
+Neither the hashes nor the decisions cross tenants: a tenant's prompt pages
+hash with its own salt, so another tenant's requests never match them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+from typing import AsyncIterator, Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from serving.contract.engine_client import EngineOverloadedError, EngineRequest, EngineStats, TokenEvent
+from serving.routing import disaggregation
+from serving.core.kv.kv_cache_manager import prompt_page_hashes
+from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable, info_mismatch
+
+log = logging.getLogger("xlaserve.router")
+
+POLICIES = ("kv-aware", "least-load", "round-robin")
+HOST_PAGE_WEIGHT = 0.25
+"""What a replica's host-tier page saves, against a device-cached page (kv-aware)."""
+
+
+@dataclasses.dataclass
+class _InFlight:
+    replica: RemoteEngine
+    pages: int  # pages it adds there: prompt pages not cached + its completion's
+    hashes: tuple[bytes, ...]  # its prompt's page hashes, pending there until it ends
+
+
+class Router:
+    """An ``EngineClient`` over engine replicas of one model.
+
+    Args:
+      replicas: the replicas (their ``info`` checked to serve one model with one tokenizer).
+      policy: one of :data:`POLICIES`.
+      prefill_weight: kv-aware: cost of one prompt page to compute, against one page of load.
+        Above Dynamo's 1.0 by default: at 1.0 the second request of a burst sharing a
+        prefix ties between waiting behind the first one's prefill and computing the
+        prefix again elsewhere, and half such bursts scatter (tests/serving/routing/test_router.py).
+      balance_abs, balance_rel: the imbalance guard's thresholds (requests; a ratio).
+      host_page_weight: kv-aware: the part of a device hit's saving that a host-tier hit
+        saves, per page (0..1; the page is reloaded, not recomputed, but not free).
+
+    Raises:
+      ValueError: no replicas, an unknown policy, or replicas that disagree on
+        the model, its tokenizer or page size.
+    """
+
+    def __init__(self, replicas: Sequence[RemoteEngine], policy: str = "kv-aware",
+                 prefill_weight: float = 2.0, balance_abs: int = 16, balance_rel: float = 1.5,
+                 host_page_weight: float = HOST_PAGE_WEIGHT) -> None:
+        if not replicas:
+            raise ValueError("a router needs at least one engine replica")
+        if policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        for r in replicas[1:]:
+            why = info_mismatch(r.info, replicas[0].info)
+            if why is not None:
+                raise ValueError(f"engine replicas {replicas[0].url} and {r.url} disagree: {why}")
+        self.replicas = list(replicas)
+        self.policy = policy
+        self.prefill_weight = prefill_weight
+        self.host_page_weight = host_page_weight
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._inflight: dict[str, _InFlight] = {}
+        # Per replica: page hashes of prompts routed there and still in flight, as if cached
+        # (SGLang's router inserts a prompt into its tree when it routes it): the replica's
+        # KV events report them only once computed, and a burst of one prefix would
+        # otherwise scatter before its first request's events arrive.
+        self._pending: dict[int, collections.Counter[bytes]] = {id(r): collections.Counter() for r in replicas}
+        self._rr = itertools.count()
+        self.transfers = disaggregation.TransferStats()
+
+    # -- EngineClient ---------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return min(r.info.max_model_len for r in self.replicas)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return min(r.info.kv_capacity_tokens for r in self.replicas)
+
+    def is_ready(self) -> bool:
+        """True while at least one replica is up."""
+        return any(r.up for r in self.replicas)
+
+    def stats(self) -> EngineStats:
+        """The replicas' last reported loads, summed (those that are up)."""
+        up = [r.load for r in self.replicas if r.up]
+        total = sum(s.kv_pages_total for s in up)
+        used = sum(s.kv_pages_used for s in up)
+        return EngineStats(
+            num_running=sum(s.num_running for s in up), num_waiting=sum(s.num_waiting for s in up),
+            waiting_prompt_tokens=sum(s.waiting_prompt_tokens for s in up),
+            kv_cache_usage=used / total if total else 0.0, kv_pages_used=used, kv_pages_total=total,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in up),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in up),
+            num_preemptions=sum(s.num_preemptions for s in up))
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Routes the request; its events carry ``replica``. Admission errors (and
+        :class:`EngineOverloadedError` when no replica is up) raise on the first iteration."""
+        return self._stream(request)
+
+    async def cancel(self, request_id: str) -> None:
+        held = self._inflight.get(request_id)
+        if held is not None:
+            await held.replica.abort(request_id)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Opens every replica's channel and background tasks (on the serving event loop)."""
+        for r in self.replicas:
+            await r.open()
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            await r.close()
+
+    async def wait_until_up(self, n: int = 1) -> None:
+        """Returns once ``n`` replicas are up (for tests and start-up logs)."""
+        while sum(r.up for r in self.replicas) < n:
+            await asyncio.sleep(0.05)
+
+    # -- routing ------------------------------------------------------------------------
+
+    def requests_on(self, r: RemoteEngine) -> int:
+        mine = sum(1 for f in self._inflight.values() if f.replica is r)
+        return max(mine, r.load.num_running + r.load.num_waiting)
+
+    def _pages_on(self, r: RemoteEngine) -> float:
+        """The replica's load in KV pages: what this gateway's requests there add (their
+        uncached prompt pages and completions), or the prompt pages waiting there (its last
+        GetLoad, other gateways' included), whichever is more. Pages of cached prefixes
+        shared by running requests are not load: taking one more request that shares them
+        costs no memory."""
+        mine = sum(f.pages for f in self._inflight.values() if f.replica is r)
+        return max(mine, r.load.waiting_prompt_tokens / max(1, r.page_size))
+
+    def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = (),
+             hashes: Sequence[bytes] | None = None,
+             pool: Sequence[RemoteEngine] | None = None) -> tuple[RemoteEngine, str, int]:
+        """The replica for ``request``: (replica, reason, prompt pages it holds or will hold).
+
+        Args:
+          hashes: the prompt's page hashes (default: computed here).
+          pool: the replicas to choose among (default: all).
+
+        Raises:
+          EngineOverloadedError: no replica is up (outside ``exclude``).
+        """
+        exclude = set(map(id, exclude))
+        up = [r for r in (self.replicas if pool is None else pool) if r.up and id(r) not in exclude]
+        if not up:
+            raise EngineOverloadedError("no engine replica is available; retry later")
+        parent = self._inflight.get(request.parent_id) if request.parent_id else None
+        if parent is not None and parent.replica in up:
+            return parent.replica, "parent", 0
+        start = next(self._rr) % len(up)
+        up = up[start:] + up[:start]  # ties go round-robin
+        if self.policy == "round-robin":
+            return up[0], "round_robin", 0
+        loads = [self.requests_on(r) for r in up]
+        least = min(range(len(up)), key=loads.__getitem__)
+        if self.policy == "least-load":
+            return up[least], "least_load", 0
+        hi, lo = max(loads), loads[least]
+        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+            return up[least], "imbalance", 0
+        if hashes is None:
+            hashes = prompt_page_hashes(request.prompt_ids, up[0].page_size, request.cache_salt)
+        pages = -(-len(request.prompt_ids) // up[0].page_size)
+        best, best_cost, best_hit, best_host = None, None, 0, 0
+        for r in up:
+            # Pages it holds, or will once the requests in flight there are computed, then
+            # the pages its host tier holds right after them.
+            hit, host = r.kv_index.matched_tiers(hashes, self._pending[id(r)])
+            cost = self.prefill_weight * (pages - hit - self.host_page_weight * host) + self._pages_on(r)
+            if best_cost is None or cost < best_cost:
+                best, best_cost, best_hit, best_host = r, cost, hit, host
+        reason = "cache_hit" if best_hit else "host_cache_hit" if best_host else "load"
+        return best, reason, best_hit
+
+    @contextlib.asynccontextmanager
+    async def track(self, rid: str, replica: RemoteEngine, hashes: tuple[bytes, ...], pages: int):
+        """Counts a request in flight on ``replica`` while the block runs: ``pages`` of load
+        there, its prompt's page hashes pending there, and its cancel sent there."""
+        self._inflight[rid] = _InFlight(replica, pages, hashes)
+        self._pending[id(replica)].update(hashes)
+        try:
+            yield
+        finally:
+            self._inflight.pop(rid, None)
+            pending = self._pending[id(replica)]
+            for h in hashes:
+                pending[h] -= 1
+                if pending[h] <= 0:
+                    del pending[h]
+
+    async def _stream(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        rid = request.request_id
+        tried: list[RemoteEngine] = []
+        ps = self.replicas[0].page_size
+        prefills, decodes = disaggregation.pools(self.replicas)
+        pd = bool(prefills and decodes)
+        hashes = (tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
+                  if self.policy == "kv-aware" or pd else ())
+        if pd and not disaggregation.wants_colocated(request):
+            async for ev in disaggregation.disaggregated(self, request, hashes):
+                yield ev
+            return
+        # Whole requests go to replicas of role both, else decode (each replica is a whole engine).
+        whole = [r for r in self.replicas if r.up and r.role == "both"] or decodes or None
+        prompt_pages = -(-len(request.prompt_ids) // ps)
+        while True:
+            replica, reason, hit = self.pick(request, tried, hashes, pool=whole)
+            self.decisions[(replica.url, "retry" if tried else reason)] += 1
+            pages = prompt_pages - hit + -(-request.sampling.max_tokens // ps)
+            try:
+                async with self.track(rid, replica, hashes, pages):
+                    async for ev in replica.generate(request):
+                        yield dataclasses.replace(ev, replica=replica.url)
+                return
+            except ReplicaUnavailable as e:
+                log.warning("request %s: %s; trying another replica", rid, e)
+                tried.append(replica)
+            except EngineOverloadedError:  # its queue is full: another one may take it
+                tried.append(replica)
+                if not any(r.up for r in (whole or self.replicas) if r not in tried):
+                    raise
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def collector(self, model_name: str) -> Collector:
+        """Per-replica gauges and the decision counter, read at scrape time."""
+        return _RouterCollector(self, model_name)
+
+
+class _RouterCollector(Collector):
+    def __init__(self, router: Router, model_name: str) -> None:
+        self.router, self.model_name = router, model_name
+
+    def collect(self):
+        labels = ["model_name", "replica"]
+        families = {
+            "up": GaugeMetricFamily("xlaserve:replica_up", "1 while the engine replica takes requests.",
+                                    labels=labels),
+            "running": GaugeMetricFamily("xlaserve:replica_num_requests_running",
+                                         "Requests running on the replica (its last GetLoad).", labels=labels),
+            "waiting": GaugeMetricFamily("xlaserve:replica_num_requests_waiting",
+                                         "Requests waiting on the replica (its last GetLoad).", labels=labels),
+            "kv": GaugeMetricFamily("xlaserve:replica_kv_cache_usage_perc",
+                                    "Fraction of the replica's KV pages held (0..1).", labels=labels),
+            "hit": GaugeMetricFamily("xlaserve:replica_prefix_cache_hit_rate",
+                                     "The replica's prefix-cache hits / queries, in prompt tokens (lifetime).",
+                                     labels=labels),
+            "inflight": GaugeMetricFamily("xlaserve:replica_gateway_in_flight",
+                                          "Requests this gateway has in flight on the replica.", labels=labels),
+            "cached": GaugeMetricFamily("xlaserve:replica_cached_pages",
+                                        "Prefix-cache pages the router knows the replica holds.", labels=labels),
+            "host_cached": GaugeMetricFamily("xlaserve:replica_host_cached_pages",
+                                             "Host KV tier pages the router knows the replica holds.",
+                                             labels=labels),
+        }
+        inflight = collections.Counter(f.replica.url for f in self.router._inflight.values())
+        for r in self.router.replicas:
+            lv = [self.model_name, r.url]
+            s = r.load
+            families["up"].add_metric(lv, 1.0 if r.up else 0.0)
+            families["running"].add_metric(lv, s.num_running)
+            families["waiting"].add_metric(lv, s.num_waiting)
+            families["kv"].add_metric(lv, s.kv_cache_usage)
+            families["hit"].add_metric(lv, s.prefix_cache_hits / s.prefix_cache_queries
+                                       if s.prefix_cache_queries else 0.0)
+            families["inflight"].add_metric(lv, inflight[r.url])
+            families["cached"].add_metric(lv, len(r.kv_index.keys))
+            families["host_cached"].add_metric(lv, len(r.kv_index.host_keys))
+        decisions = CounterMetricFamily("xlaserve:router_decisions", "Routing decisions by replica and reason.",
+                                        labels=["model_name", "replica", "reason"])
+        for (url, reason), n in sorted(self.router.decisions.items()):
+            decisions.add_metric([self.model_name, url, reason], n)
+        yield from families.values()
+        yield decisions
+        t = self.router.transfers  # disaggregated serving's KV transfers
+        nbytes = CounterMetricFamily("xlaserve:kv_transfer_bytes",
+                                     "Bytes of KV pages decode replicas pulled from prefill replicas.",
+                                     labels=["model_name"])
+        nbytes.add_metric([self.model_name], t.bytes)
+        yield nbytes
+        seconds = HistogramMetricFamily("xlaserve:kv_transfer_seconds",
+                                        "Seconds from a decode replica's page reservation to its pulled "
+                                        "pages in place, per request.", labels=["model_name"])
+        seconds.add_metric([self.model_name], [(str(le), n) for le, n in zip(
+            disaggregation.TRANSFER_SECONDS_BUCKETS, t.buckets)] + [("+Inf", t.count)], t.seconds_sum)
+        yield seconds

@@ -1,0 +1,103 @@
+"""The engine loop's side of speculative decoding: dispatching verify steps and reading them back.
+
+The scheduler plans verify rows (``StepPlan.verify``: decode rows with n-gram
+drafts, ``serving.core.sched.speculative``) only from tokens the host has read back, so
+the engine loop (``serving.runtime.engine_loop``) reads back before planning while a
+step may speculate, and always before planning after a verify step (its
+request's computed count is settled only at read-back). Steps that cannot
+speculate (more than ``max_batch`` requests running, or no request that may)
+stay pipelined as before.
+
+Read-back of a verify row (:func:`process_verify`): its emitted tokens are the
+sampled tokens up to and including the first that differs from its draft (the
+device counted the accepted drafts); they go through the scheduler one by one
+(``on_token`` for the first, ``on_accepted`` after it), so a stop token or
+``max_tokens`` cuts them exactly where plain decoding would have ended, and
+reach the request's consumer as one event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from serving.engine.sample.logprobs import HostLogprobs
+from serving.core.sched.scheduler import Status
+from serving.core.sched.step_plan import StepPlan
+from serving.engine.verify_step import VerifyOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """Lifetime speculative-decoding counts of one engine loop (see ``EngineStats``)."""
+
+    verify_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def dispatch_verify(loop, plan: StepPlan) -> tuple[VerifyOutput, list] | None:
+    """Dispatches the plan's verify rows as one step; a failed dispatch fails those
+    requests, not the loop.
+
+    Returns:
+      None when the plan has no verify rows, else the pending step: the
+      :class:`~serving.engine.verify_step.VerifyOutput` (device arrays) and, per row, (its
+      sequence, the index of its first token in the step, the plan row).
+    """
+    if not plan.verify:
+        return None
+    seqs = [loop._by_id[row.request_id] for row in plan.verify]
+    try:
+        out = loop.engine.verify(plan.verify)
+    except Exception as e:
+        log.exception("verify step failed")
+        for seq in seqs:
+            loop._finish(seq, "error", f"verify failed: {e}")
+        return None
+    offsets = np.cumsum([0] + [1 + len(row.draft_ids) for row in plan.verify])
+    return out, [(seq, int(offsets[i]), row) for i, (seq, row) in enumerate(zip(seqs, plan.verify))]
+
+
+def process_verify(loop, out: VerifyOutput, owners: list, counters: SpecCounters) -> None:
+    """Reads back a verify step: streams each row's emitted tokens (see the module docstring)."""
+
+    try:
+        tokens = np.asarray(out.sampled.tokens)
+        accepted = np.asarray(out.accepted)
+        wanted = any(seq.sched.sampling.logprobs >= 0 for seq, _, _ in owners)
+        lp = HostLogprobs(out.sampled) if wanted else None
+    except Exception as e:
+        log.exception("verify step failed")
+        for seq, _, _ in owners:
+            loop._finish(seq, "error", f"step failed: {e}")
+        return
+    sched = loop.scheduler
+    for i, (seq, offset, row) in enumerate(owners):
+        if seq.sched.status is Status.FINISHED:
+            continue  # finished or cancelled while the step was in flight
+        a = int(accepted[i])
+        if row.draft_ids:
+            counters.verify_rows += 1
+            counters.draft_tokens += len(row.draft_ids)
+            counters.accepted_tokens += a
+            seq.sched.num_accepted_tokens += a
+        k = seq.sched.sampling.logprobs
+        ids, entries, reason = [], [], None
+        for j in range(a + 1):
+            tok = int(tokens[offset + j])
+            reason = sched.on_token(seq.sched, tok) if j == 0 else sched.on_accepted(seq.sched, tok)
+            ids.append(tok)
+            if k >= 0:
+                entries.append(lp.entry(offset + j, tok, k))
+            if reason is not None:
+                break
+        logprobs = tuple(entries) if k >= 0 else None
+        if reason is None:
+            loop._emit(seq, tuple(ids), logprobs=logprobs)
+        else:
+            loop._finish(seq, reason, ids=tuple(ids), logprobs=logprobs)

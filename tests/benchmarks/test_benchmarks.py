@@ -1,0 +1,126 @@
+"""The benchmark code on the tiny model: it runs, and its roofline arithmetic is right.
+
+No timings are asserted (benchmarks measure; tests check behaviour).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.engine import SHAPES
+from benchmarks.roofline import MachineLimits, StepCost, matmul_params, roofline_line, step_cost
+from benchmarks.step_parts import StepParts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_cost_counts_weights_kv_and_flops_by_hand():
+    cfg = SHAPES["tiny"]  # 2 layers (layer 0 sliding, window 32; layer 1 global), D 64, N 4, K 1, H 32, F 128
+    layer_mm, head_mm = matmul_params(cfg)
+    assert layer_mm == 2 * (64 * 4 * 32 + 2 * 64 * 32 + 4 * 32 * 64 + 3 * 64 * 128)
+    assert head_mm == 512 * 64
+    # Two decode rows at context 100: layer 0 sees 32 keys, layer 1 sees 100.
+    c = step_cost(cfg, jnp.bfloat16, jnp.float32, queries=[(99, 1)] * 2, logits_rows=2)
+    norms = (4 * 2 * 64 + 2 * 2 * 32 + 64) * 4
+    assert c.weight_bytes == (layer_mm + head_mm) * 2 + norms
+    keys = 2 * (32 + 100)
+    assert c.kv_bytes == (keys + 2 * 2) * 2 * 1 * 32 * 4  # read, plus 2 rows x 2 layers written
+    assert c.flops == 2 * 2 * layer_mm + 2 * 2 * head_mm + 4 * 4 * 32 * keys
+
+
+def test_roofline_line_reports_fractions_of_the_limits():
+    limits = MachineLimits("test", 10.0, 8.0, 10.0, "measured", {"float32": 100.0})
+    line = roofline_line(StepCost(5e8, 0.0, 1e9), 0.1, limits, jnp.float32)
+    # memory floor 50 ms = 50% of the 100 ms step; compute floor 10 ms = 10%.
+    assert "memory 50.0 ms (50% of 10 GB/s reached)" in line
+    assert "compute 10.0 ms (10% of 100 GFLOP/s)" in line and "memory-bound" in line
+
+
+def test_step_parts_line_splits_the_step_time():
+    parts = StepParts(step=0.1, attention=0.03, head=0.05)
+    assert parts.rest == pytest.approx(0.02)
+    line = parts.line()
+    assert "attention 30.0 ms (30%)" in line and "output head 50.0 ms (50%)" in line
+    assert "rest 20.0 ms (20%)" in line
+    assert parts.as_dict() == dict(step_s=0.1, attention_s=0.03, head_s=0.05, rest_s=parts.rest)
+
+
+def test_engine_benchmark_runs_on_the_tiny_shape(tmp_path):
+    from benchmarks import engine
+
+    out = tmp_path / "engine.json"
+    engine.main(["--shape", "tiny", "--dtype", "float32", "bfloat16", "--slots", "1", "3", "--context", "40",
+                 "--prefill", "16", "--steps", "1", "--repeats", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert {(r["slots"], r["dtype"]) for r in report["decode"]} == {
+        (s, d) for s in (1, 3) for d in ("float32", "bfloat16")}
+    assert [r["bucket"] for r in report["prefill"]] == [16, 16]
+    for row in report["decode"] + report["prefill"]:
+        assert row["tokens_per_s"] > 0 and row["bandwidth_fraction"] > 0 and row["compute_fraction"] > 0
+    for row in report["decode"]:  # where the step's time goes (benchmarks.step_parts)
+        parts = row["parts"]
+        assert parts["step_s"] == row["seconds"] and parts["attention_s"] > 0 and parts["head_s"] > 0
+        assert parts["rest_s"] == pytest.approx(parts["step_s"] - parts["attention_s"] - parts["head_s"])
+    assert report["limits"]["bandwidth_gbs"] > 0 and set(report["limits"]["matmul_gflops"]) == {
+        "float32", "bfloat16"}
+
+
+def test_device_script_imports_no_gateway_dependencies():
+    """The device machine has jax, flax (which brings PyYAML) and numpy only: the engine and the
+    device benchmark must import and run without fastapi, uvicorn, gguf, sentencepiece,
+    platformdirs or llguidance, and without reading configs/ (the server's YAML settings)."""
+    blocked = ["fastapi", "uvicorn", "gguf", "sentencepiece", "platformdirs", "llguidance"]
+    code = (
+        "import sys\n"
+        f"for m in {blocked!r}: sys.modules[m] = None  # import raises ImportError\n"
+        "import serving.engine.engine, serving.runtime.engine_loop, benchmarks.engine, benchmarks.kernels, benchmarks.device\n"
+        "from benchmarks.engine import random_model, make_engine, time_decode\n"
+        "m = random_model('tiny', 'bfloat16')\n"
+        "print(time_decode(make_engine(m, 'bfloat16', 2, 64), 2, 40, 1, 1) > 0)\n"
+        "assert 'serving.config.server_config' not in sys.modules and 'serving.loading.model_registry' not in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().endswith("True")
+
+
+@pytest.mark.parametrize("argv", [["bench", "engine", "--help"], ["bench", "load", "--help"]])
+def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
+    from serving.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert ("--slots" in out) if argv[1] == "engine" else ("--concurrency" in out)
+
+
+def test_batch_interference_runs_on_the_tiny_model(tmp_path):
+    """Its three phases run and report (the server's shapes are the tests' tiny server's)."""
+    from benchmarks import batch_interference
+
+    out = batch_interference.main([
+        "--model", "tiny-random", "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
+        "--batch-concurrency", "4", "--lines", "16", "--line-max-tokens", "400", "--requests", "2",
+        "--max-tokens", "4", "--json", str(tmp_path / "out.json")])
+    assert list(out["phases"]) == ["idle", "batch", "interactive load"]
+    assert all(len(p["ttft_s"]) == 2 and p["ttft_p50_s"] > 0 for p in out["phases"].values())
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["lines"] == 16
+
+
+def test_host_kv_tier_benchmark_runs_on_the_tiny_model(tmp_path):
+    """Recompute and host-hit TTFT of one repeat; the replay reloads every full prompt page."""
+    from benchmarks import host_kv_tier
+
+    out = host_kv_tier.main(["--model", "tiny-random", "--prompt-tokens", "100", "--page-size", "8",
+                             "--prefill-chunk", "32", "--max-tokens", "2", "--repeats", "1",
+                             "--json", str(tmp_path / "out.json")])
+    (row,) = out["repeats"]
+    assert row["host_cached_tokens"] == row["cached_tokens"] == 96 and row["host_hit_pages"] == 12
+    assert out["identical_output"] and out["ratio"] > 0
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["prompt_tokens"] == 100

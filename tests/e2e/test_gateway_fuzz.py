@@ -1,0 +1,249 @@
+"""The fuzzing gate: schemathesis and hypothesis against a real `tiny-random` server.
+
+One server process (``TINY_SERVER_ARGS``: no new compiled shapes). For every
+operation of ``/openapi.json`` schemathesis generates requests from the
+schema (``MAX_EXAMPLES`` per operation and mode: schema-valid ones, and
+schema-invalid ones where a body or query exists to break) and checks:
+no 5xx, the status code is documented, the content type is documented, the
+body matches the documented schema, schema-invalid data is refused with a 4xx,
+every streamed (SSE) response is well-formed and ends with ``[DONE]``, and no
+request hangs (``REQUEST_TIMEOUT_S``). Schema-valid requests to the generation
+routes, and half of those to ``/v1/models/{model_id}``, name the served model
+(otherwise nearly all would be a 404; schema-invalid ones keep their names). The number of
+cases run per operation is asserted (> 0) and printed.
+
+Then hypothesis sends awkward Unicode (lone surrogates, NULs, RTL marks,
+combining sequences, very long words, noncharacters) through both generation
+endpoints, streamed and not, and expects a 200 or an OpenAI-shaped 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.support.server_process import TINY_SERVER_ARGS, serve_process
+
+MODEL = "tiny-random"
+MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
+"""Generated cases per operation and generation mode (by HTTP method)."""
+MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
+                         "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15,
+                         "POST /v1/responses": 60}
+"""Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py),
+the files and batches routes (no engine behind them: test_batches.py) and the Responses API
+(chat completions in other words: test_responses_api.py)."""
+UNICODE_EXAMPLES = 150
+REQUEST_TIMEOUT_S = 30
+
+POSITIVE_CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+                   response_schema_conformance]
+NEGATIVE_CHECKS = [*POSITIVE_CHECKS, negative_data_rejection]
+
+# Hypothesis settings shared by both fuzzers: no deadline (a request's time is the
+# server's), no example database (CI runs stay independent), generation only.
+FUZZ_SETTINGS = dict(deadline=None, database=None, phases=[Phase.generate],
+                     suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    with serve_process(TINY_SERVER_ARGS, tmp / "server.log") as (_, url, log):
+        yield url
+        log.seek(0)
+        assert "Traceback" not in log.read()
+
+
+MAX_STREAM_EVENTS = 5000
+"""Read streams whole (schemathesis stops after 20 events by default): a schema-valid case
+may ask for 4 choices of up to 512 tokens each. A stream cut short is one that outran the
+request timeout (a hang), and fails."""
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    schema.config.max_stream_events = MAX_STREAM_EVENTS
+    return schema
+
+
+def _operations(api_schema):
+    return [result.ok() for result in api_schema.get_all_operations()]
+
+
+def _modes(operation) -> list[GenerationMode]:
+    """Schema-invalid data exists only for an operation with a body or query parameters."""
+    breakable = operation.body or any(p.location == "query" for p in operation.iter_parameters())
+    return [GenerationMode.POSITIVE, *([GenerationMode.NEGATIVE] if breakable else [])]
+
+
+MAX_FUZZ_CHOICES = 4
+"""Schema-valid cases ask for at most this many choices (``n``, ``best_of``) and prompts:
+the schema allows 128 x 1024 completions, which a 4-slot CPU engine takes minutes to
+generate (load, not conformance; the bounds themselves are unit-tested)."""
+
+
+def _served_model(case):
+    """The case naming the served model (in its body or path), with few choices."""
+    if isinstance(case.body, dict):
+        case.body["model"] = MODEL
+        for name in ("n", "best_of"):  # an integral float (90.0) is an integer to pydantic
+            if isinstance(case.body.get(name), (int, float)) and case.body[name] > MAX_FUZZ_CHOICES:
+                case.body[name] = MAX_FUZZ_CHOICES
+        prompt = case.body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            case.body["prompt"] = prompt[:MAX_FUZZ_CHOICES]
+    if case.path_parameters and "model_id" in case.path_parameters:
+        case.path_parameters["model_id"] = MODEL
+    return case
+
+
+def assert_sse(text: str) -> None:
+    """A well-formed SSE body: `data: <JSON object>` events, the last one `data: [DONE]`;
+    or (the Responses API) typed events `event: <type>` / `data: <JSON of that type>`,
+    numbered in order, the last one ending the response."""
+    if text.startswith("event: "):
+        events = []
+        for block in text.split("\n\n")[:-1]:
+            head, data = block.split("\n", 1)
+            assert head.startswith("event: ") and data.startswith("data: "), block
+            events.append(json.loads(data[len("data: "):]))
+            assert events[-1]["type"] == head[len("event: "):], block
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), text[-300:]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-1]
+        return
+    assert text.endswith("data: [DONE]\n\n"), text[-300:]
+    for block in text.split("\n\n")[:-2]:
+        assert block.startswith("data: "), block
+        event = json.loads(block[len("data: "):])
+        assert isinstance(event, dict) and ("choices" in event or "error" in event), event
+
+
+def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_schema):
+    operations = _operations(api_schema)
+    labels = {op.label for op in operations}
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+            "GET /v1/models/{model_id}", "GET /v1/usage", "GET /v1/requests/{request_id}",
+            "GET /metrics", "GET /health", "GET /tokenizer_info", "POST /tokenize",
+            "POST /detokenize", "POST /v1/responses", "GET /v1/responses/{response_id}"} <= labels
+    report = []
+    t0 = time.monotonic()
+    for op in operations:
+        for mode in _modes(op):
+            strategy = op.as_strategy(generation_mode=mode)
+            if mode is GenerationMode.POSITIVE and op.method.upper() == "POST":
+                strategy = strategy.map(_served_model)
+            elif mode is GenerationMode.POSITIVE and "model_id" in op.path:
+                strategy = st.one_of(strategy.map(_served_model), strategy)
+            checks = NEGATIVE_CHECKS if mode is GenerationMode.NEGATIVE else POSITIVE_CHECKS
+            statuses: dict[int, int] = {}
+
+            @settings(max_examples=MAX_EXAMPLES_BY_ROUTE.get(op.label, MAX_EXAMPLES[op.method.upper()]),
+                      **FUZZ_SETTINGS)
+            @given(case=strategy)
+            def run(case):
+                response = case.call(base_url=server, timeout=REQUEST_TIMEOUT_S)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                case.validate_response(response, checks=checks)
+                if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+                    assert not response.stream_cut_short, f"a stream outran {REQUEST_TIMEOUT_S} s"
+                    assert_sse(response.text)
+
+            run()
+            n = sum(statuses.values())
+            report.append(f"{op.label} [{mode.value}]: {n} cases, statuses {dict(sorted(statuses.items()))}")
+            assert n > 0, f"no case was generated for {op.label} ({mode.value})"
+    total = sum(int(line.split(": ")[1].split()[0]) for line in report)
+    print(f"\nschemathesis: {total} cases in {time.monotonic() - t0:.1f} s, 0 failures\n" + "\n".join(report))
+
+
+def test_integer_bounds_on_the_real_engine(server):
+    """top_k beyond int32 used to reach the engine's int32 arrays (a 500 from the prefill
+    step); top_k of the whole vocabulary or more is off."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 1, "seed": 2**63 - 1,
+            "ignore_eos": True}
+    r = httpx.post(f"{server}/v1/completions", json={**body, "top_k": 3_000_000_000}, timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "top_k")
+    for top_k in (2**31 - 1, 1):
+        r = httpx.post(f"{server}/v1/completions", json={**body, "top_k": top_k}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
+# --------------------------------------------------------------- Unicode
+
+
+AWKWARD = ["\ud800", "\udfff", "\ud83d", "\x00", "\u200f", "\u202e", "\u2066", "\u200d", "\ufeff",
+           "\uffff", "\U0010ffff", "e\u0301\u0301\u0301\u0301", "\u0915\u094d\u0937",
+           "\U0001F469\u200d\U0001F4BB", "x" * 20_000, "\u00e9" * 3_000, "\r\n", "<start_of_turn>",
+           "<end_of_turn>", "\\u0000", "\U0001F600"]
+
+
+def awkward_text():
+    return st.lists(st.one_of(st.sampled_from(AWKWARD), st.text(max_size=20)), max_size=6).map("".join)
+
+
+@st.composite
+def awkward_request(draw):
+    """(path, body) with awkward text in one of the string fields a request has."""
+    text = draw(awkward_text())
+    stream = draw(st.booleans())
+    common = {"model": MODEL, "max_tokens": 4, "stream": stream}
+    where = draw(st.sampled_from(["prompt", "stop", "content", "part", "system"]))
+    if where in ("prompt", "stop"):
+        body = {**common, "prompt": text if where == "prompt" else "hello"}
+        if where == "stop":
+            body["stop"] = [text]
+        return "/v1/completions", body
+    content = [{"type": "text", "text": text}] if where == "part" else text
+    messages = [{"role": "user", "content": content}]
+    if where == "system":
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+    return "/v1/chat/completions", {**common, "messages": messages}
+
+
+def test_awkward_unicode_gets_200_or_an_openai_4xx(server):
+    counts: dict[int, int] = {}
+    t0 = time.monotonic()
+    with httpx.Client(base_url=server, timeout=REQUEST_TIMEOUT_S) as client:
+
+        @settings(max_examples=UNICODE_EXAMPLES, **FUZZ_SETTINGS)
+        @given(request=awkward_request())
+        def run(request):
+            path, body = request
+            # ensure_ascii: a lone surrogate travels as its JSON escape ("\ud800"), as a client sends it.
+            raw = json.dumps(body, ensure_ascii=True).encode()
+            r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+            counts[r.status_code] = counts.get(r.status_code, 0) + 1
+            if r.status_code == 200:
+                if body["stream"]:
+                    assert r.headers["content-type"].startswith("text/event-stream")
+                    assert_sse(r.text)
+                else:
+                    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+                return
+            assert 400 <= r.status_code < 500, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            if any("\ud800" <= c <= "\udfff" for c in json.dumps(body, ensure_ascii=False)):
+                assert err["param"] and "surrogate" in err["message"], err
+
+        run()
+    n = sum(counts.values())
+    assert n > 0 and counts.get(200, 0) > 0, counts
+    print(f"\nunicode: {n} requests in {time.monotonic() - t0:.1f} s, statuses {dict(sorted(counts.items()))}")
