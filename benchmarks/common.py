@@ -9,10 +9,10 @@ from serving.contract.engine_client import EngineRequest, SamplingParams
 
 def build_engine(model: str, dtype: str = "float32", **engine_overrides):
     """(Engine, tokenizer) with the server's defaults, overridden by engine_overrides."""
-    from serving.engine.engine import Engine
     from serving.config.engine_config import EngineConfig
-    from serving.loading.model_registry import load_model
     from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.engine.engine import Engine
+    from serving.loading.model_registry import load_model
 
     enable_compilation_cache()
     m, tok = load_model(model, dtype=dtype, progress=False)

@@ -105,8 +105,8 @@ def variant_parts(label: str) -> tuple[str, str]:
 
 def load_named_model(name: str, dtype: str, quantization: str = "none"):
     """(model, tokenizer) from configs/models.yaml or a GGUF path (needs the gguf extra)."""
-    from serving.loading.model_registry import load_model
     from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.loading.model_registry import load_model
 
     enable_compilation_cache()
     return load_model(name, dtype=dtype, progress=False, quantization=quantization)
@@ -117,9 +117,9 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
     """An Engine sized for ``max_slots`` sequences of ``max_context`` tokens, KV in ``dtype``
     (``whole_table_attention``: sliding layers' decode reads the whole page table, the
     formulation before the window gather, as a baseline)."""
+    from serving.config.engine_config import EngineConfig
     from serving.engine.backend_policy import BackendPolicy
     from serving.engine.engine import Engine
-    from serving.config.engine_config import EngineConfig
 
     policy = BackendPolicy.detect()
     if whole_table_attention:

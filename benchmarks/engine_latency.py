@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from serving.cli.main import build_engine
+    from serving.cli.bootstrap import build_engine
     from serving.config.server_config import load_server_config
 
     cfg = load_server_config(model=args.model, dtype=args.dtype, max_slots=max(8, max(args.streams)),

@@ -5,7 +5,7 @@
 Builds the engine and the app as ``xlaserve serve`` does (the test suite's
 small shapes: 512-token context, 4 slots, 256 pages), then times
 ``gc.collect()`` (a generation-2 collection, which holds every thread of the
-process) before and after :func:`serving.cli.main.freeze_startup_heap`, the call
+process) before and after :func:`serving.cli.bootstrap.freeze_startup_heap`, the call
 ``serve`` makes before it starts answering. A full collection also runs on
 its own while serving, whenever enough objects have survived; its time is a
 stall of every stream at once.
@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
-    from serving.cli.main import build_engine, freeze_startup_heap
-    from serving.gateway.app import ServedModel, create_app
+    from serving.cli.bootstrap import build_engine, freeze_startup_heap
     from serving.config.server_config import load_server_config
+    from serving.gateway.app import ServedModel, create_app
 
     cfg = load_server_config(None, model=args.model, max_model_len=512, max_slots=4, num_pages=256)
     loop, tokenizer, name = build_engine(cfg)

@@ -23,8 +23,8 @@ import time
 
 from benchmarks.common import build_engine
 from serving.contract.engine_client import EngineRequest, SamplingParams
-from serving.runtime.engine_loop import EngineLoop
 from serving.core.kv.host_kv_cache import GIB
+from serving.runtime.engine_loop import EngineLoop
 
 
 def synthetic_prompt(n: int, offset: int, vocab: int) -> list[int]:

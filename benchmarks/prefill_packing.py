@@ -175,9 +175,9 @@ def bench_attention(args) -> None:
 def bench_engine(args) -> None:
     """The engine's prefill step, random Gemma 3 270M weights, per (S, formulation, workload)."""
     from benchmarks.engine import random_model
-    from serving.engine.engine import Engine
     from serving.config.engine_config import EngineConfig
     from serving.core.sched.step_plan import PrefillRow
+    from serving.engine.engine import Engine
 
     model = random_model("gemma3-270m", args.dtype)
     vocab = model.cfg.vocab_size

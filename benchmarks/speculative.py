@@ -131,8 +131,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from benchmarks.common import build_engine
+    from serving.config.speculative_config import SpeculativeConfig
     from serving.runtime.engine_loop import EngineLoop
-    from serving.core.sched.speculative import SpeculativeConfig
 
     print(f"load average at the start: {_loadavg()}", flush=True)
     max_streams = max(args.streams)

@@ -2,4 +2,6 @@
 
 Import submodules directly (``model.gemma3``, ``model.tokenizer``); this package
 init stays empty so that tokenizer users never import JAX.
+
+May import: kernels_pallas.
 """

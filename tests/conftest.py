@@ -20,9 +20,9 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault(
     "XLASERVE_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".xlaserve-test-data"))
 
-# tests/sharding needs 8 devices, fixed when JAX starts: it runs in its own
+# tests/sharding/multidevice needs 8 devices, fixed when JAX starts: it runs in its own
 # process (tests/sharding/test_sharding_multidevice.py sets XLASERVE_SHARDING_TESTS=1).
-collect_ignore = [] if os.environ.get("XLASERVE_SHARDING_TESTS") == "1" else ["sharding"]
+collect_ignore = [] if os.environ.get("XLASERVE_SHARDING_TESTS") == "1" else ["sharding/multidevice"]
 
 
 @pytest.fixture(scope="session")

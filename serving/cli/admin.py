@@ -124,7 +124,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
+def register(sub) -> None:
     """Registers ``keys``, ``tenants`` and ``usage`` on the ``xlaserve`` parser's subparsers."""
     from serving.gateway.accounts.ledger import GROUP_BY
 

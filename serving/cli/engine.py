@@ -1,4 +1,4 @@
-"""Replicas: ``xlaserve engine`` (one engine over gRPC) and the router a gateway builds for ``--engines``.
+"""``xlaserve engine``: one engine replica behind the gRPC engine service, no HTTP.
 
     xlaserve engine --grpc-port 50051 --model tiny-random          # a replica, no HTTP
     xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
@@ -12,10 +12,7 @@ slices run it on every process, and process 0 serves gRPC while the others
 follow in lockstep, as ``serve`` does with HTTP. SIGTERM drains: new requests
 get OVERLOADED, open streams get ``drain_timeout`` seconds.
 
-``serve --engines`` loads no weights: it asks each replica for its model,
-limits, tokenizer and chat template (``GetModelInfo``), waits until one
-answers, checks the others serve the same model, tokenizer and page size when
-they answer, and routes with :class:`serving.routing.router.Router`.
+The gateway side, ``serve --engines``, is ``serving.cli.serve``'s.
 
 Roles (``--role``, reported in ``GetModelInfo``): every replica is a whole
 engine with a KV connector (``serving.replica.kv_connector``), so any can compute a
@@ -34,7 +31,16 @@ import argparse
 import asyncio
 import logging
 import signal
-import time
+
+from serving.cli.bootstrap import (
+    _is_leader,
+    _is_loopback,
+    build_engine,
+    freeze_startup_heap,
+    join_processes,
+    run_follower,
+)
+from serving.cli.settings import _add_settings, _overrides
 
 log = logging.getLogger("xlaserve")
 
@@ -42,12 +48,38 @@ ROLES = ("both", "prefill", "decode")
 """Replica roles: "both" serves requests whole; "prefill" computes prompts for "decode" replicas."""
 
 
-def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
+def register(sub) -> None:
+    """Adds the ``engine`` subcommand to the CLI's subparsers."""
+    engine = sub.add_parser("engine", help="run one engine replica as a gRPC service (no HTTP), for "
+                            "`serve --engines`")
+    _add_settings(engine)
+    engine.add_argument("--grpc-port", type=int, required=True, help="port of the engine service (0: any free one)")
+    engine.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    engine.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                        help="both (default): computes prompts and decodes; prefill: computes prompts and "
+                        "hands their KV pages to a decode replica; decode: pulls them, then decodes "
+                        "(the gateway's router pairs them: serving/cli/engine.py)")
+    engine.add_argument("--kv-transport", default="auto", choices=("auto", "jax", "grpc"),
+                        help="how KV pages move between replicas: jax (jax.experimental.transfer), grpc "
+                        "(host staging over the engine service); auto (default): jax where it imports")
+    engine.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="seconds a prefill replica keeps a prompt's pages for a decode replica to "
+                        "pull before it frees them (default 30)")
+    engine.add_argument("--kv-chunk-pages", type=int, default=16,
+                        help="KV pages per transfer message, every layer of each (default 16)")
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=None, help="turn the automatic prefix cache off")
+    engine.add_argument("--served-model-name", help="the model id the gateway serves it as")
+    engine.add_argument("--stream-buffer-events", type=int, default=None,
+                        help="events a stream may fall behind before the request is cancelled (default 1024)")
+    engine.set_defaults(func=cmd_engine)
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
     """Runs one engine replica behind the gRPC engine service until SIGTERM / SIGINT."""
-    from serving.cli.main import _is_leader, _is_loopback, build_engine, freeze_startup_heap
-    from serving.replica.engine_service import EngineService, model_info, start_server
+    overrides = _overrides(args, ("enable_prefix_caching", "served_model_name", "stream_buffer_events"))
     from serving.config.server_config import load_server_config
-    from serving.cli.shard_plan import join_processes, run_follower
+    from serving.replica.engine_service import EngineService, model_info, start_server
 
     if args.role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {args.role!r}")
@@ -95,50 +127,3 @@ def cmd_engine(args: argparse.Namespace, overrides: dict) -> int:
         if loop.engine.lockstep is not None:
             loop.engine.lockstep.stop()
     return 0
-
-
-def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, balance_abs: int = 16,
-                 balance_rel: float = 1.5, wait_log_s: float = 10.0):
-    """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers.
-
-    Returns:
-      (router, tokenizer, model name, the first replica's ModelInfo).
-
-    Raises:
-      ValueError: a malformed URL, an unknown policy, replicas that disagree.
-    """
-    import grpc
-
-    from model.tokenizer_files import tokenizer_from_files
-    from serving.routing import disaggregation
-    from serving.routing.router import Router
-    from serving.rpc.remote_engine import RemoteEngine, fetch_model_info, parse_engine_url
-
-    urls = [u.strip() for u in engine_urls.split(",") if u.strip()]
-    if not urls:
-        raise ValueError("--engines needs at least one grpc://host:port")
-    for u in urls:
-        parse_engine_url(u)
-    infos: dict[str, object] = {}
-    last_log = time.monotonic()
-    while not infos:
-        for u in urls:
-            try:
-                infos[u] = fetch_model_info(u, timeout=2.0)
-            except grpc.RpcError as e:
-                if time.monotonic() - last_log > wait_log_s:
-                    log.info("waiting for engine replica %s (%s)", u, getattr(e, "code", lambda: e)())
-        if time.monotonic() - last_log > wait_log_s:
-            last_log = time.monotonic()
-    first = next(iter(infos.values()))
-    replicas = [RemoteEngine(u, infos.get(u), expected=first) for u in urls]
-    router = Router(replicas, policy=policy, prefill_weight=prefill_weight, balance_abs=balance_abs,
-                    balance_rel=balance_rel)
-    tokenizer = tokenizer_from_files(dict(first.tokenizer_files))
-    roles = ", ".join(f"{u} {i.role or 'both'}" + (f" (KV over {i.kv_transport})" if i.role in ("prefill", "decode")
-                                                    else "") for u, i in infos.items())
-    log.info("routing %s (%s) over %d engine replicas, %d answering: %s", first.model, policy, len(urls),
-             len(infos), roles)
-    for why in disaggregation.unpaired(replicas):
-        log.warning("%s", why)
-    return router, tokenizer, first.model, first

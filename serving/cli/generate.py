@@ -1,6 +1,6 @@
-"""The body of ``xlaserve generate``: one prompt, streamed as text to a writer.
+"""``xlaserve generate``: one prompt, streamed as text to a writer.
 
-``serving/cli/main.py`` builds the engine (JAX) and calls these; they only need an
+:func:`cmd_generate` builds the engine (JAX) and calls these; they only need an
 :class:`~serving.contract.engine_client.EngineClient` and a tokenizer, so they run
 against a fake engine in tests. Text comes from the output pipeline
 (``serving/output/output_processor.py``): stop-token ids, stop strings and the
@@ -10,15 +10,75 @@ Nothing here imports JAX.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import dataclasses
+import sys
 import time
 import uuid
 from typing import Callable, Sequence
 
+from serving.cli.bootstrap import build_engine
+from serving.cli.settings import _add_settings, _overrides
 from serving.contract.engine_client import EngineClient, EngineRequest, SamplingParams, TokenEvent
-from serving.output.output_processor import TextGeneration
 from serving.contract.tokenizer_protocol import TextTokenizer
+from serving.output.output_processor import TextGeneration
+
+
+def register(sub) -> None:
+    """Adds the ``generate`` subcommand to the CLI's subparsers."""
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
+    _add_settings(gen)
+    gen.add_argument("prompt", help="prompt text (BOS is added)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from serving.config.server_config import load_server_config
+    from serving.output.output_processor import GenerationError
+
+    overrides = _overrides(args)
+    overrides.setdefault("max_slots", 8)
+    overrides.setdefault("num_pages", 1024)
+    overrides.setdefault("max_model_len", 4096)
+    cfg = load_server_config(args.config, **overrides)
+    loop, tokenizer, _ = build_engine(cfg, warmup=False)
+
+    def write(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    async def run(request):
+        try:
+            return await generate_text(loop, tokenizer, request, args.stop or (), write)
+        finally:
+            # Stop the engine thread while this event loop is still open: after a stop
+            # string cancels the request, a step in flight may still send it events.
+            await asyncio.to_thread(loop.stop)
+
+    try:
+        request = build_request(tokenizer, args.prompt, chat=args.chat, max_tokens=args.max_tokens,
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed)
+        result = asyncio.run(run(request))
+    except GenerationError as e:
+        sys.stdout.write("\n")
+        print(f"xlaserve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        loop.stop()
+    sys.stdout.write("\n")
+    print(result.summary(), file=sys.stderr)
+    return 0
+
 
 
 def build_request(tokenizer: TextTokenizer, prompt: str, *, chat: bool = False, max_tokens: int = 64,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.core.sched.speculative import SpeculativeConfig
+from serving.config.speculative_config import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)

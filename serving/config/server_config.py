@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from serving.config.config_files import read_config
-from serving.core.sched.speculative import SpeculativeConfig
+from serving.config.speculative_config import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator, Protocol, Sequence
 
-
 MAX_LOGPROBS = 20
 """The most alternatives per position ``logprobs`` / ``prompt_logprobs`` may ask for."""
 

@@ -74,16 +74,16 @@ from flax import nnx
 
 from model.compute import Compute
 from model.kv_cache import KVCache
-from serving.engine.backend_policy import BackendPolicy
 from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket
+from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow
 from serving.engine import kv_pages
+from serving.engine.backend_policy import BackendPolicy
 from serving.engine.sample import token_counts
 from serving.engine.sample.logits_processors import sample_processed
 from serving.engine.sample.logprobs import StepOutput, prompt_logprobs, token_logprobs
 from serving.engine.sample.sampling import SamplingArrays
-from serving.engine.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
-from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow
 from serving.engine.sample.token_bitmask import mask_words, pad_rows
+from serving.engine.step_batch import DecodeBatch, PrefillBatch, PromptLogprobsBatch, batch_treedef
 from serving.engine.verify_step import VerifyBatch, verify_step, verify_treedef
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ import numpy as np
 
 from model.attention_metadata import AttentionMetadata
 from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket, token_bucket
-from serving.engine.sample.sampling import SamplingArrays
 from serving.core.sched.step_plan import DecodeRow, PrefillRow
+from serving.engine.sample.sampling import SamplingArrays
 
 
 def _pages_for(num_tokens: int, page_size: int) -> int:

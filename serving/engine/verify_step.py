@@ -35,10 +35,10 @@ from flax import nnx
 
 from model.attention_metadata import AttentionMetadata
 from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket
+from serving.core.sched.step_plan import DecodeRow
 from serving.engine.sample.logits_processors import sample_processed
 from serving.engine.sample.logprobs import StepOutput, token_logprobs
 from serving.engine.sample.sampling import SamplingArrays
-from serving.core.sched.step_plan import DecodeRow
 
 
 def _pages_for(num_tokens: int, page_size: int) -> int:

@@ -49,44 +49,43 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.accounts.api_keys import Principal
+from serving.gateway.accounts.ledger import GROUP_BY
 from serving.gateway.batch.batch_runner import BatchSettings, install_batch_api
 from serving.gateway.batch.batches import CreateBatchRequest
+from serving.gateway.batch.files import FILES_PATH, upload_body_limit
 from serving.gateway.http.body_limit import RequestBodyLimitMiddleware
 from serving.gateway.http.errors import OpenAIError, install_error_handlers, model_not_found
-from serving.gateway.batch.files import FILES_PATH, upload_body_limit
-from serving.gateway.accounts.ledger import GROUP_BY
 from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.log_context import request_id_var
-from serving.gateway.services.metrics import EngineStatsCollector
-from serving.gateway.openai.openai_serving import OpenAIServing
 from serving.gateway.http.openapi import (
     error_responses,
     install_openapi,
     json_or_stream_responses,
     json_request_body,
 )
-from serving.gateway.schema.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    HealthStatus,
-    ModelCard,
-    ModelList,
-)
 from serving.gateway.http.request_scope import (
     RATE_LIMIT_HEADERS_SCOPE_KEY,
     REQUEST_ID_GIVEN_SCOPE_KEY,
     REQUEST_ID_SCOPE_KEY,
 )
+from serving.gateway.openai.openai_serving import OpenAIServing
+from serving.gateway.openai.served_model import ServedModel
+from serving.gateway.openai.tokenizer_routes import DetokenizeRequest, TokenizeRequest, install_tokenizer_routes
 from serving.gateway.responses.response_store import ResponseStore
 from serving.gateway.responses.responses_api import RESPONSES_PATH, install_responses_api
 from serving.gateway.responses.responses_events import ResponseStreamEvent
 from serving.gateway.responses.responses_protocol import ResponseRequest
-from serving.gateway.openai.served_model import ServedModel
+from serving.gateway.schema.protocol import ChatCompletionRequest, CompletionRequest
+from serving.gateway.schema.response_models import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+)
 from serving.gateway.services.gateway_services import GatewayServices
-from serving.gateway.openai.tokenizer_routes import DetokenizeRequest, TokenizeRequest, install_tokenizer_routes
+from serving.gateway.services.metrics import EngineStatsCollector
 
 __all__ = ["ServedModel", "GatewayServices", "GatewayLimits", "create_app", "RequestIdMiddleware"]
 

@@ -6,7 +6,7 @@
     Hub id           org/name     (resolved by huggingface_hub into its cache)
 
 :func:`resolve_model` returns a :class:`ModelSource`; ``serving.loading.model_registry``
-loads it, ``serving.cli.shard_plan`` converts or plans it. An existing path wins
+loads it, ``serving.cli.convert`` converts it, ``serving.cli.shard_plan`` plans it. An existing path wins
 over a hub id of the same spelling. A hub id is fetched with
 ``huggingface_hub.snapshot_download`` (only the files a model needs,
 :data:`SERVE_FILES`): from its cache (``HF_HOME`` / ``HF_HUB_CACHE``) when

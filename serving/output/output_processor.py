@@ -36,9 +36,9 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import anyio
 
-from serving.output.detokenizer import IncrementalDetokenizer
 from serving.contract.engine_client import EngineClient, EngineRequest, TokenEvent, TokenLogprobs
 from serving.contract.tokenizer_protocol import TextTokenizer
+from serving.output.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("xlaserve.output")
 

@@ -1,1 +1,6 @@
-"""TODO."""
+"""An engine replica's side of the wire: the gRPC engine service over an engine loop, the KV
+connector (prefill/decode disaggregation on the engine loop's side) and the KV transports.
+
+May import: model, serving.contract, serving.config, serving.core.kv, serving.engine,
+serving.runtime, serving.rpc.
+"""

@@ -29,15 +29,13 @@ replica's: the prompt tokens nobody computed for this request.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import AsyncContextManager, AsyncIterator, Iterable, Protocol, Sequence
 
 from serving.contract.engine_client import EngineOverloadedError, EngineRequest, TokenEvent
 from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable
-
-if TYPE_CHECKING:
-    from serving.routing.router import Router
 
 log = logging.getLogger("xlaserve.router")
 
@@ -98,7 +96,25 @@ def unpaired(replicas: Sequence[RemoteEngine]) -> list[str]:
             for r in replicas if r.role == "prefill" and r.kv_transport not in decode_transports]
 
 
-async def disaggregated(router: "Router", request: EngineRequest, hashes: tuple[bytes, ...]
+class RouterView(Protocol):
+    """What the two hops use of the router (:class:`serving.routing.router.Router`, which
+    imports this module): its replicas, its choice of one, its in-flight accounting and counters."""
+
+    replicas: list[RemoteEngine]
+    decisions: collections.Counter[tuple[str, str]]
+    transfers: TransferStats
+
+    def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = (),
+             hashes: Sequence[bytes] | None = None,
+             pool: Sequence[RemoteEngine] | None = None) -> tuple[RemoteEngine, str, int]: ...
+
+    def track(self, rid: str, replica: RemoteEngine, hashes: tuple[bytes, ...],
+              pages: int) -> AsyncContextManager[None]: ...
+
+    def requests_on(self, r: RemoteEngine) -> int: ...
+
+
+async def disaggregated(router: RouterView, request: EngineRequest, hashes: tuple[bytes, ...]
                         ) -> AsyncIterator[TokenEvent]:
     """The request's events, served in two hops (see the module docstring).
 

@@ -65,8 +65,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from serving.contract.engine_client import EngineOverloadedError, EngineRequest, EngineStats, TokenEvent
-from serving.routing import disaggregation
 from serving.core.kv.kv_cache_manager import prompt_page_hashes
+from serving.routing import disaggregation
 from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable, info_mismatch
 
 log = logging.getLogger("xlaserve.router")

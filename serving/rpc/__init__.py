@@ -1,1 +1,6 @@
-"""The gRPC engine service (engine.proto), its server side and its client side."""
+"""The engine service's wire: ``engine.proto`` and its generated modules, conversions between the
+engine client's dataclasses and the messages, and the gateway's client of one remote replica.
+No JAX: the gateway imports it.
+
+May import: serving.contract.
+"""

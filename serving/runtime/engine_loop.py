@@ -82,27 +82,27 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from serving.runtime import sampling_request
-from serving.engine.engine import Engine
 from serving.contract.engine_client import (
     EngineOverloadedError,
-    EngineStats,
     EngineRequest,
+    EngineStats,
     RequestRejectedError,
     TokenEvent,
     TokenLogprobs,
 )
+from serving.contract.tokenizer_protocol import TextTokenizer
 from serving.core.kv.host_kv_cache import HostKVCache
-from serving.runtime.host_tier_steps import HostTier, host_kv_stats
 from serving.core.kv.kv_cache_manager import KVCacheManager
 from serving.core.kv.kv_events import KvEventJournal
-from serving.engine.sample.logprobs import HostLogprobs, PromptLogprobs
 from serving.core.sched.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
-from serving.runtime.speculative_steps import SpecCounters, dispatch_verify, process_verify
 from serving.core.sched.step_plan import StepPlan
-from serving.runtime.structured_steps import request_matcher, step_mask
-from serving.contract.tokenizer_protocol import TextTokenizer
+from serving.engine.engine import Engine
+from serving.engine.sample.logprobs import HostLogprobs, PromptLogprobs
 from serving.engine.verify_step import VerifyOutput
+from serving.runtime import sampling_request
+from serving.runtime.host_tier_steps import HostTier, host_kv_stats
+from serving.runtime.speculative_steps import SpecCounters, dispatch_verify, process_verify
+from serving.runtime.structured_steps import request_matcher, step_mask
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from serving.contract.engine_client import (
     RequestRejectedError,
     SamplingParams,
 )
-from serving.engine.sample.sampling import MAX_SUPPRESS_IDS
 from serving.core.sched.step_plan import SamplingSettings
+from serving.engine.sample.sampling import MAX_SUPPRESS_IDS
 
 _INT32_MAX = 2**31 - 1
 

@@ -23,9 +23,9 @@ import logging
 
 import numpy as np
 
-from serving.engine.sample.logprobs import HostLogprobs
 from serving.core.sched.scheduler import Status
 from serving.core.sched.step_plan import StepPlan
+from serving.engine.sample.logprobs import HostLogprobs
 from serving.engine.verify_step import VerifyOutput
 
 log = logging.getLogger(__name__)

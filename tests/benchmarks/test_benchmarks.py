@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -16,8 +15,7 @@ import pytest
 from benchmarks.engine import SHAPES
 from benchmarks.roofline import MachineLimits, StepCost, matmul_params, roofline_line, step_cost
 from benchmarks.step_parts import StepParts
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT as ROOT
 
 
 def test_step_cost_counts_weights_kv_and_flops_by_hand():

@@ -22,8 +22,8 @@ from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
 from serving.rpc.remote_engine import CHANNEL_OPTIONS
 from tests.support.engine_helpers import agree_until_near_tie
+from tests.support.replica_processes import ENGINE_ARGS, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
-from tests.e2e.test_replicas import ENGINE_ARGS, start_engine, trace, wait_for, wait_healthy
 
 GEMMA_ARGS = ["--max-slots", "8", "--num-pages", "1024", "--max-model-len", "2048", "--dtype", "float32"]
 PAGE_SIZE = 16  # the default

@@ -7,52 +7,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
 
-from serving.rpc import engine_pb2 as pb
-from serving.rpc import engine_pb2_grpc as pb_grpc
-from serving.rpc.remote_engine import CHANNEL_OPTIONS
-from tests.support.server_process import free_port, serve_process
+from tests.support.replica_processes import start_engine, trace, wait_for, wait_healthy
+from tests.support.server_process import serve_process
 
-# TINY_SERVER_ARGS' pool and slots (their compiled programs are reused: only decode widths past
-# 512 tokens are new), a context for a 1024-token prefix and a long stream.
-ENGINE_ARGS = ["--model", "tiny-random", "--max-model-len", "2048", "--max-slots", "4", "--num-pages", "256",
-               "--min-decode-batch", "4"]
 PREFIX = [2] + [(13 * i) % 400 + 100 for i in range(1023)]  # a 1024-token shared prefix
-STARTUP_TIMEOUT_S = 240
-
-
-def start_engine(log_path: Path, args: list[str] = ENGINE_ARGS) -> tuple[subprocess.Popen, str]:
-    """An ``xlaserve engine`` process (``wait_healthy`` waits for it to answer ready)."""
-    port = free_port()
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "engine",
-                             *args, "--grpc-port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"grpc://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    # The client's own reconnect backoff (at most 2 s), not gRPC's default (up to 120 s).
-    with grpc.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS) as ch:
-        stub = pb_grpc.EngineServiceStub(ch)
-        while True:
-            try:
-                if stub.Health(pb.HealthRequest(), timeout=2).ready:
-                    return
-            except grpc.RpcError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"engine replica not healthy:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +51,6 @@ def client(gateway):
     c.close()
 
 
-def trace(gateway: str, response_id: str) -> dict:
-    r = httpx.get(f"{gateway}/v1/requests/{response_id}", timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def metric(gateway: str, name: str) -> dict[tuple, float]:
     """{label tuple: value} of one metric family on /metrics."""
     out = {}
@@ -102,15 +59,6 @@ def metric(gateway: str, name: str) -> dict[tuple, float]:
         if m:
             out[tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(1))))] = float(m.group(2))
     return out
-
-
-def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
-    """Polls ``condition()`` until true; fails naming ``what`` after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def cached_pages(gateway: str) -> dict[str, float]:

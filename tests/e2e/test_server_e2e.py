@@ -25,9 +25,10 @@ import httpx
 import openai
 import pytest
 
+from tests.support.paths import REPO_ROOT
+
 pytestmark = pytest.mark.gemma
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 2048
 STARTUP_TIMEOUT_S = 240.0
 STOP_GRACE_S = 20.0

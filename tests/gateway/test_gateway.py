@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ from tests.support.gateway_harness import (
     MODEL,
     TOK,
     byte_ids,
+    call_asgi,
     client_for,
     make_app,
     parse_sse,
@@ -361,38 +361,6 @@ async def test_models_and_health(client, engine):
 
 
 # ------------------------------------------------------------- disconnects
-
-
-async def call_asgi(app, path: str, body: dict, *, disconnect: asyncio.Event, on_send=None,
-                    spec_version: str = "2.4"):
-    """Drive the ASGI app directly so the client can disconnect mid-request."""
-    raw = json.dumps(body).encode()
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": spec_version},
-        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-        "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
-        "client": ("127.0.0.1", 1234), "server": ("testserver", 80),
-    }
-    body_sent = False
-
-    async def receive():
-        nonlocal body_sent
-        if not body_sent:
-            body_sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    messages = []
-
-    async def send(message):
-        messages.append(message)
-        if on_send is not None:
-            on_send(message)
-
-    await asyncio.wait_for(app(scope, receive, send), timeout=10)
-    return messages
 
 
 async def test_disconnect_cancels_non_streaming_request():

@@ -8,9 +8,8 @@ the request (seed, prompt), so the checks can tell choices apart.
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -18,8 +17,17 @@ from serving.contract.engine_client import SamplingParams
 from serving.gateway.openai.choices import choice_seed, fan_out
 from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.gateway_fakes import BOS_ID, EOS_ID, FakeEngine, fake_logprobs
-from tests.support.gateway_harness import CHAT, MODEL, TOK, assert_openai_error, byte_ids, client_for, make_app, parse_sse
-from tests.gateway.test_gateway import call_asgi
+from tests.support.gateway_harness import (
+    CHAT,
+    MODEL,
+    TOK,
+    assert_openai_error,
+    byte_ids,
+    call_asgi,
+    client_for,
+    make_app,
+    parse_sse,
+)
 
 pytestmark = pytest.mark.anyio
 

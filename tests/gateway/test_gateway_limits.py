@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from serving.gateway.app import GatewayLimits, ServedModel, create_app
-from serving.gateway.services.policy import Policies
 from serving.gateway.services.gateway_services import GatewayServices
+from serving.gateway.services.policy import Policies
 from tests.support.gateway_fakes import BOS_ID, FakeEngine, FakeTokenizer
 from tests.support.gateway_harness import MODEL, assert_openai_error, byte_ids, client_for
 

@@ -27,7 +27,16 @@ from tests.support.gateway_fakes import (
     FakeTokenizer,
     fake_logprobs,
 )
-from tests.support.gateway_harness import CHAT, MODEL, TOK, assert_openai_error, byte_ids, client_for, make_app, parse_sse
+from tests.support.gateway_harness import (
+    CHAT,
+    MODEL,
+    TOK,
+    assert_openai_error,
+    byte_ids,
+    client_for,
+    make_app,
+    parse_sse,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ import pytest
 
 from serving.gateway.app import ServedModel, create_app
 from serving.gateway.services.gateway_services import GatewayServices
-from tests.serving.runtime.test_engine_loop import make_loop, prompt
+from tests.support.tiny_engine import make_loop, prompt
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny-random"

@@ -14,13 +14,13 @@ import pytest
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.app import ServedModel, create_app
 from serving.gateway.schema.protocol import INT32_MAX, ChatCompletionRequest, CompletionRequest
-from serving.gateway.services.gateway_services import GatewayServices
 from serving.gateway.schema.unsupported_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     SAMPLING_FIELDS,
     STREAM_OPTION_FIELDS,
 )
+from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.gateway_fakes import VOCAB_SIZE, FakeEngine, FakeTokenizer
 from tests.support.gateway_harness import (
     CHAT,

@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from serving.gateway.accounts.api_keys import Limits, Principal
-from serving.gateway.app import ServedModel, create_app
-from serving.gateway.http.log_context import LOG_FORMAT, RequestIdLogFilter
-from serving.gateway.services.policy import BlocklistPolicy, Policies, PolicyViolation
 from serving.gateway.accounts.pricing import PriceTable, load_price_table
 from serving.gateway.accounts.rate_limit import RateLimited, RateLimiter, format_duration
+from serving.gateway.app import ServedModel, create_app
+from serving.gateway.http.log_context import LOG_FORMAT, RequestIdLogFilter
 from serving.gateway.services.gateway_services import GatewayServices
+from serving.gateway.services.policy import BlocklistPolicy, Policies, PolicyViolation
 from tests.support.gateway_fakes import FakeEngine, FakeTokenizer
 from tests.support.gateway_harness import parse_sse
 
@@ -240,7 +240,7 @@ async def test_open_mode_ignores_authorization_until_a_key_exists(services):
 
 
 def test_serve_refuses_a_public_address_without_keys(tmp_path):
-    from serving.cli.main import open_gateway_services
+    from serving.cli.serve import open_gateway_services
     from serving.config.server_config import load_server_config
 
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
@@ -266,7 +266,7 @@ def test_prefix_cache_salt_is_scoped_by_tenant_unless_grouped():
 
 
 def test_prefix_cache_groups_setting_and_flag_are_validated():
-    from serving.cli.main import _prefix_cache_groups
+    from serving.cli.serve import _prefix_cache_groups
     from serving.config.server_config import load_server_config
 
     assert _prefix_cache_groups(["team=b, c", "team=d"]) == {"team": ["b", "c", "d"]}

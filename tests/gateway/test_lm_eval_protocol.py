@@ -27,7 +27,7 @@ from flax import nnx
 from benchmarks.lm_eval_reference import ReferenceScorer, encode_pair
 from model.gemma3 import Gemma3
 from serving.gateway.app import ServedModel, create_app
-from tests.serving.runtime.test_engine_loop import TINY, make_loop
+from tests.support.tiny_engine import TINY, make_loop
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny-random"

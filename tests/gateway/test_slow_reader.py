@@ -17,7 +17,7 @@ import pytest
 from serving.gateway.app import GatewayLimits, ServedModel, create_app
 from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.engine_helpers import collect, request
-from tests.serving.runtime.test_engine_loop import all_pages_free, make_loop, prompt
+from tests.support.tiny_engine import all_pages_free, make_loop, prompt
 
 MODEL = "tiny-random"
 

@@ -9,8 +9,8 @@ import pytest
 
 from model.tokenizer import Tokenizer
 from serving.gateway.app import ServedModel, create_app
-from serving.gateway.services.gateway_services import GatewayServices
 from serving.gateway.openai.token_text import TokenTexts
+from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.gateway_fakes import BOS_ID, EOS_ID, PAD_ID, START_OF_TURN_ID, VOCAB_SIZE, FakeEngine
 from tests.support.gateway_harness import MODEL, TOK, assert_openai_error, byte_ids, client_for
 

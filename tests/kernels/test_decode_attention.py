@@ -25,7 +25,7 @@ from kernels_pallas.paged_attention_xla import (
     paged_decode_attention_xla,
     paged_prefill_attention_xla,
 )
-from tests.kernels.test_paged_attention_xla import PS, SCALE, PagedCache, check_close, ref_attention
+from tests.support.paged_attention_harness import PS, SCALE, PagedCache, check_close, ref_attention
 
 P = 6  # pages in the test cache's table (tests.kernels.test_paged_attention_xla)
 WINDOW_BOUND = 5  # block 8 tokens (2 pages), span 16 tokens: narrower than the 24-token table

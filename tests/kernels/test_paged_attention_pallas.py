@@ -19,13 +19,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas.paged_attention_xla import paged_decode_attention_xla
 from kernels_pallas.paged_attention_tpu import paged_decode_attention_tpu, paged_prefill_attention_tpu
+from kernels_pallas.paged_attention_xla import paged_decode_attention_xla
 from kernels_pallas.paged_decode_pallas import paged_decode_attention_pallas
 from kernels_pallas.paged_prefill_pallas import paged_prefill_attention_pallas
-from tests.kernels.test_paged_attention_xla import (
-    LENGTHS, NUM_LAYERS, PS, SCALE, SETTINGS, SLOTS, WINDOWS, L, PagedCache, _round, check_close,
-    prefill_batches, ref_attention, run_prefill,
+from tests.support.paged_attention_harness import (
+    LENGTHS,
+    NUM_LAYERS,
+    PS,
+    SCALE,
+    SETTINGS,
+    SLOTS,
+    WINDOWS,
+    L,
+    PagedCache,
+    _round,
+    check_close,
+    prefill_batches,
+    ref_attention,
+    run_prefill,
 )
 
 PAGES_PER_BLOCK = 2  # 2 pages of 4 tokens per inner iteration: blocks straddle lengths and windows

@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 from model import bpe_convert
 from model.bpe_tokenizer import BPETokenizer
-from serving.output.detokenizer import IncrementalDetokenizer
 from serving.contract.tokenizer_protocol import TextTokenizer
+from serving.output.detokenizer import IncrementalDetokenizer
 from tests.support import bpe_fixtures as bf
+from tests.support.bpe_fixtures import _bpe_gguf
+from tests.support.paths import REPO_ROOT
 
 FFFD = "\ufffd"
 TEXTS = ["hello world", "hello   the thing\n\nin 123 4567", "中文中文中文", "😀😁 hello😀", "",
@@ -294,22 +296,12 @@ def test_no_jax_on_import():
     code = ("import sys, model.bpe_tokenizer\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
             "assert not bad, bad\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
 
 
 # ------------------------------------------------------------- GGUF "gpt2" vocabularies
-
-GGUF_SPEC = dict(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=48, theta=500000.0)
-
-
-def _bpe_gguf(tmp_path: Path, tok, pre: str, name: str = "bpe.gguf", **kw) -> Path:
-    from tests.support import gguf_fixtures as fx
-
-    spec = dict(GGUF_SPEC, vocab=tok.vocab_size)
-    return fx.write_gguf(tmp_path / name, "llama", spec, fx.hf_params(spec),
-                         add_vocab=lambda w: bf.add_gguf_vocab(w, tok, pre, **kw))
 
 
 def test_gguf_bpe_vocabulary_serves_through_load_model(tok, tmp_path, monkeypatch):

@@ -192,7 +192,7 @@ def test_convert_then_restore_checkpoint(tmp_path, caplog):
     (the llama.cpp-style test vocabulary has no Gemma chat pieces, so no tokenizer is stored)."""
     from model.checkpoint import load_config, restore_params, tokenizer_model
     from model.factory import abstract_params
-    from serving.cli.shard_plan import cmd_convert
+    from serving.cli.convert import cmd_convert
     from sharding.placement import abstract_targets
     from sharding.rules import ShardingRules
 
@@ -210,9 +210,9 @@ def test_serve_and_generate_refuse_what_has_no_usable_tokenizer(tmp_path, capsys
     """A GGUF whose vocabulary xlaserve cannot rebuild, and a weights-only checkpoint converted
     from it, are refused with a clear error instead of served through the test vocabulary."""
     from serving.cli.main import main
-    from serving.loading.model_registry import load_model
     from serving.config.server_config import load_server_config
-    from serving.cli.shard_plan import load_for_serving
+    from serving.loading.mesh_loader import load_for_serving
+    from serving.loading.model_registry import load_model
 
     _load(tmp_path, "llama", MIXTRAL)
     gguf_path = str(tmp_path / "llama.gguf")

@@ -27,8 +27,9 @@ from model.factory import build_model
 from model.hf_config import read_hf_config
 from model.kv_cache import KVCache
 from model.safetensors_loader import is_hf_checkpoint, load_hf_checkpoint
+from tests.support.paths import TEST_DATA
 
-DATA = Path(__file__).resolve().parent / "data" / "hf_tiny"
+DATA = TEST_DATA / "hf_tiny"
 PAGE = 8
 ATOL = 1e-4
 DENSE = ["llama", "mistral", "qwen3", "gemma3_text", "gemma3_mm"]

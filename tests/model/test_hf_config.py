@@ -10,7 +10,6 @@ give the same numbers from the config that ``config_from_hf`` reads.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +17,9 @@ import pytest
 from model.config import ModelConfig
 from model.hf_config import HF_ARCHITECTURES, config_from_hf, read_hf_config
 from model.layers import rope_attention_factor, rope_inv_freq
+from tests.support.paths import TEST_DATA
 
-DATA = Path(__file__).resolve().parent / "data" / "hf_tiny"
+DATA = TEST_DATA / "hf_tiny"
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
          "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,

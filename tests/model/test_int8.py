@@ -253,7 +253,7 @@ def test_int8_margins_stay_within_the_bound_of_the_golden_ones(gemma_params, gol
     from serving.engine.engine import Engine
     from serving.runtime.engine_loop import EngineLoop
     from tests.support.engine_helpers import agree_until_near_tie, collect, generate, request
-    from tests.serving.engine.test_engine_gemma import CFG
+    from tests.support.gemma_engine import CFG
 
     cfg, params = gemma_params
     model = Gemma3(cfg, params=params, dtype=jnp.bfloat16, quantization="int8")

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from model.chat_template_source import (TemplatedTokenizer, load_checkpoint_chat_template,
-                                        load_gguf_chat_template, pick_chat_template,
-                                        read_chat_template_file, special_token_variables,
-                                        template_from_tokenizer_config)
+from model.chat_template_source import (
+    TemplatedTokenizer,
+    load_checkpoint_chat_template,
+    load_gguf_chat_template,
+    pick_chat_template,
+    read_chat_template_file,
+    special_token_variables,
+    template_from_tokenizer_config,
+)
 from model.jinja_chat_template import JinjaChatTemplate
 from model.tokenizer import Tokenizer as GemmaTokenizer
+from tests.support.paths import TEST_DATA
 
-DATA = Path(__file__).parent / "data" / "chat_templates"
+DATA = TEST_DATA / "chat_templates"
 RECORDED = json.loads((DATA / "renderings.json").read_text())
 FAMILIES = sorted(p.name for p in DATA.iterdir() if p.is_dir())
 ONE = [{"role": "user", "content": "x"}]
@@ -331,9 +336,9 @@ def test_gemma3s_own_template_gives_our_gemma_ids():
 
 
 def test_serve_wires_the_override(tmp_path):
-    from serving.cli.main import _SETTINGS
+    from serving.cli.settings import _SETTINGS
     from serving.config.server_config import load_server_config
-    from serving.cli.shard_plan import with_chat_template
+    from serving.loading.mesh_loader import with_chat_template
 
     assert "chat_template" in [name for name, _, _ in _SETTINGS]  # --chat-template on serve and generate
     path = tmp_path / "t.jinja"

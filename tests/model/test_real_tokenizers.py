@@ -28,6 +28,7 @@ from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 from model.bpe_tokenizer import BPETokenizer
 from model.tokenizer import Tokenizer
 from serving.output.detokenizer import IncrementalDetokenizer
+from tests.support.paths import TEST_DATA
 from tests.support.tokenizer_texts import tokenizer_texts
 
 TEXTS = tokenizer_texts()
@@ -106,7 +107,7 @@ def test_llama3_chat_template_gives_metas_dialog_ids(llama3, meta_llama3, dialog
 
     from model.chat_template_source import TemplatedTokenizer, load_checkpoint_chat_template
 
-    template = load_checkpoint_chat_template(Path(__file__).parent / "data" / "chat_templates" / "llama3")
+    template = load_checkpoint_chat_template(TEST_DATA / "chat_templates" / "llama3")
     ours = TemplatedTokenizer(llama3, template).apply_chat_template(
         [{"role": r, "content": c} for r, c in dialog])
     want = ChatFormat(meta_llama3[0]).encode_dialog_prompt(
@@ -238,7 +239,7 @@ def test_mistral_spm_chat_template_gives_mistral_commons_ids(spm_v3, mistral_spm
 
     from model.chat_template_source import TemplatedTokenizer, load_checkpoint_chat_template
 
-    template = load_checkpoint_chat_template(Path(__file__).parent / "data" / "chat_templates" / "mistral-nemo")
+    template = load_checkpoint_chat_template(TEST_DATA / "chat_templates" / "mistral-nemo")
     ours = TemplatedTokenizer(spm_v3, template).apply_chat_template(
         [{"role": r, "content": c} for r, c in dialog])
     kinds = {"user": UserMessage, "assistant": AssistantMessage}
@@ -267,8 +268,8 @@ def test_mistral_spm_streams_utf8_across_tokens(spm_v3):
 def test_sentencepiece_only_hf_dir(tmp_path, mistral_spm, spm_v3):
     """A Hugging Face directory (or a converted checkpoint) with only a SentencePiece
     tokenizer.model loads it, with BOS/EOS and the template from its config files."""
+    from serving.loading.mesh_loader import checkpoint_tokenizer
     from serving.loading.model_registry import hf_tokenizer
-    from serving.cli.shard_plan import checkpoint_tokenizer
 
     spm = mistral_spm[1].read_bytes()
     (tmp_path / "tokenizer.model").write_bytes(spm)

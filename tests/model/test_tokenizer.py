@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from model import gemma_vocab
 from model.tokenizer import Tokenizer
 from serving.contract.tokenizer_protocol import TextTokenizer
+from tests.support.paths import REPO_ROOT, TEST_DATA
 
-DATA = Path(__file__).parent / "data"
+DATA = TEST_DATA
 CASES = json.loads((DATA / "gemma3_tokenizer_cases.json").read_text(encoding="utf-8"))
 GOLDEN = json.loads((DATA / "gemma3_270m_golden.json").read_text(encoding="utf-8"))
 
@@ -170,7 +171,7 @@ def test_no_jax_import():
         "import sys, model.tokenizer, model.chat_template; "
         "sys.exit(1 if 'jax' in sys.modules else 0)"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
 
 

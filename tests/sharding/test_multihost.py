@@ -17,12 +17,12 @@ from flax import nnx
 from model.config import ModelConfig
 from model.factory import build_model
 from serving.engine.engine import Engine, EngineConfig
-from serving.runtime.engine_loop import EngineLoop
 from serving.loading.model_registry import known_models
+from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import generate, request
+from tests.support.paths import REPO_ROOT as ROOT
 from tests.support.sharded_forward import assert_close, run_steps
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 
 

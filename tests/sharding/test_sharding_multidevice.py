@@ -1,10 +1,10 @@
-"""Runs tests/sharding in a child process with 8 fake CPU devices.
+"""Runs tests/sharding/multidevice in a child process with 8 fake CPU devices.
 
 JAX fixes the device count when it starts, and the rest of the suite runs on
 one device, so the multi-device tests (sharded logits for tiny dense and MoE
 models and Gemma 3 270M, a served completion on a 1x4x1 mesh, checkpoint
 restore across meshes, shard-plan bytes) run as ``python -m pytest
-tests/sharding`` under ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+tests/sharding/multidevice`` under ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
 A failure shows the child's report.
 
 Multi-device CPU collectives: every test there synchronises each step
@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT as ROOT
+
 TIMEOUT_S = 600
 
 
@@ -28,8 +28,8 @@ def test_sharding_suite_on_8_cpu_devices():
     env["XLASERVE_SHARDING_TESTS"] = "1"
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sharding"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sharding/multidevice"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     report = proc.stdout[-12000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, f"tests/sharding failed (exit {proc.returncode}):\n{report}"
+    assert proc.returncode == 0, f"tests/sharding/multidevice failed (exit {proc.returncode}):\n{report}"
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, report

@@ -13,6 +13,8 @@ import base64
 import json
 from pathlib import Path
 
+from tests.support import bpe_fixtures as bf
+
 TINY_TOKENS = (
     b"\xb8\xad", b"\x96\x87", b"\xb8\xad\xe6", b"\x96\x87\xe4",  # 中文, straddling
     b"\xf0\x9f", b"\x98\x80", b"\xf0\x9f\x98\x80", b"\x98\x81",  # 😀 and half of 😁
@@ -71,3 +73,14 @@ def add_gguf_vocab(writer, tok, pre: str, add_bos: bool | None = True, user_defi
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     return len(tokens)
+
+
+GGUF_SPEC = dict(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=48, theta=500000.0)
+
+
+def _bpe_gguf(tmp_path: Path, tok, pre: str, name: str = "bpe.gguf", **kw) -> Path:
+    from tests.support import gguf_fixtures as fx
+
+    spec = dict(GGUF_SPEC, vocab=tok.vocab_size)
+    return fx.write_gguf(tmp_path / name, "llama", spec, fx.hf_params(spec),
+                         add_vocab=lambda w: bf.add_gguf_vocab(w, tok, pre, **kw))

@@ -6,8 +6,8 @@ Nothing here imports JAX or the ``model`` package.
 from __future__ import annotations
 
 import asyncio
-import json
 import dataclasses
+import json
 from typing import AsyncIterator, Callable, Sequence
 
 from serving.contract.engine_client import (

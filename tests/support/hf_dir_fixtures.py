@@ -19,11 +19,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.support import hf_dir_fixtures as hfx
+from tests.support.paths import REPO_ROOT
+
 LLAMA3_TEMPLATE_CONFIG = REPO_ROOT / "tests" / "data" / "chat_templates" / "llama3" / "tokenizer_config.json"
 
 
@@ -120,3 +124,19 @@ def _add_template(directory: Path, template: str) -> None:
     config = json.loads(path.read_text())
     config["chat_template"] = template
     path.write_text(json.dumps(config, indent=1, ensure_ascii=False))
+
+
+HF_TINY_LLAMA = REPO_ROOT / "tests" / "data" / "hf_tiny" / "llama"
+
+
+def _hf_dir(tmp_path: Path, name: str = "tiny-llama-hf") -> Path:
+    """hf_tiny/llama (256 rows) with a character tokenizer and the Llama 3 chat template."""
+    d = tmp_path / name
+    shutil.copytree(HF_TINY_LLAMA, d, ignore=shutil.ignore_patterns("*.npy", "golden.json"))
+    hfx.write_char_tokenizer(d, hfx.llama3_chat_template())
+    return d
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}

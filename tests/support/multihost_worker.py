@@ -33,8 +33,8 @@ def main(port: int, pid: int, out_dir: str) -> None:
 
     from model.config import ModelConfig
     from model.factory import build_model
-    from serving.engine.engine import Engine
     from serving.config.engine_config import EngineConfig
+    from serving.engine.engine import Engine
     from serving.loading.model_registry import known_models
     from sharding.mesh import MeshConfig, build_mesh
     from tests.support.sharded_forward import run_steps

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
+from tests.support.paths import TEST_DATA
 
 EXTRA = {
     "code_rust": "fn main() {\n    let v: Vec<u32> = (0..10).map(|x| x * x).collect();\n"
@@ -21,6 +22,6 @@ EXTRA = {
 
 def tokenizer_texts() -> dict[str, str]:
     """{case name: text}: the shared cases, then ``EXTRA``."""
-    cases = json.loads((Path(__file__).parent / "data" / "gemma3_tokenizer_cases.json")
+    cases = json.loads((TEST_DATA / "gemma3_tokenizer_cases.json")
                        .read_text(encoding="utf-8"))["cases"]
     return {**{c["name"]: c["text"] for c in cases}, **EXTRA}

@@ -78,7 +78,7 @@ member (the *source*) instead of computing it::
     it, else it is recomputed (from its prefix-cache hit).
 
 Speculative decoding (``serving.core.sched.speculative``, when the scheduler has a
-:class:`~serving.core.sched.speculative.SpeculativeConfig`): while at most ``max_batch``
+:class:`~serving.config.speculative_config.SpeculativeConfig`): while at most ``max_batch``
 requests run, a decode row whose tokens the host knows (none in flight: the
 engine loop reads back before such a step) gets up to K n-gram drafts, and
 pages for them too (taken only when free: a draft never preempts). If any row
@@ -107,8 +107,9 @@ import dataclasses
 import enum
 import itertools
 
+from serving.config.speculative_config import SpeculativeConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager, PageCopy, PrefixHit
-from serving.core.sched.speculative import SpeculativeConfig, may_speculate, propose_ngram
+from serving.core.sched.speculative import may_speculate, propose_ngram
 from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
 INTERACTIVE, BATCH = 0, 1

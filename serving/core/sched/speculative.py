@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts: the settings, the proposer, the rule.
+"""Speculative decoding with n-gram (prompt-lookup) drafts: the proposer and the acceptance rule
+(the settings: ``serving.config.speculative_config``).
 
 No draft model: a request's own tokens (prompt + output) propose what comes
 next. If the last ``n`` tokens (``prompt_lookup_max`` down to
@@ -39,79 +40,11 @@ No JAX here: the scheduler (host-only) proposes the drafts.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from serving.core.sched.step_plan import SamplingSettings
-
-METHODS = ("ngram",)
-
-DEFAULT_PROMPT_LOOKUP_MIN = 2
-DEFAULT_PROMPT_LOOKUP_MAX = 4
-DEFAULT_MAX_BATCH = 2
-"""Running requests above which no step speculates (benchmarks/RESULTS.md, issue 17: on the
-2-core XLA:CPU VM 1-2 streams decoded 1.4-1.6x faster with K = 2..4, 4 streams 0.98-1.36x, 8 and
-32 streams 0.2-0.8x: a verify step of B rows computes B * (K + 1) tokens, which costs about K + 1
-decode steps once the step is compute-bound)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding settings (static: the verify step compiles for ``num_tokens``).
-
-    Attributes:
-      method: "ngram" (prompt lookup; the only method).
-      num_tokens: K, the most draft tokens verified per row and step (1..15).
-      prompt_lookup_min: the shortest suffix n-gram that is looked up (>= 1).
-      prompt_lookup_max: the longest (>= prompt_lookup_min); longer matches are tried first.
-      max_batch: steps speculate only while at most this many requests run
-        (the verify step's row buckets go up to it).
-
-    Raises:
-      ValueError: naming the setting that is out of range.
-    """
-
-    method: str = "ngram"
-    num_tokens: int = 4
-    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
-    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
-    max_batch: int = DEFAULT_MAX_BATCH
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
-        if not 1 <= self.num_tokens <= 15:
-            raise ValueError(f"num_speculative_tokens must be in 1..15, got {self.num_tokens}")
-        if self.prompt_lookup_min < 1:
-            raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
-        if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
-                             f"prompt_lookup_min ({self.prompt_lookup_min})")
-        if self.max_batch < 1:
-            raise ValueError(f"speculative_max_batch must be >= 1, got {self.max_batch}")
-
-    @classmethod
-    def from_settings(cls, method: str | None, num_tokens: int | None, prompt_lookup_min: int | None,
-                      prompt_lookup_max: int | None, max_batch: int | None) -> "SpeculativeConfig | None":
-        """From the server's flags (None: default). A None ``method`` is off (returns None).
-
-        Raises:
-          ValueError: an unknown method, ``num_tokens`` missing, or a setting out of range.
-        """
-        if method is None:
-            return None
-        if num_tokens is None:
-            raise ValueError("--speculative needs --num-speculative-tokens K")
-        lo, hi = prompt_lookup_min, prompt_lookup_max
-        if lo is None and hi is None:
-            lo, hi = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
-        elif lo is None:
-            lo = min(DEFAULT_PROMPT_LOOKUP_MIN, hi)
-        elif hi is None:
-            hi = max(DEFAULT_PROMPT_LOOKUP_MAX, lo)
-        return cls(method, num_tokens, lo, hi, DEFAULT_MAX_BATCH if max_batch is None else max_batch)
 
 
 def propose_ngram(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> tuple[int, ...]:

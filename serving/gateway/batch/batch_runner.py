@@ -57,8 +57,8 @@ from starlette.responses import Response
 
 from serving.gateway.accounts.api_keys import ANONYMOUS, Principal
 from serving.gateway.batch.batches import BatchStore, install_batch_routes
-from serving.gateway.http.errors import SERVER_ERROR, OpenAIError, error_response
 from serving.gateway.batch.files import FileStore, install_file_routes
+from serving.gateway.http.errors import SERVER_ERROR, OpenAIError, error_response
 from serving.gateway.http.log_context import request_id_var
 from serving.gateway.http.request_scope import REQUEST_ID_GIVEN_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
 

@@ -48,10 +48,10 @@ from starlette.responses import JSONResponse, Response
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.accounts.database import batch_lines, batches, cursor_page
 from serving.gateway.accounts.database import requests as requests_table
-from serving.gateway.http.errors import OpenAIError
 from serving.gateway.batch.files import FileStore, file_not_found, list_page
-from serving.gateway.openai.openai_serving import read_json
+from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.openapi import error_responses, json_request_body
+from serving.gateway.openai.openai_serving import read_json
 
 BATCHES_PATH = "/v1/batches"
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")

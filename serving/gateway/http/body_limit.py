@@ -21,7 +21,6 @@ is held to the server's ``max_file_bytes`` rather than ``max_request_bytes``.
 from __future__ import annotations
 
 import logging
-
 from typing import Mapping
 
 from starlette.datastructures import Headers

@@ -27,15 +27,29 @@ from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.contract.engine_client import EngineOverloadedError, RequestRejectedError
-from serving.gateway.schema.protocol import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger("xlaserve.gateway")
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
 
 RETRY_AFTER_S = 1
 """Seconds a client is asked to wait after a 503 (``Retry-After`` header)."""

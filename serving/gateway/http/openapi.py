@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from serving.gateway.schema.protocol import ErrorResponse
+from serving.gateway.http.errors import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 

@@ -26,11 +26,11 @@ import functools
 from typing import Sequence
 
 from serving.contract.engine_client import StructuredOutput
-from serving.gateway.openai.chat_output import ChatChoiceOutput
 from serving.gateway.http.errors import OpenAIError
+from serving.gateway.openai.chat_output import ChatChoiceOutput
+from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.schema.protocol import ChatCompletionRequest
 from serving.gateway.tools.reasoning import ReasoningParser, count_reasoning_tokens, prompt_opens_reasoning
-from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.tools.tool_choice import NamedCallParser, RequiredCallsParser, named_schema, required_schema
 from serving.gateway.tools.tool_parsers import tool_parser
 from serving.gateway.tools.tool_protocol import NamedToolChoice

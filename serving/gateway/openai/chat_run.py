@@ -12,25 +12,23 @@ message are built by the same code from the same text.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.requests import Request
 
 from serving.gateway.openai.chat_output import ChatChoiceOutput
-from serving.gateway.openai.generation import MeteredGeneration
 from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer
-from serving.gateway.schema.protocol import (
+from serving.gateway.openai.choice_stream import ChoiceStreams
+from serving.gateway.openai.generation import MeteredGeneration
+from serving.gateway.schema.protocol import ChatCompletionRequest
+from serving.gateway.schema.response_models import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
     Usage,
 )
-
-if TYPE_CHECKING:
-    from serving.gateway.openai.openai_serving import OpenAIServing
 
 
 class ChatRun:
@@ -39,7 +37,7 @@ class ChatRun:
     Consume it once, with :meth:`chunks` (streaming) or :meth:`response`.
 
     Args:
-      serving: the handlers (for the shared piece loop and the collector).
+      streams: the shared piece loop and collector.
       gen: the choices' metered generation.
       req: the validated request.
       created: the response's ``created`` (Unix seconds).
@@ -51,10 +49,10 @@ class ChatRun:
       model: the model name as the client sent it.
     """
 
-    def __init__(self, serving: "OpenAIServing", gen: MeteredGeneration, req: ChatCompletionRequest,
+    def __init__(self, streams: ChoiceStreams, gen: MeteredGeneration, req: ChatCompletionRequest,
                  created: int, outputs: list[ChatChoiceOutput],
                  renderers: list[ChatChoiceRenderer | None]) -> None:
-        self.serving = serving
+        self.streams = streams
         self.gen = gen
         self.req = req
         self.created = created
@@ -95,7 +93,7 @@ class ChatRun:
         ``tool_calls``), then one with its ``finish_reason`` ("tool_calls" once when
         the choice called tools). No usage chunk: see :meth:`usage_chunk`.
 
-        Raises what :meth:`OpenAIServing.choice_pieces` raises (the request is
+        Raises what :meth:`ChoiceStreams.choice_pieces` raises (the request is
         metered first).
         """
 
@@ -112,7 +110,7 @@ class ChatRun:
             out.append(self._chunk(k, DeltaMessage(), self._finish_reason(k, reason)))
             return out
 
-        return self.serving.choice_pieces(
+        return self.streams.choice_pieces(
             self.gen,
             opening=lambda k: [self._chunk(k, DeltaMessage(role="assistant", content=""), logprobs=False)],
             delta=delta, closing=closing)
@@ -129,7 +127,7 @@ class ChatRun:
                 out.feed(text)
                 out.finish()
 
-        await self.serving.collect(request, self.gen, parse)
+        await self.streams.collect(request, self.gen, parse)
         choices = []
         for k, out in enumerate(self.outputs):
             choices.append(ChatChoice(

@@ -25,8 +25,8 @@ from typing import Sequence
 
 from serving.contract.engine_client import TokenLogprobs
 from serving.gateway.openai.generation import EngineFailure
-from serving.gateway.schema.response_models import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from serving.gateway.openai.token_text import TextOffsets, TokenTexts
+from serving.gateway.schema.response_models import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from serving.output.output_processor import TextGeneration
 
 LOGPROB_FLOOR = -9999.0

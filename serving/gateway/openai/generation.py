@@ -22,9 +22,9 @@ import anyio
 
 from serving.contract.engine_client import EngineOverloadedError, EngineRequest, RequestRejectedError
 from serving.gateway.http.errors import SERVER_ERROR, ClientDisconnected, OpenAIError
-from serving.gateway.services.metering import RequestMeter
-from serving.gateway.schema.protocol import Usage
 from serving.gateway.openai.served_model import ServedModel
+from serving.gateway.schema.response_models import Usage
+from serving.gateway.services.metering import RequestMeter
 from serving.output.output_processor import GenerationError, OutputFilter, TextGeneration
 
 

@@ -22,25 +22,21 @@ request is cancelled and it is metered as cancelled ("client not reading").
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
 import uuid
 from email.message import Message
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serving.contract.engine_client import StructuredOutput
 from serving.gateway.accounts.api_keys import ANONYMOUS, Principal
-from serving.gateway.openai.chat_plan import chat_plan
-from serving.gateway.openai.chat_run import ChatRun
-from serving.gateway.openai.choices import Slot, fan_out, pick_best
+from serving.gateway.accounts.rate_limit import RateLimited
 from serving.gateway.http.disconnect import until_disconnect
 from serving.gateway.http.errors import (
-    SERVER_ERROR,
     OpenAIError,
     context_length_exceeded,
     model_not_allowed,
@@ -48,32 +44,27 @@ from serving.gateway.http.errors import (
     no_room_for_completion,
     rate_limited,
 )
-from serving.gateway.openai.generation import EngineFailure, MeteredGeneration
 from serving.gateway.http.limits import GatewayLimits
-from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
-from serving.gateway.services.policy import PolicyViolation
-from serving.gateway.openai.prompts import PromptWorkers
-from serving.gateway.schema.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    Usage,
-)
-from serving.gateway.accounts.rate_limit import RateLimited
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
+from serving.gateway.openai.chat_plan import chat_plan
+from serving.gateway.openai.chat_run import ChatRun
+from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
+from serving.gateway.openai.choice_stream import ChoiceStreams
+from serving.gateway.openai.choices import Slot, fan_out, pick_best
+from serving.gateway.openai.generation import MeteredGeneration
+from serving.gateway.openai.prompts import PromptWorkers
 from serving.gateway.openai.sampling_params import sampling_params
 from serving.gateway.openai.served_model import ServedModel
-from serving.gateway.services.gateway_services import GatewayServices
-from serving.gateway.schema.structured_request import check_structured_output
-from serving.gateway.http.sse import SSE_DONE, event_stream_response, sse_chunk, sse_event
 from serving.gateway.openai.token_text import token_texts
+from serving.gateway.schema.protocol import ChatCompletionRequest, CompletionRequest
+from serving.gateway.schema.response_models import (
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+from serving.gateway.schema.structured_request import check_structured_output
+from serving.gateway.services.gateway_services import GatewayServices
+from serving.gateway.services.policy import PolicyViolation
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -152,6 +143,7 @@ class OpenAIServing:
         self.services = services or GatewayServices()
         self.limits = limits or GatewayLimits()
         self.prompts = PromptWorkers(self.limits.max_prompt_chars, self.limits.tokenizer_threads)
+        self.streams = ChoiceStreams(self.services, self.limits)
 
     def model(self, name: str, principal: Principal = ANONYMOUS) -> ServedModel:
         """The served model called `name`, if `principal` may use it.
@@ -179,14 +171,6 @@ class OpenAIServing:
         fresh one when the client chose the request id."""
         rid, given = request_id_of(request)
         return f"{prefix}{uuid.uuid4().hex if given else rid}"
-
-    def _log_done(self, gen: MeteredGeneration, texts: list[str] | None = None) -> None:
-        logger.info(
-            "request %s finished: %s, prompt_tokens=%d completion_tokens=%d cached_tokens=%d",
-            gen.id, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens,
-        )
-        if texts is not None and self.services.log_text:
-            logger.info("request %s completion: %r", gen.id, texts[0] if len(texts) == 1 else texts)
 
     # -------------------------------------------------------- completions
 
@@ -224,8 +208,8 @@ class OpenAIServing:
             prompt_source=firsts[slot.prompt]) for o, slot in zip(gen.outputs, slots)]
         created = int(time.time())
         if req.stream:
-            return self.stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))
-        outs = await self.collect(request, gen)
+            return self.streams.stream_response(gen, self._completion_stream(gen, req, created, renderers, slots))
+        outs = await self.streams.collect(request, gen)
         if (req.best_of or 1) > req.n:
             picked = pick_best(gen.outputs, slots, req.n)
         else:
@@ -295,45 +279,6 @@ class OpenAIServing:
             raise
         return gen, slots
 
-    async def collect(self, request: Request | None, gen: MeteredGeneration,
-                      before_settle: Callable[[list[str]], None] | None = None) -> list[str]:
-        """Every completion's whole text (non-streamed); the engine requests end either
-        way, and the request is metered before this returns.
-
-        Args:
-          request: the HTTP request whose client going away cancels the
-            generation (None: nothing watched).
-          before_settle: called with the texts before the request is metered
-            (e.g. to parse tool calls, which the ledger counts).
-        """
-        try:
-            work = gen.collect()
-            texts = await (work if request is None else until_disconnect(request, work))
-            if before_settle is not None:
-                before_settle(texts)
-        except BaseException as e:
-            await gen.settle_exception(e)
-            raise
-        finally:
-            await gen.abort()
-        await gen.settle("ok")
-        self._log_done(gen, texts)
-        return texts
-
-    def stream_response(self, gen: MeteredGeneration, body: AsyncIterator[str]) -> Response:
-        """The SSE response for `body`; a client that does not accept a write within
-        ``stream_write_timeout`` seconds has its engine requests cancelled and is
-        metered as cancelled, with the reason."""
-
-        async def client_not_reading(timeout: float) -> None:
-            logger.warning("request %s: client not reading, stream write timed out after %g s; "
-                           "cancelling", gen.id, timeout)
-            await gen.abort()
-            await gen.settle("cancelled", f"client not reading: stream write timed out after {timeout:g} s")
-
-        return event_stream_response(body, write_timeout=self.limits.stream_write_timeout,
-                                     on_write_timeout=client_not_reading)
-
     def _completion_stream(self, gen: MeteredGeneration, req: CompletionRequest, created: int,
                            renderers: list[CompletionChoiceRenderer], slots: list[Slot],
                            ) -> AsyncIterator[str]:
@@ -347,81 +292,10 @@ class OpenAIServing:
             return [chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                             finish_reason=finish)])]
 
-        pieces = self.choice_pieces(
+        pieces = self.streams.choice_pieces(
             gen, opening=None, delta=piece,
             closing=lambda k, reason=None: piece(k, "", reason or gen.outputs[k].finish_reason))
-        return self.sse_body(pieces, req.include_usage, usage=lambda: chunk([], usage=gen.usage()))
-
-    async def choice_pieces(self, gen: MeteredGeneration, opening, delta, closing) -> AsyncIterator[Any]:
-        """The response pieces (chunk objects) of a started generation, shared by
-        completions, chat and the Responses API: for each completion what
-        ``opening(k)`` returns, then ``delta(k, text)``'s pieces per text delta
-        (completions interleaved), then ``closing(k)``'s once it finished; each
-        callback returns a list of pieces (maybe empty). Once every completion
-        finished, the request is metered "ok".
-
-        Raises:
-          OpenAIError: after the request is metered; for an engine failure (e.g.
-            its replica died) each unfinished completion's ``closing(k, "error")``
-            pieces come first.
-          Exception: anything else, metered as an error. The engine requests
-            always end (``gen.abort``) and the request is metered "cancelled"
-            when the consumer closes the iterator early (the client went away).
-        """
-        parts: list[list[str]] | None = [[] for _ in gen.outputs] if self.services.log_text else None
-        closed: set[int] = set()
-        try:
-            if opening is not None:
-                for k in range(len(gen.outputs)):
-                    for p in opening(k):
-                        yield p
-            async with contextlib.aclosing(gen.deltas()) as deltas:
-                async for k, text in deltas:
-                    if text is None:
-                        closed.add(k)
-                        for p in closing(k):
-                            yield p
-                        continue
-                    if parts is not None:
-                        parts[k].append(text)
-                    for p in delta(k, text):
-                        yield p
-            await gen.settle("ok")
-            self._log_done(gen, None if parts is None else ["".join(p) for p in parts])
-        except OpenAIError as e:
-            logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
-            await gen.settle_exception(e)
-            if isinstance(e, EngineFailure):
-                for k in range(len(gen.outputs)):
-                    if k not in closed:
-                        for p in closing(k, "error"):
-                            yield p
-            raise
-        except Exception as e:
-            logger.exception("request %s failed mid-stream", gen.id)
-            await gen.settle_exception(e)
-            raise
-        finally:
-            await gen.abort()
-            await gen.settle("cancelled")  # the client went away (no-op if already metered)
-
-    @staticmethod
-    async def sse_body(pieces: AsyncIterator[Any], include_usage: bool, usage) -> AsyncIterator[str]:
-        """The SSE body of :meth:`choice_pieces`' chunks: one event per chunk, the
-        usage chunk (``usage()``) if asked for, then ``[DONE]``. An error after
-        the first byte becomes an SSE error event before ``[DONE]``."""
-        try:
-            async for p in pieces:
-                yield sse_chunk(p, include_usage)
-            if include_usage:
-                yield sse_chunk(usage(), True)
-        except OpenAIError as e:
-            yield sse_event(e.to_body())
-        except Exception:
-            yield sse_event(_internal_error().to_body())
-        finally:
-            await pieces.aclose()
-        yield SSE_DONE
+        return self.streams.sse_body(pieces, req.include_usage, usage=lambda: chunk([], usage=gen.usage()))
 
     # --------------------------------------------------------------- chat
 
@@ -436,7 +310,7 @@ class OpenAIServing:
         req = ChatCompletionRequest.model_validate(await read_json(request))
         run = await self.start_chat(request, principal, req, arrival=arrival)
         if req.stream:
-            return self.stream_response(run.gen, self.sse_body(
+            return self.streams.stream_response(run.gen, self.streams.sse_body(
                 run.chunks(), req.include_usage, usage=run.usage_chunk))
         body = await run.response(request)
         return JSONResponse(body.model_dump(mode="json"))
@@ -488,10 +362,4 @@ class OpenAIServing:
         renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
                                         as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
                      for o in gen.outputs]
-        return ChatRun(self, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
-
-
-def _internal_error() -> OpenAIError:
-    return OpenAIError(
-        "The server had an error while processing your request.", status_code=500, type=SERVER_ERROR
-    )
+        return ChatRun(self.streams, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)

@@ -29,9 +29,9 @@ from typing import Callable, Sequence, TypeVar
 
 import anyio
 
+from serving.contract.tokenizer_protocol import TextTokenizer
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.limits import DEFAULT_TOKENIZER_THREADS
-from serving.contract.tokenizer_protocol import TextTokenizer
 
 T = TypeVar("T")
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Iterable
 
 from serving.contract.engine_client import SamplingParams, StructuredOutput
+from serving.contract.tokenizer_protocol import TextTokenizer
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.schema.protocol import ChatCompletionRequest, CompletionRequest
-from serving.contract.tokenizer_protocol import TextTokenizer
 
 
 def _check_ids(ids: Iterable[int], vocab: int, field: str) -> None:

@@ -37,15 +37,15 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse, Response
 
+from serving.contract.tokenizer_protocol import TextTokenizer
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.http.errors import OpenAIError, model_not_found
-from serving.gateway.openai.openai_serving import OpenAIServing, read_json
 from serving.gateway.http.openapi import error_responses, json_request_body
+from serving.gateway.openai.openai_serving import OpenAIServing, read_json
 from serving.gateway.openai.prompts import check_prompt_chars
+from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.schema.protocol import ChatMessage, Text, _Request
 from serving.gateway.schema.response_models import DetokenizeResponse, TokenizeResponse, TokenizerInfo
-from serving.gateway.openai.served_model import ServedModel
-from serving.contract.tokenizer_protocol import TextTokenizer
 
 
 class TokenizeRequest(_Request):

@@ -28,15 +28,15 @@ from fastapi import Depends, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from serving.gateway.accounts.api_keys import Principal
-from serving.gateway.openai.chat_run import ChatRun
 from serving.gateway.http.disconnect import until_disconnect
 from serving.gateway.http.errors import SERVER_ERROR, OpenAIError
-from serving.gateway.openai.openai_serving import OpenAIServing, read_json
 from serving.gateway.http.openapi import error_responses, json_or_typed_stream_responses, json_request_body
+from serving.gateway.http.sse import sse_typed_event
+from serving.gateway.openai.chat_run import ChatRun
+from serving.gateway.openai.openai_serving import OpenAIServing, read_json
 from serving.gateway.responses.response_store import ResponseStore, previous_response_not_found, response_not_found
 from serving.gateway.responses.responses_events import ResponseAssembler, ResponseObject, ResponseStreamEvent
 from serving.gateway.responses.responses_protocol import ResponseRequest
-from serving.gateway.http.sse import sse_typed_event
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -103,7 +103,7 @@ class ResponsesServing:
         asm = ResponseAssembler(self._skeleton(run, req, arrival))
         events = self._events(run, asm, req, principal, history)
         if req.stream:
-            return self.serving.stream_response(run.gen, self._sse(events, asm))
+            return self.serving.streams.stream_response(run.gen, self._sse(events, asm))
 
         async def consume() -> None:
             async with contextlib.aclosing(events) as evs:

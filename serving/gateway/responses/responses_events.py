@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.gateway.schema.protocol import ChatCompletionChunk, Usage
+from serving.gateway.schema.response_models import ChatCompletionChunk, Usage
 
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 

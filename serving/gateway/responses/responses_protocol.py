@@ -43,8 +43,8 @@ from serving.gateway.schema.protocol import (
     _nullable_optionals,
     _Request,
 )
-from serving.gateway.tools.tool_protocol import MAX_TOOLS
 from serving.gateway.schema.unsupported_fields import RESPONSES_FIELDS
+from serving.gateway.tools.tool_protocol import MAX_TOOLS
 
 MAX_INPUT_ITEMS = 4096
 """The most input items one request may carry."""

@@ -34,30 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from serving.contract.engine_client import MAX_LOGIT_BIAS, MAX_LOGPROBS
-from serving.gateway.schema.response_models import (  # noqa: F401  (re-exported: their historical home)
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatMessageOut,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    DeltaMessage,
-    ErrorDetail,
-    ErrorResponse,
-    HealthStatus,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    TopLogprob,
-    Usage,
-)
-
 from serving.gateway.schema.structured_request import StructuredOutputFields
-from serving.gateway.tools.tool_protocol import MAX_TOOLS, NamedToolChoice, ToolCallIn, ToolChoice, ToolDefinition
 from serving.gateway.schema.unsupported_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -65,6 +42,7 @@ from serving.gateway.schema.unsupported_fields import (
     Unsupported,
     first_unsupported,
 )
+from serving.gateway.tools.tool_protocol import MAX_TOOLS, NamedToolChoice, ToolCallIn, ToolChoice, ToolDefinition
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1

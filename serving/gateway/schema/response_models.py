@@ -1,11 +1,11 @@
-"""Pydantic models of the API's responses (OpenAI's shapes), errors included.
+"""Pydantic models of the API's responses (OpenAI's shapes); the error body is ``serving.gateway.http.errors``'.
 
 Log probabilities follow OpenAI's two shapes: ``/v1/completions`` has the
 legacy ``{tokens, token_logprobs, top_logprobs: [{token: logprob}],
 text_offset}`` (:class:`CompletionLogprobs`), chat has ``{content: [{token,
 logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``
 (:class:`ChatLogprobs`). How token ids become the ``token`` strings is
-``token_text.py``'s business; building these objects is ``logprobs.py``'s.
+``token_text.py``'s business; building these objects is ``choice_logprobs.py``'s.
 """
 
 from __future__ import annotations
@@ -283,18 +283,3 @@ class DetokenizeResponse(BaseModel):
     """``POST /detokenize`` body."""
 
     prompt: str
-
-
-class ErrorDetail(BaseModel):
-    """The ``error`` object of an error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorDetail

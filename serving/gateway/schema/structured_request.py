@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 from serving.contract.engine_client import StructuredOutput
-from serving.core.structured_output import StructuredOutputError, validate
 from serving.contract.tokenizer_protocol import TextTokenizer
+from serving.core.structured_output import StructuredOutputError, validate
+from serving.gateway.http.errors import OpenAIError
 
 
 class JsonSchemaFormat(BaseModel):
@@ -192,8 +193,6 @@ def check_structured_output(so: StructuredOutput, field: str, tok: TextTokenizer
     Raises:
       OpenAIError: 400 naming `field` when the schema, regex or grammar does not compile.
     """
-    from serving.gateway.http.errors import OpenAIError  # errors imports protocol, which imports this module
-
     try:
         validate(so, tok)
     except StructuredOutputError as e:

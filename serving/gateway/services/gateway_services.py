@@ -14,13 +14,13 @@ from typing import Mapping, Sequence
 
 from serving.gateway.accounts.api_keys import KeyStore
 from serving.gateway.accounts.auth import Authenticator
-from serving.gateway.services.cache_scope import PrefixCacheScopes
 from serving.gateway.accounts.ledger import Ledger
+from serving.gateway.accounts.pricing import PriceTable, load_price_table
+from serving.gateway.accounts.rate_limit import RateLimiter
+from serving.gateway.services.cache_scope import PrefixCacheScopes
 from serving.gateway.services.metering import Metering
 from serving.gateway.services.metrics import GatewayMetrics
 from serving.gateway.services.policy import Policies
-from serving.gateway.accounts.pricing import PriceTable, load_price_table
-from serving.gateway.accounts.rate_limit import RateLimiter
 from serving.gateway.services.tracing import RequestTracer
 
 

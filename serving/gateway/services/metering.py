@@ -34,9 +34,9 @@ from typing import Any, Callable
 from serving.contract.engine_client import TokenEvent
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.accounts.ledger import Ledger
-from serving.gateway.services.metrics import GatewayMetrics
 from serving.gateway.accounts.pricing import PriceTable
 from serving.gateway.accounts.rate_limit import Admission, Limiter, RateLimited
+from serving.gateway.services.metrics import GatewayMetrics
 from serving.gateway.services.tracing import RequestTracer
 
 log = logging.getLogger("xlaserve.gateway")

@@ -10,7 +10,7 @@ templates through a tokenizer object, built here from a one-token
 
 Each case is rendered with ``tokenizer.apply_chat_template(messages, tools=...,
 add_generation_prompt=..., tokenize=False, **kwargs)``; a template that raises
-is recorded with its error message. tests/test_jinja_chat_template.py renders
+is recorded with its error message. tests/model/test_jinja_chat_template.py renders
 the same cases with ``model.jinja_chat_template`` and compares.
 """
 

@@ -1,6 +1,6 @@
 """Builds the tiny Hugging Face checkpoints in this folder and transformers' outputs for them.
 
-Used by tests/test_hf_checkpoint.py, which loads the same files through
+Used by tests/model/test_hf_checkpoint.py, which loads the same files through
 ``model.safetensors_loader`` (no torch at test time) and must reproduce
 transformers' float32 logits (within 1e-4) and greedy ids (up to the first
 step whose top-1/top-2 margin is below ``cutoff``).
@@ -34,11 +34,11 @@ case in several shards with ``model.safetensors.index.json``), and writes:
 
 For Mixtral and Qwen3-MoE it also checks that transformers' fused expert layout
 (``save_original_format=False``) is the per-expert tensors stacked, as
-tests/test_hf_checkpoint.py builds it (that layout is not committed).
+tests/model/test_hf_checkpoint.py builds it (that layout is not committed).
 
 ``rope.json`` holds transformers' inverse frequencies and attention factors for
 the RoPE scaling types at real models' sizes (Llama 3.1 8B's llama3, Qwen3's
-yarn with a factor of 4, Gemma 3 4B's linear 8), for tests/test_hf_config.py.
+yarn with a factor of 4, Gemma 3 4B's linear 8), for tests/model/test_hf_config.py.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def to_v4_config(d: dict) -> dict:
 def check_fused_experts(model, out: Path) -> None:
     """transformers v5's own MoE layout (save_original_format=False) is the per-expert tensors
     stacked: gate_up_proj = concat([gate, up], rows), down_proj = stack(down)
-    (tests/test_hf_checkpoint.py::test_fused_expert_layout_loads_alike builds it so)."""
+    (tests/model/test_hf_checkpoint.py::test_fused_expert_layout_loads_alike builds it so)."""
     import tempfile
 
     from safetensors.numpy import load_file

@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from serving.gateway.accounts.api_keys import Limits, Principal
-from serving.gateway.app import ServedModel, create_app
 from serving.gateway.accounts.rate_limit import RateLimited, RateLimiter
 from serving.gateway.accounts.redis_rate_limit import FALLBACK_NOTE, REDIS_URL_ENV, RedisRateLimiter
+from serving.gateway.app import ServedModel, create_app
 from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.gateway_fakes import FakeEngine, FakeTokenizer
 from tests.support.gateway_harness import MODEL, assert_openai_error, client_for
@@ -353,7 +353,7 @@ def test_unreachable_redis_fails_open_to_this_gateways_own_limits(tmp_path, capl
 
 
 def test_serve_settings_pick_the_redis_limiter(tmp_path, redis_url, monkeypatch):
-    from serving.cli.main import open_gateway_services
+    from serving.cli.serve import open_gateway_services
     from serving.config.server_config import load_server_config
 
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.gateway.tools.reasoning import ReasoningParser, count_reasoning_tokens, prompt_opens_reasoning
-from tests.gateway.tools.test_tool_parsers import CHUNKINGS
+from tests.support.stream_chunks import CHUNKINGS
 
 
 def replay(chunks: list[str], **kw) -> tuple[str, str, ReasoningParser]:

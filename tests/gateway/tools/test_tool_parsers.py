@@ -13,26 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.gateway.tools.tool_parsers import (
-    TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, PythonicToolParser, ToolCall,
-    ToolCallDelta, new_call_id, tool_parser)
-
-_PIECE = re.compile(r"<\|\w+\|>| ?[A-Za-z]{1,5}|\d{1,3}| ?[^\w\s]{1,2}|\s+|.", re.S)
-
-
-def tokens(text: str) -> list[str]:
-    """`text` cut into subword-like pieces: words in pieces of up to five
-    letters with their leading space, punctuation in pairs, special tokens whole."""
-    pieces = _PIECE.findall(text)
-    assert "".join(pieces) == text
-    return pieces
-
-
-CHUNKINGS = {
-    "1 token": lambda text: tokens(text),
-    "3 tokens": lambda text: ["".join(tokens(text)[i:i + 3]) for i in range(0, len(tokens(text)), 3)],
-    "all at once": lambda text: [text],
-    "characters": lambda text: list(text),
-}
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    PythonicToolParser,
+    ToolCall,
+    ToolCallDelta,
+    new_call_id,
+    tool_parser,
+)
+from tests.support.stream_chunks import CHUNKINGS, tokens
 
 
 def ids():

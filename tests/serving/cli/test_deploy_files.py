@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from serving.cli import main as cli
+from tests.support.paths import REPO_ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "configs" / "deploy" / "k8s"
 DOCKERFILE = ROOT / "Dockerfile"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")

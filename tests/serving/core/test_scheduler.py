@@ -10,7 +10,8 @@ import hashlib
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from serving.core.kv.kv_cache_manager import NO_HIT, KVCacheManager
 from serving.core.sched.scheduler import BATCH, INTERACTIVE, SchedRequest, Scheduler, Status

@@ -10,10 +10,11 @@ import random
 
 import pytest
 
+from serving.config.server_config import ServerConfig
+from serving.config.speculative_config import SpeculativeConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager
 from serving.core.sched.scheduler import SchedRequest, Scheduler, Status
-from serving.config.server_config import ServerConfig
-from serving.core.sched.speculative import SpeculativeConfig, accepted_count, may_speculate, propose_ngram
+from serving.core.sched.speculative import accepted_count, may_speculate, propose_ngram
 from serving.core.sched.step_plan import SamplingSettings, StepPlan
 
 # -- the proposer and the rule ----------------------------------------------------------------
@@ -461,10 +462,10 @@ def test_metrics_and_trace_report_drafts_and_acceptance():
 
     from serving.contract.engine_client import EngineStats, TokenEvent
     from serving.gateway.accounts.api_keys import ANONYMOUS
-    from serving.gateway.services.metering import Metering
-    from serving.gateway.services.metrics import EngineStatsCollector, GatewayMetrics
     from serving.gateway.accounts.pricing import PriceTable
     from serving.gateway.accounts.rate_limit import RateLimiter
+    from serving.gateway.services.metering import Metering
+    from serving.gateway.services.metrics import EngineStatsCollector, GatewayMetrics
     from serving.gateway.services.tracing import RequestTracer
 
     metrics = GatewayMetrics()

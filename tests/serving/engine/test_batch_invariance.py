@@ -28,11 +28,11 @@ from model.config import ModelConfig
 from model.gemma3 import Gemma3
 from model.kv_cache import KVCache
 from model.layers import rms_norm
-from serving.engine.backend_policy import BackendPolicy
 from serving.config.config_files import read_config
 from serving.config.engine_config import EngineConfig
-from serving.engine.step_batch import DecodeBatch, PrefillBatch
 from serving.core.sched.step_plan import DecodeRow, PrefillRow
+from serving.engine.backend_policy import BackendPolicy
+from serving.engine.step_batch import DecodeBatch, PrefillBatch
 
 TINY = ModelConfig.from_dict(read_config("models.yaml")["tiny-random"]["config"])
 TINY_GROUP2 = dataclasses.replace(TINY, num_kv_heads=2)  # 2 query heads per KV head, as Qwen3 0.6B

@@ -11,26 +11,11 @@ import pytest
 from model.gemma3 import Gemma3
 from serving.engine.backend_policy import BackendPolicy
 from serving.engine.engine import Engine
-from serving.config.engine_config import EngineConfig
 from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import agree_until_near_tie, collect, generate, request
+from tests.support.gemma_engine import CFG, make_loop
 
 pytestmark = pytest.mark.gemma
-
-# Small pool; prefill chunk 256 so the 712-token prompt takes three chunks; one decode
-# bucket of 8 rows, so alone and batched runs share their compiled programs.
-CFG = EngineConfig(max_slots=8, num_pages=768, max_model_len=2048, prefill_chunk=256, min_decode_batch=8)
-
-
-def make_loop(gemma_params, dtype, **overrides) -> EngineLoop:
-    """As the server builds it: the KV cache in the serving dtype (overrides: EngineConfig fields)."""
-    import dataclasses
-
-    cfg, params = gemma_params
-    engine_cfg = dataclasses.replace(CFG, kv_dtype=jnp.dtype(dtype).name, **overrides)
-    loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=dtype), engine_cfg))
-    loop.start(warmup=False)
-    return loop
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +187,8 @@ def test_golden_greedy_through_a_remote_replica(loop_f32, golden, gemma_tokenize
 
     from model.tokenizer_files import tokenizer_from_files
     from serving.gateway.app import ServedModel, create_app
-    from serving.routing.router import Router
     from serving.replica.engine_service import EngineService, model_info, start_server
+    from serving.routing.router import Router
     from serving.rpc.remote_engine import RemoteEngine
 
     info = model_info(loop_f32, "gemma-3-270m", gemma_tokenizer)

@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from model.gemma3 import Gemma3
-from serving.engine.engine import Engine, EngineConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager
-from tests.serving.runtime.test_engine_loop import TINY
+from serving.engine.engine import Engine, EngineConfig
+from tests.support.tiny_engine import TINY
 
 
 def test_pages_read_back_bit_for_bit_and_land_where_written(jax_cache):

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from serving.engine.sample import token_counts
 from serving.contract.engine_client import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from serving.core.sched.step_plan import SamplingSettings
+from serving.engine.sample import token_counts
 from serving.engine.sample.logits_processors import apply_penalties, process_logits
 from serving.engine.sample.logprobs import prompt_logprobs, token_logprobs
 from serving.engine.sample.sampling import MAX_SUPPRESS_IDS, SamplingArrays, sample
-from serving.core.sched.step_plan import SamplingSettings
 
 V = 64
 R = 4

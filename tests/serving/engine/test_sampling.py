@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.engine.sample.sampling import SamplingArrays, sample
 from serving.core.sched.step_plan import SamplingSettings
+from serving.engine.sample.sampling import SamplingArrays, sample
 
 V = 64  # vocabulary
 R = 64  # rows of the small batch

@@ -15,34 +15,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from model.chat_template_source import TemplatedTokenizer, load_checkpoint_chat_template
 from model.hf_config import read_hf_config
 from serving.cli.main import main
+from serving.cli.shard_plan import plan_model_config
+from serving.config.server_config import load_server_config
+from serving.loading.mesh_loader import load_for_serving
 from serving.loading.model_registry import hf_tokenizer, load_model
 from serving.loading.model_source import ModelSource, resolve_model
-from serving.config.server_config import load_server_config
-from serving.cli.shard_plan import load_for_serving, plan_model_config
 from tests.support import hf_dir_fixtures as hfx
+from tests.support.hf_dir_fixtures import _hf_dir, _params
+from tests.support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-HF_TINY_LLAMA = REPO_ROOT / "tests" / "data" / "hf_tiny" / "llama"
 DIALOG = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <|eot_id|> there"}]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _hf_dir(tmp_path: Path, name: str = "tiny-llama-hf") -> Path:
-    """hf_tiny/llama (256 rows) with a character tokenizer and the Llama 3 chat template."""
-    d = tmp_path / name
-    shutil.copytree(HF_TINY_LLAMA, d, ignore=shutil.ignore_patterns("*.npy", "golden.json"))
-    hfx.write_char_tokenizer(d, hfx.llama3_chat_template())
-    return d
-
-
-def _params(model) -> dict[str, np.ndarray]:
-    return {".".join(map(str, p)): np.asarray(v.get_value())
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def test_each_form_resolves_and_anything_else_lists_them(tmp_path):
@@ -124,7 +111,7 @@ def test_bpe_gguf_serves_and_converts_with_its_chat_template(tmp_path, monkeypat
     """A Llama-architecture GGUF with a "gpt2" vocabulary and a tokenizer.chat_template serves
     that template (it used to fall back to Gemma's and fail), and convert keeps both."""
     from tests.support import bpe_fixtures as bf
-    from tests.model.test_bpe_tokenizer import _bpe_gguf
+    from tests.support.bpe_fixtures import _bpe_gguf
 
     monkeypatch.setenv("XLASERVE_DATA_DIR", str(tmp_path / "data"))
     base = bf.tiny_tokenizer(tmp_path)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from serving.cli.generate import build_request, generate_text
 from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
@@ -17,7 +18,6 @@ from serving.contract.engine_client import (
     SamplingParams,
     TokenEvent,
 )
-from serving.cli.generate import build_request, generate_text
 from serving.output.output_processor import GenerationError, TextGeneration
 from tests.support.gateway_fakes import (
     BOS_ID,
@@ -346,10 +346,11 @@ class StoppableFakeEngine(FakeEngine):
 
 
 def test_xlaserve_generate_command_with_a_fake_engine(monkeypatch, capsys):
+    from serving.cli import generate
     from serving.cli import main as cli
 
     engine = StoppableFakeEngine(text="Paris. And then Berlin.")
-    monkeypatch.setattr(cli, "build_engine", lambda cfg, warmup=True: (engine, TOK, "fake"))
+    monkeypatch.setattr(generate, "build_engine", lambda cfg, warmup=True: (engine, TOK, "fake"))
     assert cli.main(["--log-level", "WARNING", "generate", "The capital is", "--stop", "And"]) == 0
     out, err = capsys.readouterr()
     assert out == "Paris. \n"
@@ -357,7 +358,7 @@ def test_xlaserve_generate_command_with_a_fake_engine(monkeypatch, capsys):
     assert engine.cancelled == [engine.submitted[0].request_id] and engine.stopped
 
     engine = StoppableFakeEngine(fail_after=2)
-    monkeypatch.setattr(cli, "build_engine", lambda cfg, warmup=True: (engine, TOK, "fake"))
+    monkeypatch.setattr(generate, "build_engine", lambda cfg, warmup=True: (engine, TOK, "fake"))
     assert cli.main(["--log-level", "WARNING", "generate", "x"]) == 1
     assert "xlaserve: error: device fell over" in capsys.readouterr().err and engine.stopped
 

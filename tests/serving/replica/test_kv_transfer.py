@@ -13,14 +13,14 @@ import pytest
 from flax import nnx
 
 from model.gemma3 import Gemma3
-from serving.engine.engine import Engine, EngineConfig
 from serving.contract.engine_client import EngineRequest, RequestRejectedError, SamplingParams
-from serving.runtime.engine_loop import EngineLoop
+from serving.engine.engine import Engine, EngineConfig
+from serving.replica.engine_service import EngineService, model_info, start_server
 from serving.replica.kv_connector import KvConnector
 from serving.replica.kv_transport import Transport
-from serving.replica.engine_service import EngineService, model_info, start_server
+from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import collect
-from tests.serving.runtime.test_engine_loop import TINY, prompt
+from tests.support.tiny_engine import TINY, prompt
 
 CFG = EngineConfig(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
                    min_decode_batch=2, kv_dtype="bfloat16")

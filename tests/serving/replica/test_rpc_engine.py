@@ -10,7 +10,6 @@ import filecmp
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,13 +21,12 @@ from serving.contract.engine_client import (
     SamplingParams,
 )
 from serving.core.kv.kv_cache_manager import prompt_page_hashes
-from serving.rpc import engine_pb2 as pb
 from serving.replica.engine_service import EngineService, model_info, start_server
+from serving.rpc import engine_pb2 as pb
 from serving.rpc.remote_engine import RemoteEngine
 from tests.support.engine_helpers import collect, request
-from tests.serving.runtime.test_engine_loop import make_loop, prompt
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT as ROOT
+from tests.support.tiny_engine import make_loop, prompt
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from serving.routing import disaggregation
 from serving.routing.router import Router
 from serving.rpc import engine_pb2 as pb
 from serving.rpc.remote_engine import ReplicaUnavailable
-from tests.serving.routing.test_router import INFO, FakeReplica, drain, prompt
+from tests.support.router_fakes import INFO, FakeReplica, drain, prompt
 
 
 def info(role: str, kv_transport: str = "jax") -> pb.ModelInfo:

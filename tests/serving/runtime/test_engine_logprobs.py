@@ -14,8 +14,8 @@ from model.gemma3 import Gemma3
 from serving.contract.engine_client import MAX_LOGPROBS, RequestRejectedError
 from serving.engine.sample.sampling import MAX_SUPPRESS_IDS
 from tests.support.engine_helpers import collect, generate, request
-from tests.serving.runtime.test_engine_loop import TINY, make_loop, prompt
-from tests.model.test_model_parity import prefill_logits
+from tests.support.model_forward import prefill_logits
+from tests.support.tiny_engine import TINY, make_loop, prompt
 
 ATOL = 1e-4
 
@@ -182,9 +182,9 @@ def test_prompt_logprobs_batch_targets_and_lockstep_treedef():
     import jax
 
     from serving.config.engine_config import EngineConfig
-    from serving.engine.step_batch import PromptLogprobsBatch, batch_treedef
     from serving.core.sched.step_plan import PrefillRow, SamplingSettings
     from serving.engine.sample.token_bitmask import pad_rows
+    from serving.engine.step_batch import PromptLogprobsBatch, batch_treedef
 
     cfg = EngineConfig(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
                        max_prefill_seqs=2)

@@ -4,28 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-import jax.numpy as jnp
 import pytest
-from flax import nnx
 
-from model.config import ModelConfig
-from model.gemma3 import Gemma3
-from serving.engine.engine import Engine, EngineConfig
 from serving.contract.engine_client import EngineOverloadedError, EngineRequest, RequestRejectedError, SamplingParams
-from serving.runtime.engine_loop import EngineLoop
-from serving.config.config_files import read_config
 from tests.support.engine_helpers import collect, generate, request
-
-TINY = ModelConfig.from_dict(read_config("models.yaml")["tiny-random"]["config"])
-
-
-def make_loop(**overrides) -> EngineLoop:
-    max_waiting = overrides.pop("max_waiting", 256)
-    caching = overrides.pop("enable_prefix_caching", True)
-    cfg = EngineConfig(**{**dict(max_slots=4, num_pages=64, max_model_len=256, page_size=8,
-                                 prefill_chunk=32, min_decode_batch=2), **overrides})
-    model = Gemma3(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    return EngineLoop(Engine(model, cfg), max_waiting=max_waiting, enable_prefix_caching=caching)
+from tests.support.tiny_engine import TINY, all_pages_free, make_loop, prompt
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +17,6 @@ def loop(jax_cache):
     loop.start(warmup=False)
     yield loop
     loop.stop()
-
-
-def prompt(n: int, offset: int = 0) -> list[int]:
-    return [2] + [(7 * i + offset) % 400 + 100 for i in range(n - 1)]
-
-
-def all_pages_free(loop: EngineLoop) -> bool:
-    return loop.kv.num_free == loop.cfg.num_pages - 1
 
 
 def test_max_tokens_finishes_with_length(loop):

@@ -175,7 +175,7 @@ def host_loop(host_bytes: int = 1 << 24, **overrides):
     from model.gemma3 import Gemma3
     from serving.engine.engine import Engine, EngineConfig
     from serving.runtime.engine_loop import EngineLoop
-    from tests.serving.runtime.test_engine_loop import TINY
+    from tests.support.tiny_engine import TINY
 
     cfg = EngineConfig(**{**dict(max_slots=4, num_pages=13, max_model_len=96, page_size=8,
                                  prefill_chunk=32, min_decode_batch=2), **overrides})
@@ -187,7 +187,7 @@ def test_evicted_prefix_reloads_from_the_host_tier_with_identical_output(jax_cac
     import asyncio
 
     from tests.support.engine_helpers import collect, request
-    from tests.serving.runtime.test_engine_loop import prompt
+    from tests.support.tiny_engine import prompt
 
     lp = host_loop()
     plans = []
@@ -223,7 +223,7 @@ def test_evicted_prefix_reloads_from_the_host_tier_with_identical_output(jax_cac
 
 def test_a_preempted_request_resumes_from_host_pages_without_recomputing(jax_cache):
     from tests.support.engine_helpers import generate, request
-    from tests.serving.runtime.test_engine_loop import prompt
+    from tests.support.tiny_engine import prompt
 
     reqs = lambda: [request(prompt(20, i), max_tokens=30, ignore_eos=True) for i in range(4)]
     # 12 pages of 8 tokens: each request needs 7 alone, so four at once must preempt.
@@ -296,7 +296,7 @@ def test_kv_events_name_the_host_tier_and_the_replica_index_follows():
 
 def test_router_weighs_a_host_tier_page_below_a_device_page():
     from serving.routing.router import HOST_PAGE_WEIGHT, Router
-    from tests.serving.routing.test_router import PS, FakeReplica, prompt, req
+    from tests.support.router_fakes import PS, FakeReplica, prompt, req
 
     assert HOST_PAGE_WEIGHT == 0.25
     a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")

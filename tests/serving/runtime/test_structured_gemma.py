@@ -14,11 +14,11 @@ import jsonschema
 import pytest
 
 from model.gemma3 import Gemma3
-from serving.engine.engine import Engine
 from serving.contract.engine_client import EngineRequest, SamplingParams, StructuredOutput
+from serving.engine.engine import Engine
 from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import collect
-from tests.serving.engine.test_engine_gemma import CFG
+from tests.support.gemma_engine import CFG
 
 pytestmark = pytest.mark.gemma
 

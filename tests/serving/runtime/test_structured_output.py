@@ -20,13 +20,13 @@ from flax import nnx
 from model.config import ModelConfig
 from model.gemma3 import Gemma3
 from serving.config.config_files import read_config
-from serving.engine.engine import Engine, EngineConfig
 from serving.contract.engine_client import EngineRequest, RequestRejectedError, SamplingParams, StructuredOutput
-from serving.runtime.engine_loop import EngineLoop
-from serving.engine.sample.sampling import SamplingArrays, sample
 from serving.core.structured_output import Grammars, StructuredOutputError
-from serving.runtime.structured_steps import request_matcher
+from serving.engine.engine import Engine, EngineConfig
+from serving.engine.sample.sampling import SamplingArrays, sample
 from serving.engine.sample.token_bitmask import apply_token_bitmask, mask_words, pad_rows
+from serving.runtime.engine_loop import EngineLoop
+from serving.runtime.structured_steps import request_matcher
 from tests.support.engine_helpers import collect
 
 V = 80  # not a multiple of 32: the last word is partial

@@ -11,7 +11,6 @@ placed values must equal the ones loaded onto one device.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,9 @@ import pytest
 from model import safetensors_loader as loader
 from sharding.mesh import MeshConfig, build_mesh
 from sharding.rules import ShardingRules
+from tests.support.paths import TEST_DATA
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "hf_tiny"
+DATA = TEST_DATA / "hf_tiny"
 
 
 class _CountingSlice:

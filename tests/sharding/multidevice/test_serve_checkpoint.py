@@ -8,11 +8,11 @@ from flax import nnx
 from model.config import ModelConfig
 from model.factory import build_model
 from serving.cli.main import main
-from serving.engine.engine import Engine, EngineConfig
-from serving.runtime.engine_loop import EngineLoop
-from serving.loading.model_registry import known_models
 from serving.config.server_config import load_server_config
-from serving.cli.shard_plan import load_for_serving
+from serving.engine.engine import Engine, EngineConfig
+from serving.loading.mesh_loader import load_for_serving
+from serving.loading.model_registry import known_models
+from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import generate, request
 
 ENGINE = EngineConfig(max_slots=2, num_pages=32, max_model_len=128, prefill_chunk=16, min_decode_batch=1)
@@ -46,7 +46,7 @@ def test_hf_directory_loads_onto_the_mesh(tmp_path):
     import numpy as np
 
     from serving.loading.model_registry import load_model
-    from tests.serving.loading.test_model_forms import _hf_dir, _params
+    from tests.support.hf_dir_fixtures import _hf_dir, _params
 
     d = _hf_dir(tmp_path)
     model, tok, mesh = load_for_serving(load_server_config(model=str(d), mesh="data=1,tensor=2,expert=1",

@@ -53,6 +53,8 @@ The rules all formats share:
 - Whitespace that only separates calls (before a ``<tool_call>`` tag, around
   ``;``, after the last call when nothing else follows) is dropped; any other
   text outside calls is content, unchanged.
+
+May import: nothing of ours.
 """
 
 from __future__ import annotations

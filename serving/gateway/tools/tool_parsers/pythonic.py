@@ -10,7 +10,6 @@ from typing import Callable, Collection
 
 from serving.gateway.tools.tool_parsers.base import ToolParser
 
-
 _IDENTIFIER = re.compile(r"[^\W\d]\w*")
 
 

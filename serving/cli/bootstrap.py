@@ -1,0 +1,110 @@
+"""Starting an engine in this process, shared by ``serve``, ``engine`` and ``generate``: the model
+loaded onto its mesh (``serving.loading.mesh_loader``), the engine and its loop built and warmed up
+(:func:`build_engine`); a multi-host job joined, its followers running the leader's steps; the
+start-up heap frozen once a long-running command is up."""
+
+from __future__ import annotations
+
+import gc
+import ipaddress
+import logging
+import time
+
+log = logging.getLogger("xlaserve")
+
+
+def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
+    """Loads the model and starts the batching loop (``warmup``: compiling the common shapes
+    first, the decode ones only with ``warmup_decode``). Returns (EngineLoop, tokenizer,
+    model name)."""
+    from serving.config.engine_config import EngineConfig
+    from serving.core.kv.host_kv_cache import GIB
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.engine.engine import Engine
+    from serving.loading.mesh_loader import load_for_serving
+    from serving.runtime.engine_loop import EngineLoop
+
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    model, tokenizer, mesh = load_for_serving(cfg)
+    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl)
+    engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
+                    lockstep=lockstep_for(mesh), policy=policy)
+    if cfg.host_kv_cache_gib and engine.lockstep is not None:
+        raise ValueError("--host-kv-cache-gib needs a single-host engine (pages are copied on one host)")
+    loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,
+                      token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching,
+                      max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer,
+                      host_kv_cache_bytes=int(cfg.host_kv_cache_gib * GIB))
+    loop.start(warmup=warmup, warmup_decode=warmup_decode)
+    log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
+             time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
+    return loop, tokenizer, model.cfg.name
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_leader() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def freeze_startup_heap() -> None:
+    """Moves every object alive after start-up (modules, the model, compiled
+    programs, the app) into the garbage collector's permanent generation
+    (``gc.freeze``), after collecting what start-up left behind.
+
+    A full collection otherwise walks all of them while serving and holds every
+    thread meanwhile (0.2-0.3 s on a 2-core VM: a visible stall in every stream,
+    ``benchmarks.stream_stall``); frozen, it walks only what requests allocate.
+    """
+    gc.collect()
+    gc.freeze()
+    log.debug("gc: %d start-up objects frozen", gc.get_freeze_count())
+
+
+def join_processes(cfg) -> bool:
+    """Joins a multi-process job if the settings or JAX_* env vars name one. True if it did."""
+    from sharding.multihost import ProcessConfig, initialize
+
+    return initialize(ProcessConfig.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id))
+
+
+def lockstep_for(mesh):
+    """A Lockstep when the mesh spans several processes, else None."""
+    import jax
+
+    if mesh is None or jax.process_count() == 1:
+        return None
+    from sharding.multihost import Lockstep
+
+    return Lockstep()
+
+
+def run_follower(cfg) -> int:
+    """A non-leader process of ``serve``: loads the same model onto the same mesh and runs
+    the steps process 0 publishes, until it stops."""
+    import jax
+
+    from serving.config.engine_config import EngineConfig
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.engine.engine import Engine
+    from serving.loading.mesh_loader import load_for_serving
+    from sharding.multihost import Lockstep
+
+    model, _, mesh = load_for_serving(cfg)
+    engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
+                    lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl))
+    log.info("process %d following process 0's steps", jax.process_index())
+    steps = engine.lockstep.follow(engine.run_published)
+    log.info("process %d ran %d steps; leader stopped", jax.process_index(), steps)
+    return 0

@@ -1,0 +1,262 @@
+"""``xlaserve serve``: the OpenAI-compatible HTTP gateway over an engine in this process, or over
+remote engine replicas (``--engines``: the router :func:`build_router` builds).
+
+    xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
+    xlaserve serve --model tiny-random --port 8100
+    xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
+
+``serve --engines`` loads no weights: it asks each replica for its model,
+limits, tokenizer and chat template (``GetModelInfo``), waits until one
+answers, checks the others serve the same model, tokenizer and page size when
+they answer, and routes with :class:`serving.routing.router.Router`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from serving.cli.bootstrap import (
+    _is_leader,
+    _is_loopback,
+    build_engine,
+    freeze_startup_heap,
+    join_processes,
+    run_follower,
+)
+from serving.cli.settings import _add_settings, _overrides
+from serving.gateway.http.log_context import RequestIdLogFilter
+
+log = logging.getLogger("xlaserve")
+
+
+def register(sub) -> None:
+    """Adds the ``serve`` subcommand to the CLI's subparsers."""
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_settings(serve)
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=None, help="turn the automatic prefix cache off")
+    serve.add_argument("--database-url", help="SQLAlchemy URL of the keys + usage ledger "
+                       "(default: $XLASERVE_DATABASE_URL, else SQLite under the data dir)")
+    serve.add_argument("--redis-url", help="Redis that holds rate limits shared by every gateway using "
+                       "it, redis://host:port/db (default: $XLASERVE_REDIS_URL, else limits per process)")
+    serve.add_argument("--prices", help="price table YAML (default: configs/prices.yaml)")
+    serve.add_argument("--served-model-name", help="the model id clients send as \"model\" "
+                       "(default: the model's own name)")
+    serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                       help="serve a non-loopback address even though no API keys exist")
+    serve.add_argument("--otel-traces", action="store_true", default=None,
+                       help="emit OpenTelemetry spans per request to the global tracer provider")
+    serve.add_argument("--prefix-cache-group", action="append", metavar="GROUP=TENANT,TENANT",
+                       help="let these tenants share prefix-cache pages (repeatable; replaces the "
+                       "config's prefix_cache_groups); by default each tenant shares only with itself")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="larger request bodies get 413 before they are read (default 4 MiB)")
+    serve.add_argument("--tool-call-parser", default=None,
+                       help="format tool calls are parsed from: auto (from the chat template; see "
+                       "serving/gateway/tools/output_formats.py) | none | hermes | llama3_json | pythonic")
+    serve.add_argument("--reasoning-parser", default=None,
+                       help="auto (from the chat template) | none | think: <think>...</think> is "
+                       "returned as reasoning_content")
+    serve.add_argument("--max-file-bytes", type=int, default=None,
+                       help="larger uploads to POST /v1/files get 413, counted as they stream in; this "
+                       "route is held to it instead of --max-request-bytes (default 100 MiB)")
+    serve.add_argument("--batch-concurrency", type=int, default=None,
+                       help="batch lines this gateway runs at once, at batch priority (default 8)")
+    serve.add_argument("--batch-lease-seconds", type=float, default=None,
+                       help="how long this gateway's lease on a batch lasts unrenewed: another gateway "
+                       "(or this one restarted) resumes a batch this long after its runner died (default 30)")
+    serve.add_argument("--default-chat-max-tokens", type=int, default=None,
+                       help="cap the completion of a chat request that sends no max_tokens (default: "
+                       "the most that fits the context window and the KV cache)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longer prompts (chat: all message contents) get 400 before tokenizing "
+                       "(default 1000000)")
+    serve.add_argument("--stream-buffer-events", type=int, default=None,
+                       help="events (~tokens) a stream may fall behind its client before the request "
+                       "is cancelled (default 1024)")
+    serve.add_argument("--stream-write-timeout", type=float, default=None,
+                       help="seconds a streaming client may leave a write unaccepted before its request "
+                       "is cancelled (default 30)")
+    serve.add_argument("--engines", metavar="grpc://HOST:PORT,...",
+                       help="serve remote engine replicas (`xlaserve engine`) instead of loading a model: "
+                       "the model, tokenizer and chat template come from them")
+    serve.add_argument("--router", default="kv-aware", choices=("kv-aware", "least-load", "round-robin"),
+                       help="with --engines: how a replica is chosen (default kv-aware: where the prompt's "
+                       "pages are cached, against load, with an imbalance guard)")
+    serve.add_argument("--router-prefill-weight", type=float, default=2.0,
+                       help="kv-aware: the cost of one prompt page a replica would compute, against one KV page "
+                       "of its load (default 2.0)")
+    serve.add_argument("--router-balance-abs", type=int, default=16,
+                       help="kv-aware routing gives way to least-load when the busiest replica has more than "
+                       "this many requests more than the idlest (default 16) ...")
+    serve.add_argument("--router-balance-rel", type=float, default=1.5,
+                       help="... and more than this many times as many (default 1.5)")
+    serve.set_defaults(func=cmd_serve)
+
+
+
+def open_gateway_services(cfg):
+    """The gateway's database-backed services for `cfg`.
+
+    Raises:
+      ValueError: `cfg.host` is not a loopback address, no API keys exist and
+        `cfg.allow_unauthenticated` is off.
+    """
+    from serving.gateway.services.gateway_services import GatewayServices
+
+    services = GatewayServices.open_server(
+        database_url=cfg.database_url, prices_path=cfg.prices, blocklist=cfg.policy_blocklist,
+        blocklist_applies_to=cfg.policy_blocklist_applies_to, policy_plugins=cfg.policy_plugins,
+        otel_traces=cfg.otel_traces, log_text=cfg.log_text,
+        prefix_cache_groups=dict(cfg.prefix_cache_groups), redis_url=cfg.redis_url)
+    store = services.authenticator.key_store
+    if not store.has_keys():
+        if not _is_loopback(cfg.host) and not cfg.allow_unauthenticated:
+            services.close()
+            db = f" --database-url {cfg.database_url}" if cfg.database_url else ""
+            raise ValueError(
+                f"refusing to serve {cfg.host} without API keys: create one with "
+                f"'xlaserve keys create --tenant NAME{db}', or pass --allow-unauthenticated")
+        log.warning("no API keys configured: the API is open to anyone who can reach %s", cfg.host)
+    return services
+
+
+def _uvicorn_log_config() -> dict:
+    """uvicorn's logging config with the request id in its access lines too."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg.setdefault("filters", {})["request_id"] = {"()": RequestIdLogFilter}
+    for handler in cfg["handlers"].values():
+        handler.setdefault("filters", []).append("request_id")
+    cfg["formatters"]["access"]["fmt"] = (
+        '%(asctime)s %(levelprefix)s [%(request_id)s] %(client_addr)s - "%(request_line)s" %(status_code)s')
+    return cfg
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serving.config.server_config import load_server_config
+    from serving.gateway.app import GatewayLimits, ServedModel, create_app
+    from serving.gateway.batch.batch_runner import BatchSettings
+    from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
+
+    overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
+                                  "otel_traces", "database_url", "prices", "served_model_name",
+                                  "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
+                                  "stream_write_timeout", "default_chat_max_tokens",
+                                  "redis_url", "tool_call_parser", "reasoning_parser",
+                                  "max_file_bytes", "batch_concurrency", "batch_lease_seconds"))
+    if args.prefix_cache_group:
+        overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
+    cfg = load_server_config(args.config, **overrides)
+    if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
+        return run_follower(cfg)
+    services = open_gateway_services(cfg)  # before the engine: a refused start is quick
+    loop = None
+    try:
+        if args.engines:  # a gateway over remote replicas: no weights here
+            engine, tokenizer, name, _ = build_router(
+                args.engines, args.router, prefill_weight=args.router_prefill_weight,
+                balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel)
+        else:
+            loop, tokenizer, name = build_engine(cfg)
+            engine = loop
+        name = cfg.served_model_name or name
+        limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
+                               stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes)
+        batches = BatchSettings(concurrency=cfg.batch_concurrency, lease_seconds=cfg.batch_lease_seconds)
+        tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
+        reasoning_parser = pick_reasoning_parser(tokenizer, cfg.reasoning_parser)
+        log.info("tool-call parser: %s; reasoning parser: %s", tool_parser, reasoning_parser)
+        app = create_app({name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
+                                             max_model_len=engine.max_model_len,
+                                             kv_capacity_tokens=engine.kv_capacity_tokens,
+                                             default_chat_max_tokens=cfg.default_chat_max_tokens,
+                                             tool_call_parser=tool_parser,
+                                             reasoning_parser=reasoning_parser)},
+                         services, limits, batches)
+        log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
+        freeze_startup_heap()
+        try:
+            # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
+            uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
+                        timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
+        finally:
+            if loop is not None:
+                loop.stop()
+                if loop.engine.lockstep is not None:
+                    loop.engine.lockstep.stop()
+    finally:
+        services.close()
+    return 0
+
+
+def _prefix_cache_groups(values: list[str]) -> dict[str, list[str]]:
+    """``--prefix-cache-group GROUP=TENANT,TENANT`` flags as {group: [tenant, ...]}.
+
+    Raises:
+      ValueError: a value without ``=`` or without tenants.
+    """
+    groups: dict[str, list[str]] = {}
+    for value in values:
+        group, sep, tenants = value.partition("=")
+        names = [t.strip() for t in tenants.split(",") if t.strip()]
+        if not sep or not group.strip() or not names:
+            raise ValueError(f"--prefix-cache-group takes GROUP=TENANT[,TENANT...], got {value!r}")
+        groups.setdefault(group.strip(), []).extend(names)
+    return groups
+
+
+def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, balance_abs: int = 16,
+                 balance_rel: float = 1.5, wait_log_s: float = 10.0):
+    """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers.
+
+    Returns:
+      (router, tokenizer, model name, the first replica's ModelInfo).
+
+    Raises:
+      ValueError: a malformed URL, an unknown policy, replicas that disagree.
+    """
+    import grpc
+
+    from model.tokenizer_files import tokenizer_from_files
+    from serving.routing import disaggregation
+    from serving.routing.router import Router
+    from serving.rpc.remote_engine import RemoteEngine, fetch_model_info, parse_engine_url
+
+    urls = [u.strip() for u in engine_urls.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("--engines needs at least one grpc://host:port")
+    for u in urls:
+        parse_engine_url(u)
+    infos: dict[str, object] = {}
+    last_log = time.monotonic()
+    while not infos:
+        for u in urls:
+            try:
+                infos[u] = fetch_model_info(u, timeout=2.0)
+            except grpc.RpcError as e:
+                if time.monotonic() - last_log > wait_log_s:
+                    log.info("waiting for engine replica %s (%s)", u, getattr(e, "code", lambda: e)())
+        if time.monotonic() - last_log > wait_log_s:
+            last_log = time.monotonic()
+    first = next(iter(infos.values()))
+    replicas = [RemoteEngine(u, infos.get(u), expected=first) for u in urls]
+    router = Router(replicas, policy=policy, prefill_weight=prefill_weight, balance_abs=balance_abs,
+                    balance_rel=balance_rel)
+    tokenizer = tokenizer_from_files(dict(first.tokenizer_files))
+    roles = ", ".join(f"{u} {i.role or 'both'}" + (f" (KV over {i.kv_transport})" if i.role in ("prefill", "decode")
+                                                    else "") for u, i in infos.items())
+    log.info("routing %s (%s) over %d engine replicas, %d answering: %s", first.model, policy, len(urls),
+             len(infos), roles)
+    for why in disaggregation.unpaired(replicas):
+        log.warning("%s", why)
+    return router, tokenizer, first.model, first

@@ -1,0 +1,51 @@
+"""The model and engine flags ``serve``, ``engine`` and ``generate`` share, as overrides of the
+server settings (``configs/server.yaml``, ``serving.config.server_config``)."""
+
+from __future__ import annotations
+
+import argparse
+
+_SETTINGS = [
+    # (flag, type, help)
+    ("model", str, "model name from configs/models.yaml, a .gguf file, a Hugging Face checkpoint "
+                   "directory, or a Hugging Face Hub id (org/name)"),
+    ("revision", str, "branch, tag or commit of a Hub id --model (default: main)"),
+    ("dtype", str, "float32 | bfloat16: weights and matmul inputs"),
+    ("kv_dtype", str, "KV cache dtype (default: same as --dtype)"),
+    ("max_model_len", int, "context window in tokens (prompt + completion)"),
+    ("max_slots", int, "concurrently decoding sequences"),
+    ("page_size", int, "tokens per KV-cache page"),
+    ("num_pages", int, "KV-cache pool size in pages"),
+    ("host_kv_cache_gib", float, "host-memory KV tier under the prefix cache, in GiB: evicted and "
+                                 "preempted pages are kept there and reloaded on a prefix hit (0: off)"),
+    ("prefill_chunk", int, "most prompt tokens per prefill step (power of two)"),
+    ("max_prefill_seqs", int, "sequences packed into one prefill step"),
+    ("min_decode_batch", int, "smallest decode batch bucket"),
+    ("max_waiting", int, "waiting requests before new ones get 503"),
+    ("max_waiting_tokens", int, "waiting prompt tokens before new ones get 503"),
+    ("token_budget", int, "most tokens computed per step (decode rows + prompt chunks)"),
+    ("attention_impl", str, "auto | xla | pallas"),
+    ("drain_timeout", float, "seconds open streams get to finish after SIGTERM"),
+    ("mesh", str, "device mesh, e.g. data=1,tensor=4,expert=1 (default: one device)"),
+    ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
+    ("chat_template", str, "Jinja chat template FILE (or JSON with a chat_template field) served "
+                           "instead of the model's own"),
+    ("quantization", str, "none | int8: int8 weights (layer matrices and output head) with float "
+                          "scales; GGUF Q8_0 blocks exactly"),
+    ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams)"),
+    ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
+    ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
+    ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),
+    ("speculative_max_batch", int, "speculate only while at most this many requests run (default 2)"),
+]
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="server YAML (default: configs/server.yaml)")
+    for name, typ, help_ in _SETTINGS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+
+
+def _overrides(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
+    names = [n for n, _, _ in _SETTINGS] + list(extra)
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
