@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from serving.contract.engine_client import EngineRequest, SamplingParams
 
@@ -38,3 +39,10 @@ async def timed_request(loop, rid: str, prompt: list[int], max_tokens: int, **kw
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def cli_module(source_tree: Path) -> str:
+    """The module ``python -m`` runs as the ``xlaserve`` command of ``source_tree``:
+    ``serving.cli.main``, or ``serving.cli`` in a tree from before the packages by layer (so a
+    benchmark can still start a server of an older ref)."""
+    return "serving.cli.main" if (Path(source_tree) / "serving" / "cli" / "main.py").is_file() else "serving.cli"

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.common import cli_module
 from benchmarks.load import synthetic_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,10 +48,10 @@ SERVER_ARGS = ["--model", "tiny-random", "--max-model-len", "512", "--max-slots"
 
 
 def start_server(server_dir: Path, port: int, workdir: Path) -> subprocess.Popen:
-    """``python -m serving.cli.main serve`` from `server_dir` on 127.0.0.1:`port`, once /health is 200."""
+    """``xlaserve serve`` (``python -m``) from `server_dir` on 127.0.0.1:`port`, once /health is 200."""
     log = open(workdir / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve", *SERVER_ARGS,
+        [sys.executable, "-m", cli_module(server_dir), "--log-level", "WARNING", "serve", *SERVER_ARGS,
          "--port", str(port), "--database-url", f"sqlite:///{workdir / 'ledger.db'}"],
         cwd=server_dir, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     deadline = time.time() + 600

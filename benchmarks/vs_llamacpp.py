@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.common import cli_module
 from benchmarks.load import LoadConfig, RequestResult, _run_one, send_request, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +183,7 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m serving.cli.main serve FLAGS`` on a free loopback port, from ``server_dir``.
+    """``xlaserve serve FLAGS`` (``python -m``) on a free loopback port, from ``server_dir``.
 
     Raises RuntimeError (with the log's tail) when it exits or is not healthy within timeout_s.
     """
@@ -196,7 +197,7 @@ class Server:
             args += ["--database-url", f"sqlite:///{workdir / 'ledger.db'}"]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve", *args,
+            [sys.executable, "-m", cli_module(server_dir), "--log-level", "WARNING", "serve", *args,
              "--port", str(self.port)],
             cwd=server_dir, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self._wait_healthy(timeout_s)

@@ -2,7 +2,7 @@
 
 The text arrives in deltas (:class:`~serving.output.output_processor.TextGeneration`).
 A reasoning parser (``reasoning.py``), when the model thinks, takes the
-``<think>`` part first; a tool-call parser (``tool_parsers.py``), when the
+``<think>`` part first; a tool-call parser (``serving.gateway.tools.tool_parsers``), when the
 request has ``tools``, takes its calls out of the rest; what is left is the
 ``content``. :meth:`ChatChoiceOutput.feed` returns each delta's
 :class:`DeltaMessage` (streamed) and :meth:`ChatChoiceOutput.message` the whole

@@ -8,7 +8,7 @@
   (``tool_choice.py``) for "required" or a named function;
 - each choice's output parsers (``chat_output.py``): the model's tool-call
   parser for "auto" (``--tool-call-parser``, else the one picked for the
-  model, see ``tool_parsers.py``), the forced call's parser, or none; the
+  model, see ``serving.gateway.tools.tool_parsers``), the forced call's parser, or none; the
   reasoning parser when the model thinks (``--reasoning-parser``).
 
 Reasoning and structured output: when the model thinks, the constraint (a

@@ -8,7 +8,7 @@ choice) (``choices.py``) -> rate limits and metering (once) -> input policy ->
 submit -> text from the output pipelines
 (:class:`~serving.gateway.openai.generation.MeteredGeneration` over
 :class:`~serving.output.output_processor.TextGeneration`: stop tokens, stop strings,
-the output policy, cancel on stop), log probabilities (``logprobs.py``) ->
+the output policy, cancel on stop), log probabilities (``choice_logprobs.py``) ->
 JSON or SSE. A client that disconnects, while streaming or not, cancels its
 engine requests.
 
@@ -176,7 +176,7 @@ class OpenAIServing:
 
     async def create_completion(self, request: Request, principal: Principal = ANONYMOUS) -> Response:
         """``POST /v1/completions``: one or several prompts, ``n`` / ``best_of`` choices each
-        (``choices.py``), ``logprobs`` and ``echo`` (``logprobs.py``).
+        (``choices.py``), ``logprobs`` and ``echo`` (``choice_logprobs.py``).
 
         Raises:
           OpenAIError: 400 (bad request, context overflow, content policy),

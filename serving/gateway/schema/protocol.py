@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI-compatible API's requests (responses: ``responses.py``).
+"""Pydantic models of the OpenAI-compatible API's requests (responses: ``response_models.py``).
 
 Requests follow OpenAI's ranges (temperature in [0, 2], top_p in (0, 1],
 penalties in [-2, 2], ``logit_bias`` values in [-100, 100], ``logprobs`` and

@@ -11,7 +11,7 @@ syntax: the output is constrained to JSON and parsed as such.
   function's schema (at most one item when ``parallel_tool_calls`` is false;
   :func:`required_schema`).
 
-The parsers have the interface of ``tool_parsers.py``'s (``feed``, ``finish``,
+The parsers have the interface of ``serving.gateway.tools.tool_parsers``'s (``feed``, ``finish``,
 ``calls``), so the chat output treats them alike. Their ``arguments`` are the
 JSON text as generated (llguidance writes it compactly, with ", " and ": "
 separators), streamed as it arrives for a named function and one whole
