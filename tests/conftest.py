@@ -83,3 +83,19 @@ def golden():
     import json
 
     return json.loads((Path(__file__).parent / "data" / "gemma3_270m_golden.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """One ``xlaserve serve`` process of ``TINY_SERVER_ARGS`` for every test file that needs a
+    server but no settings or state of its own (tests/e2e/test_gateway_fuzz.py,
+    tests/e2e/test_gateway_sampling_e2e.py, tests/benchmarks/test_load_generator.py): none of
+    them asserts on what the others sent (no cached tokens, counters or ledger rows). Its base
+    URL; at the end, the server must have logged no traceback."""
+    from tests.support.server_process import TINY_SERVER_ARGS, serve_process
+
+    tmp = tmp_path_factory.mktemp("tiny_server")
+    with serve_process(TINY_SERVER_ARGS, tmp / "server.log") as (_, url, log):
+        yield url
+        log.seek(0)
+        assert "Traceback" not in log.read()

@@ -24,7 +24,6 @@ from benchmarks.load import (
     synthetic_prompts,
     tpot,
 )
-from tests.support.server_process import TINY_SERVER_ARGS, serve_process
 
 
 def req(start, ttft, itls, tokens, prompt=5, error=None):
@@ -150,12 +149,6 @@ def test_plot_without_matplotlib_prints_a_note(tmp_path, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture
-def tiny_server(tmp_path):
-    with serve_process(TINY_SERVER_ARGS, tmp_path / "server.log") as (_, url, _log):
-        yield url
 
 
 def test_sweep_against_tiny_server(tiny_server, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """The fuzzing gate: schemathesis and hypothesis against a real `tiny-random` server.
 
-One server process (``TINY_SERVER_ARGS``: no new compiled shapes). For every
-operation of ``/openapi.json`` schemathesis generates requests from the
+The session's shared server (``tiny_server`` in tests/conftest.py: ``TINY_SERVER_ARGS``, no
+new compiled shapes). For every operation of ``/openapi.json`` schemathesis generates requests from the
 schema (``MAX_EXAMPLES`` per operation and mode: schema-valid ones, and
 schema-invalid ones where a body or query exists to break) and checks:
 no 5xx, the status code is documented, the content type is documented, the
@@ -36,7 +36,6 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.support.server_process import TINY_SERVER_ARGS, serve_process
 
 MODEL = "tiny-random"
 MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
@@ -61,12 +60,8 @@ FUZZ_SETTINGS = dict(deadline=None, database=None, phases=[Phase.generate],
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    with serve_process(TINY_SERVER_ARGS, tmp / "server.log") as (_, url, log):
-        yield url
-        log.seek(0)
-        assert "Traceback" not in log.read()
+def server(tiny_server):
+    return tiny_server
 
 
 MAX_STREAM_EVENTS = 5000

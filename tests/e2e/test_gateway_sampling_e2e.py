@@ -1,5 +1,5 @@
 """Log probabilities, echo, n / best_of and several prompts end to end: a real
-`tiny-random` server process (``TINY_SERVER_ARGS``: no new compiled shapes) over HTTP.
+`tiny-random` server process (the session's ``tiny_server``: no new compiled shapes) over HTTP.
 
 The gateway's shapes are unit-tested against the fake engine
 (``test_gateway_logprobs.py``, ``test_gateway_choices.py``); this checks that the
@@ -16,18 +16,13 @@ import json
 import httpx
 import pytest
 
-from tests.support.server_process import TINY_SERVER_ARGS, serve_process
 
 MODEL = "tiny-random"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sampling_e2e")
-    with serve_process(TINY_SERVER_ARGS, tmp / "server.log") as (_, url, log):
-        yield url
-        log.seek(0)
-        assert "Traceback" not in log.read()
+def server(tiny_server):
+    return tiny_server
 
 
 def post(url: str, path: str, body: dict) -> dict:
