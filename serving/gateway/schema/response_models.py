@@ -1,4 +1,4 @@
-"""Pydantic models of the API's responses (OpenAI's shapes); the error body is ``serving.gateway.http.errors``'.
+"""Pydantic models of the API's responses (OpenAI's shapes); the error body's are in ``serving.gateway.http.errors``.
 
 Log probabilities follow OpenAI's two shapes: ``/v1/completions`` has the
 legacy ``{tokens, token_logprobs, top_logprobs: [{token: logprob}],
