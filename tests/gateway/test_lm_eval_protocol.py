@@ -47,7 +47,7 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 def loop(jax_cache):
-    loop = make_loop()  # test_engine_loop's shapes: its compiled programs
+    loop = make_loop()  # the usual tiny shapes (tests/support/tiny_engine.py): their compiled programs
     loop.start(warmup=False)
     yield loop
     loop.stop()

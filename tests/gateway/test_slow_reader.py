@@ -24,7 +24,7 @@ MODEL = "tiny-random"
 
 @pytest.fixture(scope="module")
 def loop(jax_cache):
-    loop = make_loop()  # the shapes of tests/serving/runtime/test_engine_loop.py: compiled programs are cached
+    loop = make_loop()  # the usual tiny shapes (tests/support/tiny_engine.py): compiled programs are cached
     loop.start(warmup=False)
     yield loop
     loop.stop()

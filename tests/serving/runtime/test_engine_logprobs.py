@@ -22,7 +22,7 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def loop(jax_cache):
-    loop = make_loop()  # the tiny engine of test_engine_loop: same programs
+    loop = make_loop()  # the usual tiny shapes (tests/support/tiny_engine.py): same programs
     loop.start(warmup=False)
     yield loop
     loop.stop()
