@@ -23,7 +23,7 @@ from serving.cli.bootstrap import build_engine
 from serving.cli.settings import _add_settings, _overrides
 from serving.contract.engine_client import EngineClient, EngineRequest, SamplingParams, TokenEvent
 from serving.contract.tokenizer_protocol import TextTokenizer
-from serving.output.output_processor import TextGeneration
+from serving.output.output_processor import GenerationError, TextGeneration
 
 
 def register(sub) -> None:
@@ -43,7 +43,6 @@ def register(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from serving.config.server_config import load_server_config
-    from serving.output.output_processor import GenerationError
 
     overrides = _overrides(args)
     overrides.setdefault("max_slots", 8)

@@ -1,4 +1,5 @@
-"""Logits of a model over one prompt, prefilled in chunks through the paged KV cache: the parity tests' forward pass."""
+"""Logits of a model over one prompt, prefilled in chunks through the paged KV cache: the parity
+tests' forward pass."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The paged-attention test harness the XLA, Pallas and prefill-packing tests share: shapes, a dense float64 reference, a poisoned paged cache built as the engine builds it, and the jitted XLA entry points."""
+"""The paged-attention test harness the XLA, Pallas and prefill-packing tests share: shapes, a
+dense float64 reference, a poisoned paged cache built as the engine builds it, and the jitted
+XLA entry points."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``xlaserve engine`` replicas as real processes on loopback, and what the tests read of a gateway over them."""
+"""``xlaserve engine`` replicas as real processes on loopback, and what the tests read of a gateway
+over them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Ways a model's output text arrives as stream deltas, for the tool-call and reasoning parser tests."""
+"""Ways a model's output text arrives as stream deltas, for the tool-call and reasoning parser
+tests."""
 
 from __future__ import annotations
 
