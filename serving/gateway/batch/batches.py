@@ -390,19 +390,28 @@ class BatchStore:
     def recover_lines(self, batch_id: str) -> int:
         """Lines left ``running`` by a gateway that stopped: their attempt's ledger row,
         if still "running" (or "ok" without an output line), becomes "cancelled" with
-        the reason, and the line is pending again, to be rerun. Returns how many."""
+        the reason, and the line is pending again, to be rerun. An attempt that stopped
+        before its request was admitted (no ledger row: nothing ran, nothing to meter)
+        is struck from the line's attempts, so every attempt listed has a ledger row.
+        Returns how many lines."""
         now = self.clock()
         with self.engine.begin() as conn:
-            stale = conn.execute(sa.select(batch_lines.c.line_no, batch_lines.c.attempt_id).where(
+            stale = conn.execute(sa.select(batch_lines.c.line_no, batch_lines.c.attempt_id,
+                                           batch_lines.c.attempts).where(
                 batch_lines.c.batch_id == batch_id, batch_lines.c.status == "running")).all()
-            for line_no, attempt in stale:
+            for line_no, attempt, attempts in stale:
                 for status, reason in (("running", INTERRUPTED), ("ok", INTERRUPTED_AFTER_OK)):
                     conn.execute(requests_table.update().where(
                         requests_table.c.x_request_id == attempt, requests_table.c.status == status)
                         .values(status="cancelled", error=reason, finished_at=now))
+                admitted = conn.execute(sa.select(sa.func.count()).select_from(requests_table).where(
+                    requests_table.c.x_request_id == attempt)).scalar_one()
+                listed = json.loads(attempts or "[]")
+                if not admitted:
+                    listed = [a for a in listed if a != attempt]
                 conn.execute(batch_lines.update().where(batch_lines.c.batch_id == batch_id,
                                                         batch_lines.c.line_no == line_no)
-                             .values(status="pending", attempt_id=None))
+                             .values(status="pending", attempt_id=None, attempts=json.dumps(listed)))
         return len(stale)
 
     def pending_lines(self, batch_id: str, limit: int) -> list[dict]:
