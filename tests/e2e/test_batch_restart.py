@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import time
 
 import openai
@@ -35,6 +37,31 @@ def _wait(what: str, probe):
         time.sleep(0.2)
 
 
+def _kill_while_an_attempt_runs(proc, db: str) -> None:
+    """SIGKILLs the server at a moment when some batch attempt is admitted and unfinished
+    (its ledger row committed as ``running``), so the kill is sure to interrupt one. The
+    server is frozen (SIGSTOP) while the ledger is read, so what was read is what the
+    kill meets; if no attempt runs, it is let go (SIGCONT) and probed again."""
+    engine = open_database(db)
+    requests = sa.Table("requests", sa.MetaData(), autoload_with=engine)
+    try:
+        deadline = time.time() + WAIT_S
+        while True:
+            os.kill(proc.pid, signal.SIGSTOP)
+            with engine.connect() as conn:
+                running = conn.execute(sa.select(sa.func.count()).select_from(requests).where(
+                    requests.c.priority == "batch", requests.c.status == "running")).scalar_one()
+            if running:
+                proc.kill()  # SIGKILL: no drain, the lease is left to lapse
+                proc.wait()
+                return
+            os.kill(proc.pid, signal.SIGCONT)
+            assert time.time() < deadline, "timed out waiting for a running batch attempt"
+            time.sleep(0.05)
+    finally:
+        engine.dispose()
+
+
 def test_a_killed_server_resumes_its_batch_exactly_once(tmp_path):
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     args = [*TINY_SERVER_ARGS, "--database-url", db, "--batch-lease-seconds", "2",
@@ -50,8 +77,7 @@ def test_a_killed_server_resumes_its_batch_exactly_once(tmp_path):
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         _wait("some lines done", lambda: 2 <= client.batches.retrieve(batch.id).request_counts.completed)
-        proc.kill()  # SIGKILL: no drain, the lease is left to lapse
-        proc.wait()
+        _kill_while_an_attempt_runs(proc, db)
     engine = open_database(db)
     with engine.connect() as conn:
         done_before = conn.execute(sa.select(sa.func.count()).select_from(batch_lines).where(
