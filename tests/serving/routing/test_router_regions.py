@@ -101,3 +101,20 @@ def test_without_a_region_or_labels_nothing_changes():
     # A region no replica is labelled with: every decision crosses, and is counted so.
     router = Router([FakeReplica("a"), FakeReplica("b")], policy="round-robin", region="east")
     assert router.pick(req(prompt(4)))[1] == "cross_region_down"
+
+
+def test_labels_parse_and_are_known_only_once_the_replica_answered():
+    from serving.cli.engine import parse_labels
+    from serving.rpc.remote_engine import RemoteEngine
+
+    assert parse_labels("region=eu-west, zone=b") == {"region": "eu-west", "zone": "b"}
+    assert parse_labels(None) == parse_labels("") == {}
+    for bad in ("region", "=x", "region=a,region=b"):
+        with pytest.raises(ValueError, match="--labels"):
+            parse_labels(bad)
+    labelled = pb.ModelInfo()
+    labelled.CopyFrom(SLOTS)
+    labelled.labels.update({"region": "eu-west", "zone": "b"})
+    assert RemoteEngine("grpc://h:1", labelled).region == "eu-west"
+    # Not answered yet: the expected info is another replica's, and so are its labels.
+    assert RemoteEngine("grpc://h:2", None, expected=labelled).labels == {}
