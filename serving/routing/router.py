@@ -404,7 +404,14 @@ class _RouterCollector(Collector):
                                         labels=["model_name", "replica", "reason"])
         for (url, reason), n in sorted(self.router.decisions.items()):
             decisions.add_metric([self.model_name, url, reason], n)
+        where = GaugeMetricFamily("xlaserve:replica_region", "1 per replica, labelled with its region and "
+                                  "zone (--labels; empty until it first answers).",
+                                  labels=["model_name", "replica", "region", "zone"])
+        for r in self.router.replicas:
+            labels = r.labels
+            where.add_metric([self.model_name, r.url, labels.get("region", ""), labels.get("zone", "")], 1.0)
         yield from families.values()
+        yield where
         yield decisions
         t = self.router.transfers  # disaggregated serving's KV transfers
         nbytes = CounterMetricFamily("xlaserve:kv_transfer_bytes",

@@ -82,6 +82,7 @@ def test_a_failover_across_regions_carries_its_hops_and_counts_its_reason():
     reg.register(router.collector("m"))
     text = generate_latest(reg).decode()
     assert f'xlaserve:router_decisions_total{{model_name="m",reason="cross_region_down",replica="{w.url}"}} 2.0' in text
+    assert f'xlaserve:replica_region{{model_name="m",region="west",replica="{w.url}",zone=""}} 1.0' in text
 
 
 def test_an_overloaded_refusal_is_a_hop_too():
