@@ -14,8 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_replicas import metric
-from tests.support.replica_processes import ENGINE_ARGS, start_engine, trace, wait_for, wait_healthy
+from tests.support.replica_processes import ENGINE_ARGS, metric, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
 
 REGIONS = {"eu-west": "a", "us-east": "b"}  # region: zone

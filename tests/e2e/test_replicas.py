@@ -6,13 +6,12 @@ mid-stream (last: it leaves one replica)."""
 from __future__ import annotations
 
 import concurrent.futures
-import re
 
 import httpx
 import openai
 import pytest
 
-from tests.support.replica_processes import start_engine, trace, wait_for, wait_healthy
+from tests.support.replica_processes import metric, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
 
 PREFIX = [2] + [(13 * i) % 400 + 100 for i in range(1023)]  # a 1024-token shared prefix
@@ -49,16 +48,6 @@ def client(gateway):
     c = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0)
     yield c
     c.close()
-
-
-def metric(gateway: str, name: str) -> dict[tuple, float]:
-    """{label tuple: value} of one metric family on /metrics."""
-    out = {}
-    for line in httpx.get(f"{gateway}/metrics", timeout=10).text.splitlines():
-        m = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if m:
-            out[tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(1))))] = float(m.group(2))
-    return out
 
 
 def cached_pages(gateway: str) -> dict[str, float]:
