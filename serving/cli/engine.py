@@ -23,6 +23,10 @@ a decode replica (least load), the KV pages moving between them over
 ``--kv-transport``; ``both`` replicas serve requests whole. A decode replica
 needs its prefix cache (received pages enter it). Multi-host replicas take no
 part in KV transfer.
+
+Labels (``--labels region=R,zone=Z``, reported in ``GetModelInfo``) say where the
+replica runs; the gateway's router prefers replicas of its own ``--region`` and
+crosses regions only when those are down or overloaded (docs/operator/replicas.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,26 @@ ROLES = ("both", "prefill", "decode")
 """Replica roles: "both" serves requests whole; "prefill" computes prompts for "decode" replicas."""
 
 
+def parse_labels(value: str | None) -> dict[str, str]:
+    """``--labels KEY=VALUE,KEY=VALUE`` as a dict (None or "": no labels).
+
+    Raises:
+      ValueError: an item without ``=``, an empty key, or a key given twice.
+    """
+    labels: dict[str, str] = {}
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key:
+            raise ValueError(f"--labels takes KEY=VALUE[,KEY=VALUE...], got {item.strip()!r}")
+        if key in labels:
+            raise ValueError(f"--labels: {key!r} given twice")
+        labels[key] = val
+    return labels
+
+
 def register(sub) -> None:
     """Adds the ``engine`` subcommand to the CLI's subparsers."""
     engine = sub.add_parser("engine", help="run one engine replica as a gRPC service (no HTTP), for "
@@ -69,6 +93,9 @@ def register(sub) -> None:
                         help="KV pages per transfer message, every layer of each (default 16)")
     engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=None, help="turn the automatic prefix cache off")
+    engine.add_argument("--labels", metavar="region=R,zone=Z",
+                        help="where this replica runs, reported to gateways: the router prefers replicas "
+                        "whose region label is the gateway's --region (default: no labels)")
     engine.add_argument("--served-model-name", help="the model id the gateway serves it as")
     engine.add_argument("--stream-buffer-events", type=int, default=None,
                         help="events a stream may fall behind before the request is cancelled (default 1024)")
@@ -83,6 +110,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     if args.role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {args.role!r}")
+    labels = parse_labels(args.labels)
     cfg = load_server_config(args.config, **overrides)
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves gRPC
         return run_follower(cfg)
@@ -100,7 +128,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     elif args.role != "both":
         raise ValueError(f"--role {args.role}: multi-host replicas take no part in KV transfer")
     info = model_info(loop, cfg.served_model_name or name, tokenizer, role=args.role,
-                      kv_transport=loop.connector.transport.kind if loop.connector is not None else "")
+                      kv_transport=loop.connector.transport.kind if loop.connector is not None else "",
+                      labels=labels)
 
     async def serve() -> None:
         service = EngineService(loop, info)
@@ -108,6 +137,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
         log.info("engine replica of %s serving gRPC on %s:%d, role %s%s", info.model, args.host, port, args.role,
                  f", KV transport {info.kv_transport} (--kv-transport {args.kv_transport})"
                  if info.kv_transport else "")
+        if labels:
+            log.info("labels: %s", ", ".join(f"{k}={v}" for k, v in labels.items()))
         if not _is_loopback(args.host):
             log.warning("the engine service has no authentication: keep %s:%d on a private network",
                         args.host, port)

@@ -95,6 +95,13 @@ def register(sub) -> None:
                        "this many requests more than the idlest (default 16) ...")
     serve.add_argument("--router-balance-rel", type=float, default=1.5,
                        help="... and more than this many times as many (default 1.5)")
+    serve.add_argument("--region", default=None,
+                       help="with --engines: this gateway's region; the router prefers replicas labelled "
+                       "region=REGION (`xlaserve engine --labels`) and crosses regions only when those are "
+                       "down or overloaded (default: no preference)")
+    serve.add_argument("--router-overload-per-slot", type=float, default=2.0,
+                       help="with --region: a replica holding this many requests per slot (running + "
+                       "waiting) counts as overloaded (default 2.0)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -165,7 +172,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.engines:  # a gateway over remote replicas: no weights here
             engine, tokenizer, name, _ = build_router(
                 args.engines, args.router, prefill_weight=args.router_prefill_weight,
-                balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel)
+                balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel,
+                region=args.region, overload_per_slot=args.router_overload_per_slot)
         else:
             loop, tokenizer, name = build_engine(cfg)
             engine = loop
@@ -216,8 +224,10 @@ def _prefix_cache_groups(values: list[str]) -> dict[str, list[str]]:
 
 
 def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, balance_abs: int = 16,
-                 balance_rel: float = 1.5, wait_log_s: float = 10.0):
-    """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers.
+                 balance_rel: float = 1.5, wait_log_s: float = 10.0, region: str | None = None,
+                 overload_per_slot: float = 2.0):
+    """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers
+    (``region``: the gateway's own, preferred; see :class:`serving.routing.router.Router`).
 
     Returns:
       (router, tokenizer, model name, the first replica's ModelInfo).
@@ -251,7 +261,7 @@ def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, bal
     first = next(iter(infos.values()))
     replicas = [RemoteEngine(u, infos.get(u), expected=first) for u in urls]
     router = Router(replicas, policy=policy, prefill_weight=prefill_weight, balance_abs=balance_abs,
-                    balance_rel=balance_rel)
+                    balance_rel=balance_rel, region=region, overload_per_slot=overload_per_slot)
     tokenizer = tokenizer_from_files(dict(first.tokenizer_files))
     roles = ", ".join(f"{u} {i.role or 'both'}" + (f" (KV over {i.kv_transport})" if i.role in ("prefill", "decode")
                                                     else "") for u, i in infos.items())
@@ -259,4 +269,12 @@ def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, bal
              len(infos), roles)
     for why in disaggregation.unpaired(replicas):
         log.warning("%s", why)
+    if region:
+        local = [r.url for r in replicas if r.region == region]
+        labelled = ", ".join(f"{u} {i.labels.get('region') or '(no region)'}" for u, i in infos.items())
+        if local:
+            log.info("region %s: %s preferred (%s)", region, ", ".join(local), labelled)
+        else:
+            log.warning("region %s: no answering replica is labelled region=%s (%s); requests cross regions "
+                        "until one is", region, region, labelled)
     return router, tokenizer, first.model, first

@@ -194,6 +194,24 @@ class TokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaRetry:
+    """One hop a router took away from a replica before the one that served the request.
+
+    Attributes:
+      replica: the replica it left (its URL).
+      region: that replica's region label ("" when it has none).
+      reason: why: "unavailable" (its stream failed before any event) or
+        "overloaded" (it refused the request: its queue was full).
+      error: what the replica or the transport said.
+    """
+
+    replica: str
+    region: str
+    reason: str
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """New tokens for one request, in order.
 
@@ -225,6 +243,9 @@ class TokenEvent:
         chose one (``serving.routing.router``); None in process. Disaggregated:
         the decode replica.
       prefill_replica: disaggregated serving: the replica that computed the prompt.
+      region: the region label of ``replica`` (None: in process, or no label).
+      replica_retries: the replicas the router tried first and left, in order
+        (:class:`ReplicaRetry`); () when the first one served it.
       kv_transfer: a ``kv_produce`` request's final event: its offered pages.
       kv_transfer_bytes: bytes of KV pages the decode side pulled for it.
       kv_transfer_seconds: seconds from the start of the pull to its pages in place.
@@ -250,6 +271,8 @@ class TokenEvent:
     kv_transfer: KvTransferParams | None = None
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    region: str | None = None
+    replica_retries: tuple[ReplicaRetry, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -375,6 +375,8 @@ def _trace_body(row: dict) -> dict:
         "replica": trace.get("replica"),
         "prefill_replica": trace.get("prefill_replica"),
         "decode_replica": trace.get("decode_replica"),
+        "region": trace.get("region"),
+        "replica_retries": trace.get("replica_retries", []),
         "kv_transfer_bytes": trace.get("kv_transfer_bytes", 0),
         "kv_transfer_seconds": trace.get("kv_transfer_seconds", 0.0),
         "num_preemptions": trace.get("num_preemptions", 0),

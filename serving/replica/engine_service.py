@@ -132,8 +132,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
 
 
 def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",
-               kv_transport: str = "") -> pb.ModelInfo:
-    """The ``GetModelInfo`` answer of an engine loop serving ``model_name`` with ``tokenizer``."""
+               kv_transport: str = "", labels: dict[str, str] | None = None) -> pb.ModelInfo:
+    """The ``GetModelInfo`` answer of an engine loop serving ``model_name`` with ``tokenizer``
+    (``labels``: the replica's ``--labels``, e.g. {"region": "eu-west", "zone": "b"})."""
     from model.tokenizer_files import tokenizer_files, tokenizer_id
 
     files = tokenizer_files(tokenizer)
@@ -142,7 +143,7 @@ def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",
         model=model_name, max_model_len=engine.max_model_len, kv_capacity_tokens=engine.kv_capacity_tokens,
         page_size=cfg.page_size, num_pages=cfg.num_pages, role=role, tokenizer_id=tokenizer_id(files),
         tokenizer_files=files, max_slots=cfg.max_slots, prefix_caching=engine.kv.enable_prefix_caching,
-        kv_transport=kv_transport)
+        kv_transport=kv_transport, labels=labels or {})
 
 
 async def start_server(service: EngineService, host: str, port: int) -> tuple[grpc.aio.Server, int]:

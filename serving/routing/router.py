@@ -39,6 +39,20 @@ overloaded: the gateway's 503); a request it was running ends with an
 ``retry``), and each event carries the URL of the replica that served it
 (``TokenEvent.replica``, the trace's ``replica``).
 
+Regions: a router given its gateway's ``region`` sends requests to the up
+replicas whose ``region`` label (``xlaserve engine --labels region=R``) is
+that region, by the policy above, and crosses to the others only when no
+replica of its region is up (reason ``cross_region_down``) or every one of them
+is overloaded while some other is not (``cross_region_overloaded``). A replica
+is *overloaded* when it holds ``overload_per_slot`` (2.0) times its slots in
+requests (``requests_on``: its running + waiting, or this gateway's in flight
+there, whichever is more), or when its KV cache is ``overload_kv`` (95%) full
+with requests waiting. A retry that crosses regions counts the crossing's
+reason rather than ``retry``; every hop a request took away from a replica is
+on its events (``TokenEvent.replica_retries``, the trace's ``replica_retries``)
+with the region of the replica that served it (``TokenEvent.region``).
+Without a region, or with replicas that have no labels, nothing changes.
+
 Disaggregated serving: with up replicas of role ``prefill`` and ``decode``,
 each request's prompt goes to a prefill replica (by the policy above, among
 them) and its decoding to the least-loaded decode replica, the KV pages moving
@@ -64,7 +78,13 @@ from typing import AsyncIterator, Iterable, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from serving.contract.engine_client import EngineOverloadedError, EngineRequest, EngineStats, TokenEvent
+from serving.contract.engine_client import (
+    EngineOverloadedError,
+    EngineRequest,
+    EngineStats,
+    ReplicaRetry,
+    TokenEvent,
+)
 from serving.core.kv.kv_cache_manager import prompt_page_hashes
 from serving.routing import disaggregation
 from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable, info_mismatch
@@ -74,6 +94,10 @@ log = logging.getLogger("xlaserve.router")
 POLICIES = ("kv-aware", "least-load", "round-robin")
 HOST_PAGE_WEIGHT = 0.25
 """What a replica's host-tier page saves, against a device-cached page (kv-aware)."""
+OVERLOAD_PER_SLOT = 2.0
+"""A replica holding this many requests per slot (running + waiting) is overloaded (regions)."""
+OVERLOAD_KV = 0.95
+"""A replica whose KV cache is this full (0..1) while requests wait there is overloaded (regions)."""
 
 
 @dataclasses.dataclass
@@ -96,6 +120,9 @@ class Router:
       balance_abs, balance_rel: the imbalance guard's thresholds (requests; a ratio).
       host_page_weight: kv-aware: the part of a device hit's saving that a host-tier hit
         saves, per page (0..1; the page is reloaded, not recomputed, but not free).
+      region: the gateway's own region: replicas labelled with it are preferred
+        (None or "": no preference).
+      overload_per_slot, overload_kv: when a replica counts as overloaded (:meth:`overloaded`).
 
     Raises:
       ValueError: no replicas, an unknown policy, or replicas that disagree on
@@ -104,7 +131,8 @@ class Router:
 
     def __init__(self, replicas: Sequence[RemoteEngine], policy: str = "kv-aware",
                  prefill_weight: float = 2.0, balance_abs: int = 16, balance_rel: float = 1.5,
-                 host_page_weight: float = HOST_PAGE_WEIGHT) -> None:
+                 host_page_weight: float = HOST_PAGE_WEIGHT, region: str | None = None,
+                 overload_per_slot: float = OVERLOAD_PER_SLOT, overload_kv: float = OVERLOAD_KV) -> None:
         if not replicas:
             raise ValueError("a router needs at least one engine replica")
         if policy not in POLICIES:
@@ -119,6 +147,9 @@ class Router:
         self.host_page_weight = host_page_weight
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.region = region or ""
+        self.overload_per_slot = overload_per_slot
+        self.overload_kv = overload_kv
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._inflight: dict[str, _InFlight] = {}
         # Per replica: page hashes of prompts routed there and still in flight, as if cached
@@ -197,10 +228,30 @@ class Router:
         mine = sum(f.pages for f in self._inflight.values() if f.replica is r)
         return max(mine, r.load.waiting_prompt_tokens / max(1, r.page_size))
 
+    def overloaded(self, r: RemoteEngine) -> bool:
+        """Whether ``r`` holds ``overload_per_slot`` times its slots in requests (:meth:`requests_on`),
+        or its KV cache is ``overload_kv`` full while requests wait there (its last GetLoad)."""
+        slots = max(1, r.info.max_slots)
+        return (self.requests_on(r) >= self.overload_per_slot * slots
+                or (r.load.num_waiting > 0 and r.load.kv_cache_usage >= self.overload_kv))
+
+    def _in_region(self, up: list[RemoteEngine]) -> tuple[list[RemoteEngine], str | None]:
+        """The up replicas to choose among, by region, and why regions were crossed (None: not)."""
+        local = [r for r in up if r.region == self.region]
+        if not local:
+            return up, "cross_region_down"
+        if not all(self.overloaded(r) for r in local):
+            return local, None
+        away = [r for r in up if r.region != self.region and not self.overloaded(r)]
+        return (away, "cross_region_overloaded") if away else (local, None)
+
     def pick(self, request: EngineRequest, exclude: Iterable[RemoteEngine] = (),
              hashes: Sequence[bytes] | None = None,
              pool: Sequence[RemoteEngine] | None = None) -> tuple[RemoteEngine, str, int]:
         """The replica for ``request``: (replica, reason, prompt pages it holds or will hold).
+
+        With a ``region``, the replicas of that region are chosen among unless all are down
+        or overloaded (the reason is then ``cross_region_down`` or ``cross_region_overloaded``).
 
         Args:
           hashes: the prompt's page hashes (default: computed here).
@@ -216,6 +267,15 @@ class Router:
         parent = self._inflight.get(request.parent_id) if request.parent_id else None
         if parent is not None and parent.replica in up:
             return parent.replica, "parent", 0
+        cross = None
+        if self.region:
+            up, cross = self._in_region(up)
+        best, reason, hit = self._pick_by_policy(request, up, hashes)
+        return best, cross or reason, hit
+
+    def _pick_by_policy(self, request: EngineRequest, up: list[RemoteEngine],
+                        hashes: Sequence[bytes] | None) -> tuple[RemoteEngine, str, int]:
+        """The policy's choice among ``up`` (not empty)."""
         start = next(self._rr) % len(up)
         up = up[start:] + up[:start]  # ties go round-robin
         if self.policy == "round-robin":
@@ -272,20 +332,25 @@ class Router:
         # Whole requests go to replicas of role both, else decode (each replica is a whole engine).
         whole = [r for r in self.replicas if r.up and r.role == "both"] or decodes or None
         prompt_pages = -(-len(request.prompt_ids) // ps)
+        hops: list[ReplicaRetry] = []
         while True:
             replica, reason, hit = self.pick(request, tried, hashes, pool=whole)
-            self.decisions[(replica.url, "retry" if tried else reason)] += 1
+            crossed = reason.startswith("cross_region")
+            self.decisions[(replica.url, "retry" if tried and not crossed else reason)] += 1
             pages = prompt_pages - hit + -(-request.sampling.max_tokens // ps)
+            where = dict(replica=replica.url, region=replica.region or None, replica_retries=tuple(hops))
             try:
                 async with self.track(rid, replica, hashes, pages):
                     async for ev in replica.generate(request):
-                        yield dataclasses.replace(ev, replica=replica.url)
+                        yield dataclasses.replace(ev, **where)
                 return
             except ReplicaUnavailable as e:
                 log.warning("request %s: %s; trying another replica", rid, e)
                 tried.append(replica)
-            except EngineOverloadedError:  # its queue is full: another one may take it
+                hops.append(ReplicaRetry(replica.url, replica.region, "unavailable", str(e)))
+            except EngineOverloadedError as e:  # its queue is full: another one may take it
                 tried.append(replica)
+                hops.append(ReplicaRetry(replica.url, replica.region, "overloaded", str(e)))
                 if not any(r.up for r in (whole or self.replicas) if r not in tried):
                     raise
 
@@ -339,7 +404,14 @@ class _RouterCollector(Collector):
                                         labels=["model_name", "replica", "reason"])
         for (url, reason), n in sorted(self.router.decisions.items()):
             decisions.add_metric([self.model_name, url, reason], n)
+        where = GaugeMetricFamily("xlaserve:replica_region", "1 per replica, labelled with its region and "
+                                  "zone (--labels; empty until it first answers).",
+                                  labels=["model_name", "replica", "region", "zone"])
+        for r in self.router.replicas:
+            labels = r.labels
+            where.add_metric([self.model_name, r.url, labels.get("region", ""), labels.get("zone", "")], 1.0)
         yield from families.values()
+        yield where
         yield decisions
         t = self.router.transfers  # disaggregated serving's KV transfers
         nbytes = CounterMetricFamily("xlaserve:kv_transfer_bytes",

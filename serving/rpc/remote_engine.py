@@ -185,6 +185,7 @@ class RemoteEngine:
         self.expected = expected or info
         self.info = info or self.expected  # the expected one until it answers
         self._verified = info is not None
+        self._answered = info is not None  # its own info known (not only the expected one)
         self._refused: str | None = None  # why it was last refused (logged once)
         self.probe_interval = probe_interval
         self.up = False
@@ -205,6 +206,16 @@ class RemoteEngine:
     def role(self) -> str:
         """both | prefill | decode (``GetModelInfo``; both for replicas that predate roles)."""
         return self.info.role or "both"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Its ``--labels`` (``GetModelInfo``; kept while it is down): {} until it first answers."""
+        return dict(self.info.labels) if self._answered else {}
+
+    @property
+    def region(self) -> str:
+        """Its ``region`` label ("" when it has none or has not answered yet)."""
+        return self.labels.get("region", "")
 
     @property
     def kv_transport(self) -> str:
@@ -265,7 +276,7 @@ class RemoteEngine:
                     log.error("engine replica %s is not taken in: it serves another model (%s)", self.url, why)
                 self._refused = why
                 return False
-            self.info, self._verified, self._refused = info, True, None
+            self.info, self._verified, self._refused, self._answered = info, True, None, True
         return True
 
     async def _follow_kv(self) -> None:

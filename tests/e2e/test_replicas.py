@@ -1,21 +1,31 @@
 """Replicas behind one gateway, as real processes on loopback: two ``xlaserve engine``
 tiny-random replicas and ``xlaserve serve --engines`` over them, driven with the official
-``openai`` client. Prefix affinity, the hot-prefix spill, and ``kill -9`` of a replica
-mid-stream (last: it leaves one replica)."""
+``openai`` client. Prefix affinity, the hot-prefix spill, ``kill -9`` of a replica
+mid-stream (it leaves one replica), then regions: the replicas are labelled apart
+(``--labels region=...``, which the first gateway ignores), a second gateway with ``--region``
+keeps requests on its region's replica and, that one killed while a request is on its way to it,
+serves the request in the other region with the hop in its trace."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import re
+import os
+import signal
 
 import httpx
 import openai
 import pytest
 
-from tests.support.replica_processes import start_engine, trace, wait_for, wait_healthy
+from serving.rpc.remote_engine import fetch_model_info
+from tests.support.replica_processes import ENGINE_ARGS, metric, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
 
 PREFIX = [2] + [(13 * i) % 400 + 100 for i in range(1023)]  # a 1024-token shared prefix
+REGIONS = ("eu-west", "us-east")  # replica i's region label; zone "a" or "b"
+
+
+def labelled(i: int) -> list[str]:
+    return [*ENGINE_ARGS, "--labels", f"region={REGIONS[i]},zone={'ab'[i]}"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +34,7 @@ def replicas(tmp_path_factory):
     started = []
     try:
         for i in range(2):  # one after the other: the second loads what the first compiled
-            started.append(start_engine(tmp / f"engine{i}.log"))
+            started.append(start_engine(tmp / f"engine{i}.log", labelled(i)))
             wait_healthy(*started[-1], tmp / f"engine{i}.log")
         yield {url: proc for proc, url in started}, tmp
     finally:
@@ -49,16 +59,6 @@ def client(gateway):
     c = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0)
     yield c
     c.close()
-
-
-def metric(gateway: str, name: str) -> dict[tuple, float]:
-    """{label tuple: value} of one metric family on /metrics."""
-    out = {}
-    for line in httpx.get(f"{gateway}/metrics", timeout=10).text.splitlines():
-        m = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if m:
-            out[tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(1))))] = float(m.group(2))
-    return out
 
 
 def cached_pages(gateway: str) -> dict[str, float]:
@@ -137,3 +137,70 @@ def test_kill_9_of_a_replica_mid_stream(client, gateway, replicas):
         assert trace(gateway, r.id)["replica"] == survivor
     up = {dict(k)["replica"]: v for k, v in metric(gateway, "xlaserve:replica_up").items()}
     assert up == {victim: 0.0, survivor: 1.0}
+
+
+def test_regions_stay_home_and_fail_over_when_home_is_killed(replicas):
+    """A gateway with ``--region eu-west``: requests stay on the eu-west replica; frozen, then killed
+    while a request is on its way to it, the request is served in us-east with the hop in its
+    trace, and the next one crosses as ``cross_region_down``. Runs last: it starts a replica in
+    place of the one the kill -9 test killed (labels over the wire: ``GetModelInfo``)."""
+    procs, tmp = replicas
+    alive = {u: p for u, p in procs.items() if p.poll() is None}
+    region = {u: fetch_model_info(u).labels["region"] for u in alive}
+    restarted = None
+    try:
+        if len(alive) < 2:
+            i = next(i for i, r in enumerate(REGIONS) if r not in region.values())
+            proc, url = restarted = start_engine(tmp / "engine-restarted.log", labelled(i))
+            wait_healthy(proc, url, tmp / "engine-restarted.log")
+            alive[url], region[url] = proc, REGIONS[i]
+        home = next(u for u, r in region.items() if r == "eu-west")
+        away = next(u for u, r in region.items() if r == "us-east")
+        # The replica elsewhere listed first: the order of --engines is no preference.
+        args = ["--engines", f"{away},{home}", "--router", "kv-aware", "--region", "eu-west"]
+        with serve_process(args, tmp / "gateway-eu-west.log") as (_, gateway, _), \
+                openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0) as client:
+            wait_for(lambda: set(metric(gateway, "xlaserve:replica_up").values()) == {1.0}, "both replicas up")
+            for k in range(4):
+                r = client.completions.create(model="tiny-random", prompt=f"Hello {k}", max_tokens=3,
+                                              temperature=0)
+                t = trace(gateway, r.id)
+                assert (t["replica"], t["region"], t["replica_retries"]) == (home, "eu-west", [])
+                assert t["cost_usd"] > 0
+
+            # Freeze home so that a request's Generate call waits there (it is still up: a probe
+            # takes 5 s to time out), then kill it: the call fails before any event and the
+            # router takes the request to the other region.
+            os.kill(alive[home].pid, signal.SIGSTOP)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(client.completions.create, model="tiny-random", prompt="On its way",
+                                      max_tokens=3, temperature=0)
+
+                def on_its_way():
+                    inflight = metric(gateway, "xlaserve:replica_gateway_in_flight")
+                    return {dict(k)["replica"]: v for k, v in inflight.items()}.get(home) == 1.0
+
+                wait_for(on_its_way, "the request in flight on the frozen replica", timeout_s=4)
+                alive[home].kill()  # SIGKILL: its connections reset
+                alive[home].wait()
+                r = pending.result(timeout=60)
+            assert r.choices[0].finish_reason == "length"
+            t = trace(gateway, r.id)
+            assert (t["status"], t["replica"], t["region"]) == ("ok", away, "us-east")
+            [hop] = t["replica_retries"]
+            assert (hop["replica"], hop["region"], hop["reason"]) == (home, "eu-west", "unavailable")
+            assert t["retries"] == 0 and t["cost_usd"] > 0
+
+            # Home is down: the next request crosses with no hop.
+            r = client.completions.create(model="tiny-random", prompt="Still here?", max_tokens=3, temperature=0)
+            t = trace(gateway, r.id)
+            assert (t["replica"], t["region"], t["replica_retries"]) == (away, "us-east", [])
+            assert httpx.get(f"{gateway}/health").status_code == 200
+            decisions = {(dict(k)["replica"], dict(k)["reason"]): v
+                         for k, v in metric(gateway, "xlaserve:router_decisions_total").items()}
+            assert decisions[(away, "cross_region_down")] == 2  # the retry and the next request
+            assert sum(v for (url, _), v in decisions.items() if url == home) == 5  # 4 served + the one killed
+    finally:
+        if restarted is not None and restarted[0].poll() is None:
+            restarted[0].kill()
+            restarted[0].wait()

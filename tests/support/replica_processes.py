@@ -3,6 +3,7 @@ over them."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -55,6 +56,16 @@ def trace(gateway: str, response_id: str) -> dict:
     r = httpx.get(f"{gateway}/v1/requests/{response_id}", timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def metric(gateway: str, name: str) -> dict[tuple, float]:
+    """{label tuple: value} of one metric family on the gateway's /metrics."""
+    out = {}
+    for line in httpx.get(f"{gateway}/metrics", timeout=10).text.splitlines():
+        m = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if m:
+            out[tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(1))))] = float(m.group(2))
+    return out
 
 
 def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:

@@ -18,9 +18,11 @@ INFO = pb.ModelInfo(model="m", tokenizer_id="t", page_size=PS, max_model_len=409
 class FakeReplica:
     """A replica stand-in: ``generate`` yields one token per ``step`` set, or fails."""
 
-    def __init__(self, name: str, info=INFO):
+    def __init__(self, name: str, info=INFO, region: str = ""):
         self.url = f"grpc://{name}:1"
         self.info = info
+        self.region = region
+        self.labels = {"region": region} if region else {}
         self.up = True
         self.load = EngineStats()
         self.kv_index = ReplicaKvIndex()

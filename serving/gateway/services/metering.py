@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from serving.contract.engine_client import TokenEvent
+from serving.contract.engine_client import ReplicaRetry, TokenEvent
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.accounts.pricing import PriceTable
@@ -69,6 +69,8 @@ class RequestMeter:
     num_accepted_tokens: int = 0
     replica: str | None = None  # the engine replica's URL, when a router chose one (decode side)
     prefill_replica: str | None = None  # disaggregated serving: the replica that computed the prompt
+    region: str | None = None  # the region label of the replica that served it
+    replica_retries: tuple[ReplicaRetry, ...] = ()  # replicas the router left before that one
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     itls: list[float] = dataclasses.field(default_factory=list)
@@ -93,6 +95,10 @@ class RequestMeter:
             self.replica = ev.replica
         if ev.prefill_replica is not None:
             self.prefill_replica = ev.prefill_replica
+        if ev.region is not None:
+            self.region = ev.region
+        if len(ev.replica_retries) > len(self.replica_retries):
+            self.replica_retries = ev.replica_retries
         self.kv_transfer_bytes = max(self.kv_transfer_bytes, ev.kv_transfer_bytes)
         self.kv_transfer_seconds = max(self.kv_transfer_seconds, ev.kv_transfer_seconds)
         self.num_preemptions = max(self.num_preemptions, ev.num_preemptions)
@@ -220,6 +226,9 @@ class Metering:
             "replica": m.replica,
             "prefill_replica": m.prefill_replica,
             "decode_replica": m.replica if m.prefill_replica is not None else None,
+            "region": m.region,
+            "replica_retries": [dataclasses.asdict(h) for h in m.replica_retries],
+            "cost_usd": cost,
             "kv_transfer_bytes": m.kv_transfer_bytes,
             "kv_transfer_seconds": m.kv_transfer_seconds,
             "num_preemptions": m.num_preemptions,
@@ -245,6 +254,11 @@ class Metering:
                 "xlaserve.status": status, "xlaserve.finish_reason": finish_reason,
                 "xlaserve.replica": m.replica,
                 "xlaserve.prefill_replica": m.prefill_replica,
+                "xlaserve.region": m.region,
+                "xlaserve.replica_retries": len(m.replica_retries),
+                "xlaserve.replica_retries.replicas": [h.replica for h in m.replica_retries] or None,
+                "xlaserve.replica_retries.reasons": [h.reason for h in m.replica_retries] or None,
+                "xlaserve.cost_usd": cost,
                 "xlaserve.kv_transfer_bytes": m.kv_transfer_bytes or None,
                 "gen_ai.usage.input_tokens": prompt_tokens,
                 "gen_ai.usage.output_tokens": completion_tokens,

@@ -23,9 +23,14 @@ def _ns(t: float) -> int:
 
 
 class RequestTracer:
-    """Emits a request's spans from its recorded timestamps (Unix seconds)."""
+    """Emits a request's spans from its recorded timestamps (Unix seconds).
 
-    def __init__(self, enabled: bool) -> None:
+    Args:
+      enabled: whether to emit any.
+      tracer_provider: where spans go (default: the global tracer provider).
+    """
+
+    def __init__(self, enabled: bool, tracer_provider=None) -> None:
         self._tracer = None
         if enabled:
             try:
@@ -34,7 +39,7 @@ class RequestTracer:
                 log.warning("otel_traces is on but opentelemetry-api is not installed; no spans")
                 return
             self._trace = trace
-            self._tracer = trace.get_tracer("xlaserve.gateway")
+            self._tracer = trace.get_tracer("xlaserve.gateway", tracer_provider=tracer_provider)
 
     @property
     def enabled(self) -> bool:
