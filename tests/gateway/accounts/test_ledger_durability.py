@@ -274,3 +274,16 @@ def test_a_gateway_killed_with_sigkill_is_reconciled_at_the_next_start(tmp_path)
     finally:
         restarted.close()
         live.close()
+
+
+def test_a_database_from_before_the_instance_column_gets_it_at_open(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    old = sa.create_engine(url)
+    with old.begin() as conn:  # the requests table as an earlier version created it
+        conn.execute(sa.text("CREATE TABLE requests (request_id VARCHAR(128) PRIMARY KEY, "
+                             "model VARCHAR(256) NOT NULL, status VARCHAR(16) NOT NULL)"))
+    old.dispose()
+    engine = open_database(url)
+    columns = {c["name"] for c in sa.inspect(engine).get_columns("requests")}
+    assert "gateway_instance" in columns
+    assert "ix_requests_gateway_instance" in {i["name"] for i in sa.inspect(engine).get_indexes("requests")}
