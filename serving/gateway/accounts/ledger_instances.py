@@ -70,7 +70,13 @@ class GatewayInstance:
     def __init__(self, root: Path) -> None:
         self.id = "gw-" + uuid.uuid4().hex[:12]
         self.directory = Path(root) / self.id
-        self.directory.mkdir(parents=True)
+        for attempt in range(3):  # the parent may be removed by another gateway's release meanwhile
+            try:
+                self.directory.mkdir(parents=True)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         self._lock = _try_lock(self.directory)
         assert self._lock is not None, "a fresh instance directory is locked by someone"
 
@@ -80,6 +86,7 @@ class GatewayInstance:
             return
         if remove:
             shutil.rmtree(self.directory, ignore_errors=True)
+            _remove_if_empty(self.directory.parent)
         os.close(self._lock)
         self._lock = None
 
@@ -135,6 +142,13 @@ def mark_interrupted(engine: sa.Engine, instance: str, by: str) -> int:
                            .values(status="interrupted", finished_at=time.time(),
                                    error=INTERRUPTED.format(instance=instance) + f"; reconciled by {by}"))
     return res.rowcount
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (another instance), or gone
+        pass
 
 
 def _try_lock(directory: Path) -> int | None:
