@@ -113,16 +113,28 @@ def replay_spool(spool: LedgerSpool, engine: sa.Engine, chunks: int | None = Non
     Returns:
       How many writes were replayed.
 
+    A chunk the database refuses for another reason than being unreachable is
+    applied write by write, and a write it still refuses (a row no database
+    would take) is logged and skipped, so one bad write cannot hold the
+    spool back for ever.
+
     Raises:
-      sqlalchemy.exc.SQLAlchemyError: the database failed (what was committed stays replayed).
+      sqlalchemy.exc.SQLAlchemyError: the database is unreachable (what was
+        committed stays replayed).
     """
     done = 0
     while chunks is None or chunks > 0:
         batch = spool.read(REPLAY_CHUNK)
         if not batch:
             break
-        with engine.begin() as conn:
-            apply_writes(conn, [record for _, record in batch])
+        records = [record for _, record in batch]
+        try:
+            with engine.begin() as conn:
+                apply_writes(conn, records)
+        except Exception as e:
+            if is_unreachable(e):
+                raise
+            _apply_one_by_one(engine, records)
         spool.mark_replayed(batch[-1][0], len(batch))
         done += len(batch)
         if chunks is not None:
@@ -130,9 +142,23 @@ def replay_spool(spool: LedgerSpool, engine: sa.Engine, chunks: int | None = Non
     return done
 
 
+def _apply_one_by_one(engine: sa.Engine, records: list[Mapping[str, Any]]) -> None:
+    for record in records:
+        try:
+            with engine.begin() as conn:
+                apply_writes(conn, [record])
+        except Exception as e:
+            if is_unreachable(e):
+                raise
+            rid = record.get("request_id") or record.get("row", {}).get("request_id")
+            log.error("a spooled ledger write (%s of %s) was refused and is dropped: %s",
+                      record.get("op"), rid, _first_line(e))
+
+
 def _first_line(error: BaseException) -> str:
     """A database error's first line, without SQLAlchemy's statement and parameters."""
-    return f"{type(error).__name__}: {str(getattr(error, 'orig', None) or error).splitlines()[0] if str(error) else ''}"
+    text = str(getattr(error, "orig", None) or error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class Ledger:
@@ -221,7 +247,7 @@ class Ledger:
 
     def _run(self) -> None:
         while True:
-            pending = self.spool is not None and self.spool.depth_records > 0
+            pending = self.spool is not None and (self.spool.depth_records > 0 or self.spool_write_failed)
             timeout = max(0.0, self._next_replay - time.monotonic()) if pending else None
             try:
                 batch = [self._queue.get(timeout=timeout)]
@@ -236,22 +262,28 @@ class Ledger:
             ops = [b for b in batch if b is not None]
             if ops:
                 self._write(ops)
-            if self.spool is not None and self.spool.depth_records and (
+            if self.spool is not None and (self.spool.depth_records or self.spool_write_failed) and (
                     stop or time.monotonic() >= self._next_replay):
-                self._replay()
+                self._replay(final=stop)
             if stop:
                 return
 
-    def _replay(self) -> None:
+    def _replay(self, final: bool = False) -> None:
         try:
-            n = replay_spool(self.spool, self.engine, chunks=1)
+            if self.spool.depth_records:  # a chunk a turn; all of it when stopping
+                n = replay_spool(self.spool, self.engine, chunks=None if final else 1)
+            else:  # the spool could not be written: is the database back?
+                with self.engine.connect() as conn:
+                    conn.execute(sa.select(1))
+                n = 0
         except Exception as e:
             if not is_unreachable(e):
                 log.error("replaying the ledger spool failed: %s", _first_line(e))
             self._next_replay = time.monotonic() + self.retry_s
             return
         self.replayed_total += n
-        if not self.spool.depth_records:
+        self.spool_write_failed = False  # the database answers: writes go to it again
+        if n and not self.spool.depth_records:
             log.warning("the ledger database is back: the spool is replayed (%d writes in all)",
                         self.replayed_total)
 

@@ -95,6 +95,16 @@ def test_spool_cuts_a_torn_line_and_a_repeated_replay_doubles_nothing(tmp_path):
         "r1": ("ok", 1), "r2": ("ok", 2), "r3": ("running", 0)}
 
 
+def test_a_write_the_database_refuses_is_skipped_and_the_rest_replayed(tmp_path):
+    spool = LedgerSpool(tmp_path / "spool", max_bytes=1 << 20)
+    bad = {"op": "close", "request_id": "r1", "values": {"no_such_column": 1}}
+    spool.append([_open(1), bad, _close(1), _open(2)])
+    engine = open_database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    assert replay_spool(spool, engine) == 4 and spool.depth_records == 0
+    rows = {r["request_id"]: r["status"] for r in Ledger(engine).rows()}
+    assert rows == {"r1": "ok", "r2": "running"}
+
+
 # ------------------------------------------------------------------ a full spool
 
 
