@@ -41,6 +41,10 @@ def register(sub) -> None:
                        default=None, help="turn the automatic prefix cache off")
     serve.add_argument("--database-url", help="SQLAlchemy URL of the keys + usage ledger "
                        "(default: $XLASERVE_DATABASE_URL, else SQLite under the data dir)")
+    serve.add_argument("--ledger-spool-dir", help="where usage rows wait, fsynced, while the ledger "
+                       "database is unreachable (default: $XLASERVE_DATA_DIR/ledger-spool)")
+    serve.add_argument("--ledger-spool-max-bytes", type=int, default=None,
+                       help="the spool's bound; once full, new requests get 503 (default 256 MiB)")
     serve.add_argument("--redis-url", help="Redis that holds rate limits shared by every gateway using "
                        "it, redis://host:port/db (default: $XLASERVE_REDIS_URL, else limits per process)")
     serve.add_argument("--prices", help="price table YAML (default: configs/prices.yaml)")
@@ -119,7 +123,8 @@ def open_gateway_services(cfg):
         database_url=cfg.database_url, prices_path=cfg.prices, blocklist=cfg.policy_blocklist,
         blocklist_applies_to=cfg.policy_blocklist_applies_to, policy_plugins=cfg.policy_plugins,
         otel_traces=cfg.otel_traces, log_text=cfg.log_text,
-        prefix_cache_groups=dict(cfg.prefix_cache_groups), redis_url=cfg.redis_url)
+        prefix_cache_groups=dict(cfg.prefix_cache_groups), redis_url=cfg.redis_url,
+        ledger_spool_dir=cfg.ledger_spool_dir, ledger_spool_max_bytes=cfg.ledger_spool_max_bytes)
     store = services.authenticator.key_store
     if not store.has_keys():
         if not _is_loopback(cfg.host) and not cfg.allow_unauthenticated:
@@ -159,7 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
-                                  "redis_url", "tool_call_parser", "reasoning_parser",
+                                  "redis_url", "ledger_spool_dir", "ledger_spool_max_bytes",
+                                  "tool_call_parser", "reasoning_parser",
                                   "max_file_bytes", "batch_concurrency", "batch_lease_seconds"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)

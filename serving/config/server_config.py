@@ -54,6 +54,8 @@ class ServerConfig:
     stream_write_timeout: float = 30.0
     served_model_name: str | None = None
     database_url: str | None = None
+    ledger_spool_dir: str | None = None
+    ledger_spool_max_bytes: int = 256 * 1024 * 1024
     redis_url: str | None = None
     prices: str | None = None
     allow_unauthenticated: bool = False
@@ -89,7 +91,8 @@ class ServerConfig:
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
-                            ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1)):
+                            ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1),
+                            ("ledger_spool_max_bytes", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
         if not self.batch_lease_seconds > 0:

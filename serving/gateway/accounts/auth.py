@@ -8,7 +8,10 @@
   that always send one, like the openai package, work). ``xlaserve serve``
   allows that only on a loopback address, or with ``--allow-unauthenticated``.
 
-Database look-ups run in a worker thread, never on the event loop.
+Database look-ups run in a worker thread, never on the event loop. While the
+database is unreachable, a key answers as it did at its last successful look-up
+(a key revoked during the outage is refused once the database is back); a key
+not looked up since the gateway started gets 503 ``database_unavailable``.
 """
 
 from __future__ import annotations
@@ -17,10 +20,17 @@ import time
 
 import anyio
 
-from serving.gateway.accounts.api_keys import ANONYMOUS, KeyStore, Principal
-from serving.gateway.http.errors import OpenAIError
+from serving.gateway.accounts.api_keys import ANONYMOUS, KeyStore, Principal, hash_key
+from serving.gateway.accounts.database import is_unreachable
+from serving.gateway.http.errors import SERVER_ERROR, OpenAIError
 
 _HAS_KEYS_TTL_S = 1.0
+
+
+def database_unavailable() -> OpenAIError:
+    return OpenAIError("The key database is unreachable and this key has not been seen since the "
+                       "server started; try again later.", status_code=503, type=SERVER_ERROR,
+                       code="database_unavailable", headers={"Retry-After": "5"})
 
 
 def unauthorized(message: str) -> OpenAIError:
@@ -37,15 +47,38 @@ class Authenticator:
 
     def __init__(self, key_store: KeyStore | None) -> None:
         self.key_store = key_store
-        self._has_keys: tuple[float, bool] = (-1e9, False)
+        self._has_keys: tuple[float, bool | None] = (-1e9, None)
+        # sha256 of a key -> its last look-up that found it ("ok" or "revoked"), for outages.
+        self._known: dict[str, tuple[str, Principal | None]] = {}
 
     async def _keys_configured(self) -> bool:
         t, value = self._has_keys
         now = time.monotonic()
         if now - t > _HAS_KEYS_TTL_S:
-            value = await anyio.to_thread.run_sync(self.key_store.has_keys)
+            try:
+                value = await anyio.to_thread.run_sync(self.key_store.has_keys)
+            except Exception as e:
+                if not is_unreachable(e) or value is None:
+                    raise database_unavailable() if is_unreachable(e) else e
+                return value  # the last answer, until the database is back
             self._has_keys = (now, value)
         return value
+
+    async def _lookup(self, token: str) -> tuple[str, Principal | None]:
+        digest = hash_key(token)
+        try:
+            status, principal = await anyio.to_thread.run_sync(self.key_store.lookup, token)
+        except Exception as e:
+            if not is_unreachable(e):
+                raise
+            if digest not in self._known:
+                raise database_unavailable() from None
+            return self._known[digest]
+        if status != "unknown":
+            self._known[digest] = (status, principal)
+        else:
+            self._known.pop(digest, None)
+        return status, principal
 
     async def authenticate(self, authorization: str | None) -> Principal:
         """The caller for an ``Authorization`` header value (or None).
@@ -62,7 +95,7 @@ class Authenticator:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise unauthorized("The Authorization header must be 'Bearer YOUR_KEY'.")
-        status, principal = await anyio.to_thread.run_sync(self.key_store.lookup, token)
+        status, principal = await self._lookup(token)
         if status == "revoked":
             raise OpenAIError("This API key has been revoked.", status_code=403, code="api_key_revoked")
         if principal is None:

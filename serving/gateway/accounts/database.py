@@ -15,7 +15,7 @@ Tables::
               | status | finish_reason | error | created_at | day | first_token_at
               | finished_at | prompt_tokens | cached_tokens | completion_tokens
               | reasoning_tokens | tool_calls | queue_time_s | ttft_s | itl_mean_s
-              | itl_max_s | e2e_s | cost_usd | trace (JSON)
+              | itl_max_s | e2e_s | cost_usd | trace (JSON) | gateway_instance
     files     file_id* | tenant | purpose | filename | bytes | created_at | content (bytes)
     batches   batch_id* | tenant | key_id | endpoint | input_file_id | output_file_id
               | error_file_id | status | completion_window | metadata (JSON) | errors (JSON)
@@ -36,6 +36,13 @@ batches (``files.py``, ``batches.py``, ``batch_runner.py``) live here too, so
 several gateways sharing one PostgreSQL see the same ones; a batch line's
 ``attempt_id`` is the X-Request-ID of its ledger row. Stored responses
 (``response_store.py``) hold what ``previous_response_id`` continues.
+A ``requests`` row's ``gateway_instance`` names the gateway process that
+admitted it (``ledger_instances.py``), so a restart reconciles only the rows
+of gateways that are gone (status "interrupted").
+
+Columns added to a table after a database was created are nullable, and
+:func:`open_database` adds the missing ones to an existing database
+(``ALTER TABLE ... ADD COLUMN``), so an older ledger keeps working.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ requests = sa.Table(
     sa.Column("e2e_s", sa.Float, nullable=True),
     sa.Column("cost_usd", sa.Float, nullable=False, default=0.0),
     sa.Column("trace", sa.Text, nullable=True),
+    sa.Column("gateway_instance", sa.String(64), nullable=True, index=True),
 )
 
 
@@ -213,6 +221,30 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
+def is_unreachable(error: BaseException) -> bool:
+    """True when `error` means the database cannot be reached now (refused or lost
+    connection, pool timeout, SQLite busy), not that a statement is wrong."""
+    if isinstance(error, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)):
+        return True
+    return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
+
+
+def _add_missing_columns(engine: sa.Engine) -> None:
+    """Adds the nullable columns of our tables that an existing database lacks."""
+    inspector = sa.inspect(engine)
+    with engine.begin() as conn:
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have or not column.nullable:
+                    continue
+                kind = column.type.compile(dialect=engine.dialect)
+                conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+                for index in table.indexes:
+                    if column.name in index.columns:
+                        index.create(conn, checkfirst=True)
+
+
 def open_database(url: str | None = None) -> sa.Engine:
     """A SQLAlchemy engine for `url` (default: :func:`default_database_url`), tables created.
 
@@ -225,6 +257,10 @@ def open_database(url: str | None = None) -> sa.Engine:
         engine = sa.create_engine(url, connect_args={"timeout": 10})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
     else:
-        engine = sa.create_engine(url, pool_pre_ping=True)
+        # A database host that stops answering fails a connection in seconds, not minutes:
+        # the ledger then spools (ledger.py) and the keys answer from memory (auth.py).
+        connect_args = {"connect_timeout": 5} if url.startswith("postgresql") else {}
+        engine = sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     metadata.create_all(engine)
+    _add_missing_columns(engine)
     return engine

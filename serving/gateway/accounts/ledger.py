@@ -7,8 +7,20 @@ future the gateway awaits before the response's last bytes, so a request whose
 client saw the end is on disk (SQLite WAL survives a killed process). Queued
 writes are batched into one transaction each turn.
 
-Statuses: "running" (admitted, not finished: after a crash it stays so),
-"ok", "error", "cancelled" (the client went away), "rate_limited".
+With a spool (``ledger_spool.py``), a write the database cannot take because
+it is unreachable is appended to the spool and fsynced instead, and its future
+completes then; every later write goes to the spool too, behind it, until the
+writer has replayed the spool into the database (tried every ``retry_s``
+seconds), so rows reach the database in the order they were written. Each
+write is idempotent (a row is inserted only if its ``request_id`` is absent,
+and a completion applies only to a "running" row), so a replay repeated after
+a crash doubles nothing. While the spool is full (or cannot be written),
+:attr:`Ledger.admitting` is False and the gateway refuses new requests with
+503 rather than serve what it could not meter.
+
+Statuses: "running" (admitted, not finished), "ok", "error", "cancelled"
+(the client went away), "rate_limited", "interrupted" (its gateway stopped
+before it finished; set at the next start, ``ledger_instances.py``).
 """
 
 from __future__ import annotations
@@ -19,16 +31,24 @@ import json
 import logging
 import queue
 import threading
-from typing import Any, Callable, Mapping
+import time
+from typing import Any, Mapping, Sequence
 
 import sqlalchemy as sa
 
+from serving.gateway.accounts.database import is_unreachable
 from serving.gateway.accounts.database import requests as requests_table
+from serving.gateway.accounts.ledger_spool import LedgerSpool
 
 log = logging.getLogger("xlaserve.ledger")
 
 GROUP_BY = ("model", "key", "day", "tenant", "status")
 _GROUP_COLUMN = {"model": "model", "key": "key_id", "day": "day", "tenant": "tenant", "status": "status"}
+INCOMPLETE = ("running", "interrupted")
+"""Statuses of rows that never completed (counted as ``incomplete`` by :meth:`Ledger.usage`)."""
+
+REPLAY_CHUNK = 500
+"""Spooled writes replayed per database transaction."""
 
 
 def utc_day(t: float) -> str:
@@ -36,53 +56,189 @@ def utc_day(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
+def apply_writes(conn: sa.Connection, records: Sequence[Mapping[str, Any] | None]) -> None:
+    """Applies row writes in one go, idempotently.
+
+    Args:
+      records: each ``{"op": "open", "row": columns}`` (inserted unless a row with
+        its request_id exists) or ``{"op": "close", "request_id": id, "values":
+        columns}`` (applied only while the row is "running"); None: nothing (a
+        flush marker). Every open is applied before every close: a request's
+        close always follows its open, so this is the order they were written
+        in as far as any row can tell, and it lets each kind go as one
+        executemany (replaying hundreds of spooled writes takes one round trip
+        per kind and column set, not one per write).
+
+    Raises:
+      ValueError: an unknown op.
+    """
+    t = requests_table
+    opens: dict[tuple, list[dict]] = {}
+    closes: dict[tuple, list[dict]] = {}
+    for record in records:
+        if record is None:
+            continue
+        if record["op"] == "open":
+            opens.setdefault(tuple(sorted(record["row"])), []).append(record["row"])
+        elif record["op"] == "close":
+            closes.setdefault(tuple(sorted(record["values"])), []).append(
+                {**{f"v_{k}": v for k, v in record["values"].items()}, "rid": record["request_id"]})
+        else:
+            raise ValueError(f"unknown ledger write {record['op']!r}")
+    dialect = conn.dialect.name
+    for rows in opens.values():
+        if dialect in ("postgresql", "sqlite"):
+            if dialect == "postgresql":
+                from sqlalchemy.dialects.postgresql import insert
+            else:
+                from sqlalchemy.dialects.sqlite import insert
+            conn.execute(insert(t).on_conflict_do_nothing(index_elements=["request_id"]), rows)
+            continue
+        for row in rows:
+            if conn.execute(sa.select(t.c.request_id).where(t.c.request_id == row["request_id"])).first() is None:
+                conn.execute(t.insert().values(**row))
+    for columns, params in closes.items():
+        stmt = (t.update().where(t.c.request_id == sa.bindparam("rid"), t.c.status == "running")
+                .values({c: sa.bindparam(f"v_{c}") for c in columns}))
+        conn.execute(stmt, params)
+
+
+def replay_spool(spool: LedgerSpool, engine: sa.Engine, chunks: int | None = None) -> int:
+    """Replays `spool` into `engine`, :data:`REPLAY_CHUNK` writes a transaction,
+    each chunk's offset recorded after its commit.
+
+    Args:
+      chunks: at most this many transactions (None: until the spool is empty).
+
+    Returns:
+      How many writes were replayed.
+
+    A chunk the database refuses for another reason than being unreachable is
+    applied write by write, and a write it still refuses (a row no database
+    would take) is logged and skipped, so one bad write cannot hold the
+    spool back for ever.
+
+    Raises:
+      sqlalchemy.exc.SQLAlchemyError: the database is unreachable (what was
+        committed stays replayed).
+    """
+    done = 0
+    while chunks is None or chunks > 0:
+        batch = spool.read(REPLAY_CHUNK)
+        if not batch:
+            break
+        records = [record for _, record in batch]
+        try:
+            with engine.begin() as conn:
+                apply_writes(conn, records)
+        except Exception as e:
+            if is_unreachable(e):
+                raise
+            _apply_one_by_one(engine, records)
+        spool.mark_replayed(batch[-1][0], len(batch))
+        done += len(batch)
+        if chunks is not None:
+            chunks -= 1
+    return done
+
+
+def _apply_one_by_one(engine: sa.Engine, records: list[Mapping[str, Any]]) -> None:
+    for record in records:
+        try:
+            with engine.begin() as conn:
+                apply_writes(conn, [record])
+        except Exception as e:
+            if is_unreachable(e):
+                raise
+            rid = record.get("request_id") or record.get("row", {}).get("request_id")
+            log.error("a spooled ledger write (%s of %s) was refused and is dropped: %s",
+                      record.get("op"), rid, _first_line(e))
+
+
+def _first_line(error: BaseException) -> str:
+    """A database error's first line, without SQLAlchemy's statement and parameters."""
+    text = str(getattr(error, "orig", None) or error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class Ledger:
     """Request rows in the gateway database.
 
     Args:
       engine: a SQLAlchemy engine (tables created; see ``database.py``).
+      spool: where writes go while the database is unreachable (None: they fail,
+        logged, as without one).
+      instance: the gateway instance id written on each row opened
+        (``ledger_instances.py``; None: not recorded).
+      retry_s: seconds between attempts to replay the spool while the database is away.
     """
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, spool: LedgerSpool | None = None,
+                 instance: str | None = None, retry_s: float = 1.0) -> None:
         self.engine = engine
+        self.spool = spool
+        self.instance = instance
+        self.retry_s = retry_s
+        self.spool_write_failed = False  # the last spool append failed (cleared by one that works)
+        self.replayed_total = 0
+        self._next_replay = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="xlaserve-ledger", daemon=True)
         self._closed = False
         self._thread.start()
 
+    # -- state (any thread) -----------------------------------------------------------
+
+    @property
+    def admitting(self) -> bool:
+        """False while the spool is full or cannot be written: new requests must be refused."""
+        return self.spool is None or not (self.spool.full or self.spool_write_failed)
+
+    @property
+    def spooled_records(self) -> int:
+        """Writes waiting in the spool for the database (0 without a spool)."""
+        return 0 if self.spool is None else self.spool.depth_records
+
+    @property
+    def spooled_bytes(self) -> int:
+        """Bytes of those writes (0 without a spool)."""
+        return 0 if self.spool is None else self.spool.depth_bytes
+
     # -- writes (any thread; never block) ----------------------------------------
 
-    def _submit(self, op: Callable[[sa.Connection], None]) -> concurrent.futures.Future:
+    def _submit(self, record: Mapping[str, Any] | None) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._closed:
             fut.set_exception(RuntimeError("the ledger is closed"))
             return fut
-        self._queue.put((op, fut))
+        self._queue.put((record, fut))
         return fut
 
     def open_row(self, row: Mapping[str, Any]) -> concurrent.futures.Future:
         """Queues the insert of a new row (needs request_id, model, priority,
-        stream, status, created_at; ``day`` is derived)."""
+        stream, status, created_at; ``day`` is derived, ``gateway_instance`` is this
+        ledger's instance)."""
         values = dict(row)
         values.setdefault("day", utc_day(values["created_at"]))
+        if self.instance is not None:
+            values.setdefault("gateway_instance", self.instance)
         if isinstance(values.get("trace"), (dict, list)):
             values["trace"] = json.dumps(values["trace"])
-        return self._submit(lambda conn: conn.execute(requests_table.insert().values(**values)))
+        return self._submit({"op": "open", "row": values})
 
     def close_row(self, request_id: str, values: Mapping[str, Any]) -> concurrent.futures.Future:
-        """Queues the update that completes row `request_id`."""
+        """Queues the update that completes row `request_id` (if it is still "running")."""
         values = dict(values)
         if isinstance(values.get("trace"), (dict, list)):
             values["trace"] = json.dumps(values["trace"])
-        return self._submit(lambda conn: conn.execute(
-            requests_table.update().where(requests_table.c.request_id == request_id).values(**values)))
+        return self._submit({"op": "close", "request_id": request_id, "values": values})
 
     def flush(self, timeout: float | None = 30) -> None:
-        """Blocks until everything queued so far is written."""
-        self._submit(lambda conn: None).result(timeout)
+        """Blocks until everything queued so far is written (to the database or the spool)."""
+        self._submit(None).result(timeout)
 
     def close(self) -> None:
-        """Writes what is queued, then stops the writer thread."""
+        """Writes what is queued (and tries the spool once more), then stops the writer thread."""
         if self._closed:
             return
         self._closed = True
@@ -91,9 +247,13 @@ class Ledger:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            batch = [item]
-            while len(batch) < 256:
+            pending = self.spool is not None and (self.spool.depth_records > 0 or self.spool_write_failed)
+            timeout = max(0.0, self._next_replay - time.monotonic()) if pending else None
+            try:
+                batch = [self._queue.get(timeout=timeout)]
+            except queue.Empty:
+                batch = []
+            while batch and len(batch) < 256:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
@@ -102,26 +262,76 @@ class Ledger:
             ops = [b for b in batch if b is not None]
             if ops:
                 self._write(ops)
+            if self.spool is not None and (self.spool.depth_records or self.spool_write_failed) and (
+                    stop or time.monotonic() >= self._next_replay):
+                self._replay(final=stop)
             if stop:
                 return
 
+    def _replay(self, final: bool = False) -> None:
+        try:
+            if self.spool.depth_records:  # a chunk a turn; all of it when stopping
+                n = replay_spool(self.spool, self.engine, chunks=None if final else 1)
+            else:  # the spool could not be written: is the database back?
+                with self.engine.connect() as conn:
+                    conn.execute(sa.select(1))
+                n = 0
+        except Exception as e:
+            if not is_unreachable(e):
+                log.error("replaying the ledger spool failed: %s", _first_line(e))
+            self._next_replay = time.monotonic() + self.retry_s
+            return
+        self.replayed_total += n
+        self.spool_write_failed = False  # the database answers: writes go to it again
+        if n and not self.spool.depth_records:
+            log.warning("the ledger database is back: the spool is replayed (%d writes in all)",
+                        self.replayed_total)
+
     def _write(self, ops) -> None:
+        if self.spool is not None and self.spool.depth_records:
+            self._spool(ops)  # behind what is spooled already, in order
+            return
         try:
             with self.engine.begin() as conn:
-                for op, _ in ops:
-                    op(conn)
+                apply_writes(conn, [record for record, _ in ops])
         except Exception as batch_error:
+            if self.spool is not None and is_unreachable(batch_error):
+                log.warning("the ledger database is unreachable (%s); spooling row writes to %s until "
+                            "it is back", _first_line(batch_error), self.spool.path)
+                self._next_replay = time.monotonic() + self.retry_s
+                self._spool(ops)
+                return
             # One bad row must not lose the others: retry each in its own transaction.
             log.warning("ledger batch of %d failed (%s); writing one by one", len(ops), batch_error)
-            for op, fut in ops:
+            for i, (record, fut) in enumerate(ops):
                 try:
                     with self.engine.begin() as conn:
-                        op(conn)
+                        apply_writes(conn, [record])
                     fut.set_result(None)
                 except Exception as e:
+                    if self.spool is not None and is_unreachable(e):
+                        self._spool(ops[i:])
+                        return
                     log.error("ledger write failed: %s", e)
                     fut.set_exception(e)
             return
+        self.spool_write_failed = False
+        for _, fut in ops:
+            fut.set_result(None)
+
+    def _spool(self, ops) -> None:
+        records = [record for record, _ in ops if record is not None]
+        try:
+            if records:
+                self.spool.append(records)
+        except Exception as e:
+            self.spool_write_failed = True
+            log.error("the ledger spool cannot be written (%r): %d row writes lost; new requests "
+                      "are refused until it can", e, len(records))
+            for _, fut in ops:
+                fut.set_exception(e)
+            return
+        self.spool_write_failed = False
         for _, fut in ops:
             fut.set_result(None)
 
@@ -173,7 +383,7 @@ class Ledger:
 
         Returns:
           One dict per group, sorted by group: group, requests, incomplete
-          (still "running"), errors, prompt_tokens, cached_tokens,
+          ("running" or "interrupted": never completed), errors, prompt_tokens, cached_tokens,
           completion_tokens, reasoning_tokens, total_tokens, cost_usd.
 
         Raises:
@@ -186,7 +396,7 @@ class Ledger:
         q = sa.select(
             col.label("group"),
             sa.func.count().label("requests"),
-            sa.func.sum(sa.case((t.c.status == "running", 1), else_=0)).label("incomplete"),
+            sa.func.sum(sa.case((t.c.status.in_(INCOMPLETE), 1), else_=0)).label("incomplete"),
             sa.func.sum(sa.case((t.c.status == "error", 1), else_=0)).label("errors"),
             sa.func.coalesce(sa.func.sum(t.c.prompt_tokens), 0).label("prompt_tokens"),
             sa.func.coalesce(sa.func.sum(t.c.cached_tokens), 0).label("cached_tokens"),

@@ -389,7 +389,8 @@ class BatchStore:
 
     def recover_lines(self, batch_id: str) -> int:
         """Lines left ``running`` by a gateway that stopped: their attempt's ledger row,
-        if still "running" (or "ok" without an output line), becomes "cancelled" with
+        if still "running" or already reconciled as "interrupted" (or "ok" without an
+        output line), becomes "cancelled" with
         the reason, and the line is pending again, to be rerun. An attempt that stopped
         before its request was admitted (no ledger row: nothing ran, nothing to meter)
         is struck from the line's attempts, so every attempt listed has a ledger row.
@@ -400,7 +401,8 @@ class BatchStore:
                                            batch_lines.c.attempts).where(
                 batch_lines.c.batch_id == batch_id, batch_lines.c.status == "running")).all()
             for line_no, attempt, attempts in stale:
-                for status, reason in (("running", INTERRUPTED), ("ok", INTERRUPTED_AFTER_OK)):
+                for status, reason in (("running", INTERRUPTED), ("interrupted", INTERRUPTED),
+                                       ("ok", INTERRUPTED_AFTER_OK)):
                     conn.execute(requests_table.update().where(
                         requests_table.c.x_request_id == attempt, requests_table.c.status == status)
                         .values(status="cancelled", error=reason, finished_at=now))

@@ -37,9 +37,13 @@ from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.accounts.pricing import PriceTable
 from serving.gateway.accounts.rate_limit import Admission, Limiter, RateLimited
 from serving.gateway.services.metrics import GatewayMetrics
+from serving.gateway.http.errors import SERVER_ERROR, OpenAIError
 from serving.gateway.services.tracing import RequestTracer
 
 log = logging.getLogger("xlaserve.gateway")
+
+LEDGER_UNAVAILABLE_RETRY_AFTER_S = 30
+"""``Retry-After`` of a 503 ``ledger_unavailable`` (the spool is full: the database is away)."""
 
 LEDGER_WRITE_TIMEOUT_S = 10.0
 """How long a response waits for its ledger row to be written before it ends anyway (logged)."""
@@ -162,8 +166,17 @@ class Metering:
         """Applies the rate limits and opens the request's ledger row.
 
         Raises:
+          OpenAIError: 503 ``ledger_unavailable`` while the ledger's spool is full
+            or cannot be written (the database is away): the request is not
+            admitted, so nothing is served unmetered (and no row is written).
           RateLimited: over a limit (a "rate_limited" row is recorded).
         """
+        if self.ledger is not None and not self.ledger.admitting:
+            self.metrics.ledger_unavailable.inc()
+            raise OpenAIError("The usage ledger cannot record requests now (its database is "
+                              "unreachable and the local spool is full); try again later.",
+                              status_code=503, type=SERVER_ERROR, code="ledger_unavailable",
+                              headers={"Retry-After": str(LEDGER_UNAVAILABLE_RETRY_AFTER_S)})
         base = dict(request_id=request_id, x_request_id=x_request_id, tenant=principal.tenant,
                     key_id=principal.key_id, model=model, priority=priority, stream=stream,
                     created_at=arrival, prompt_tokens=0)
@@ -187,7 +200,9 @@ class Metering:
                              arrival, prompt_tokens, admission)
         meter.note("admitted", reserved_tokens=admission.reserved_tokens)
         if self.ledger is not None:
-            self.ledger.open_row({**base, "status": "running"})
+            # What is known of the request if its gateway dies before it ends (ledger_instances.py).
+            self.ledger.open_row({**base, "status": "running", "trace": {
+                "requested_prompt_tokens": prompt_tokens, "requested_max_tokens": max_tokens}})
         return meter
 
     async def _finish(self, m: RequestMeter, status: str, finish_reason: str | None,

@@ -17,8 +17,12 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
               xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
               xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
+  ledger      xlaserve:ledger_spool_records, xlaserve:ledger_spool_bytes (gauges: usage-row
+              writes waiting in the spool for the database), xlaserve:ledger_spool_replayed_total,
+              xlaserve:ledger_unavailable_rejections_total (503s while the spool is full);
+              no model_name label
 
-Every series has a ``model_name`` label. Gateway counters are updated when a
+Every series but the ledger's has a ``model_name`` label. Gateway counters are updated when a
 request's ledger row is completed, from the same numbers, so they agree with
 the ledger; engine gauges are read from ``EngineClient.stats()`` at scrape time.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -119,6 +123,18 @@ class EngineStatsCollector(Collector):
                 per_step, *host.values()]
 
 
+class _ReplayedCollector(Collector):
+    """``xlaserve:ledger_spool_replayed_total``, read from the ledger at scrape time."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterable:
+        yield CounterMetricFamily("xlaserve:ledger_spool_replayed",
+                                  "Spooled usage-row writes replayed into the database.",
+                                  value=self.ledger.replayed_total)
+
+
 class GatewayMetrics:
     """The gateway's metrics in their own registry (one per app, so tests can run several)."""
 
@@ -153,6 +169,18 @@ class GatewayMetrics:
         self.rate_limited = Counter("xlaserve:rate_limit_rejections",
                                     "Requests rejected by a rate limit.",
                                     ["model_name", "scope", "limit"], registry=r)
+
+        self.ledger_unavailable = Counter("xlaserve:ledger_unavailable_rejections",
+                                          "Requests refused with 503 because the ledger's spool was "
+                                          "full or could not be written.", registry=r)
+
+    def watch_ledger(self, ledger) -> None:
+        """Adds the spool gauges of `ledger` (a ``Ledger``), read at scrape time."""
+        Gauge("xlaserve:ledger_spool_records", "Usage-row writes in the spool, waiting for the "
+              "ledger database.", registry=self.registry).set_function(lambda: ledger.spooled_records)
+        Gauge("xlaserve:ledger_spool_bytes", "Bytes of those writes.",
+              registry=self.registry).set_function(lambda: ledger.spooled_bytes)
+        self.registry.register(_ReplayedCollector(ledger))
 
     def add_engine_collector(self, collector: Collector) -> None:
         self.registry.register(collector)

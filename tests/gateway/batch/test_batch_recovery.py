@@ -50,3 +50,27 @@ def test_recovery_cancels_admitted_attempts_and_strikes_unadmitted_ones(tmp_path
     assert [json.loads(lines[i].attempts) for i in range(3)] == [["req-admitted"], [], []]
     row = Ledger(engine).get("chatcmpl-1")
     assert (row["status"], row["error"]) == ("cancelled", INTERRUPTED)
+
+
+def test_an_attempt_reconciled_as_interrupted_at_start_up_is_still_cancelled(tmp_path):
+    # A restarted gateway marks a dead instance's running rows "interrupted" before its
+    # batch runner recovers the lines (ledger_instances.py): the batch's own reason wins.
+    from serving.gateway.accounts.ledger_instances import mark_interrupted
+
+    engine = open_database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    files = FileStore(engine)
+    store = BatchStore(engine, files)
+    f = files.create("t", "batch", "in.jsonl", _line("a").encode())
+    batch_id = store.create("t", None, "/v1/chat/completions", f["file_id"], "24h", None)["batch_id"]
+    assert store.claim(batch_id, "gw-1", 60)
+    assert store.validate(batch_id, "gw-1", "/v1/chat/completions") == "in_progress"
+    store.start_attempt(batch_id, 0, "req-a")
+    ledger = Ledger(engine, instance="gw-dead")
+    ledger.open_row(dict(request_id="chatcmpl-a", x_request_id="req-a", model="m", priority="batch",
+                         stream=False, status="running", created_at=1.0)).result(timeout=30)
+    ledger.close()
+    assert mark_interrupted(engine, "gw-dead", "gw-new") == 1
+
+    assert store.recover_lines(batch_id) == 1
+    row = Ledger(engine).get("chatcmpl-a")
+    assert (row["status"], row["error"]) == ("cancelled", INTERRUPTED)

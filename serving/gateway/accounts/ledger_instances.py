@@ -1,0 +1,199 @@
+"""Gateway instances on one host: who wrote a ledger row, and which writers are gone.
+
+Each gateway process that keeps a ledger is an *instance*, with a fresh id
+(``gw-`` and 12 hex digits) per start. Its rows carry the id
+(``requests.gateway_instance``), and it holds a directory::
+
+    SPOOL_DIR/<database key>/<instance id>/   lock (flock'ed while it runs) | spool.jsonl | replayed
+
+``<database key>`` is a hash of the database URL (password hidden), so a
+spool is only ever replayed into the database it was written for, whichever
+gateways share the spool directory.
+
+An instance is *gone* when its ``lock`` can be taken: the kernel releases an
+``flock`` when its process dies, SIGKILL included, so a live gateway's
+directory is never taken over. At start-up a gateway takes over every gone
+instance of its database: it replays that instance's spool (rows completed
+before the crash, while the database was away), marks the instance's rows
+still "running" as "interrupted", and deletes the directory.
+
+Why rows of gone instances rather than "rows of my own last id": several
+gateways may share a data directory (and tests share one), and a gateway that
+restarts with a new id still finds what its predecessor left. What this does
+not see: a gateway on another host that shares only the database; its rows
+are reconciled when a gateway using that host's spool directory starts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from serving.gateway.accounts.database import requests as requests_table
+from serving.gateway.accounts.ledger import replay_spool
+from serving.gateway.accounts.ledger_spool import LedgerSpool
+
+log = logging.getLogger("xlaserve.ledger")
+
+LOCK_FILE = "lock"
+INTERRUPTED = "interrupted: the gateway that admitted this request ({instance}) stopped before it finished"
+
+
+def database_key(engine: sa.Engine) -> str:
+    """16 hex digits naming `engine`'s database (its URL, password hidden)."""
+    url = engine.url.render_as_string(hide_password=True)
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+class GatewayInstance:
+    """This process's instance directory, locked for as long as it runs.
+
+    Args:
+      root: the spool directory of one database (``SPOOL_DIR/<database key>``).
+
+    Attributes:
+      id: the instance id written on this gateway's rows.
+      directory: where its spool lives.
+
+    Raises:
+      OSError: the directory cannot be created or locked.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.id = "gw-" + uuid.uuid4().hex[:12]
+        self.directory = Path(root) / self.id
+        for attempt in range(3):  # the parent may be removed by another gateway's release meanwhile
+            try:
+                self.directory.mkdir(parents=True)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        self._lock = _try_lock(self.directory)
+        assert self._lock is not None, "a fresh instance directory is locked by someone"
+
+    def release(self, remove: bool) -> None:
+        """Unlocks the directory; with `remove`, deletes it first (nothing left to replay)."""
+        if self._lock is None:
+            return
+        if remove:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            _remove_if_empty(self.directory.parent)
+        os.close(self._lock)
+        self._lock = None
+
+
+def take_over_gone_instances(root: Path, engine: sa.Engine, by: str) -> list[dict]:
+    """Replays the spool of every gone instance under `root` into `engine` and
+    marks its rows left "running" as "interrupted"; deletes its directory.
+
+    Args:
+      by: the id of the instance doing it (recorded in the rows' traces).
+
+    Returns:
+      One dict per instance taken over: instance, replayed (records), interrupted (rows).
+      An instance whose spool cannot be replayed now (the database went away
+      again) is left for the next start and logged.
+    """
+    done = []
+    if not Path(root).is_dir():
+        return done
+    for directory in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+        if directory.name == by:
+            continue
+        fd = _try_lock(directory)
+        if fd is None:
+            continue  # a live gateway
+        try:
+            if not directory.exists():  # another gateway took it over between listing and locking
+                continue
+            spool = LedgerSpool(directory, max_bytes=1 << 62)
+            try:
+                replayed = replay_spool(spool, engine)
+            finally:
+                spool.close()
+            interrupted = mark_interrupted(engine, directory.name, by)
+            shutil.rmtree(directory, ignore_errors=True)
+            done.append({"instance": directory.name, "replayed": replayed, "interrupted": interrupted})
+            log.warning("took over gone gateway instance %s: %d spooled row writes replayed, "
+                        "%d running rows marked interrupted", directory.name, replayed, interrupted)
+        except Exception as e:  # the next start tries again
+            log.error("could not take over gateway instance %s: %r", directory.name, e)
+        finally:
+            os.close(fd)
+    return done
+
+
+def mark_interrupted(engine: sa.Engine, instance: str, by: str) -> int:
+    """Rows of `instance` still "running" become "interrupted", finished now, with
+    the reason in ``error``; what the row holds (its admission, the requested
+    tokens in its trace) stays. Returns how many."""
+    t = requests_table
+    with engine.begin() as conn:
+        res = conn.execute(t.update().where(t.c.gateway_instance == instance, t.c.status == "running")
+                           .values(status="interrupted", finished_at=time.time(),
+                                   error=INTERRUPTED.format(instance=instance) + f"; reconciled by {by}"))
+    return res.rowcount
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (another instance), or gone
+        pass
+
+
+def _try_lock(directory: Path) -> int | None:
+    """An fd holding an exclusive flock on `directory`/lock, or None if someone holds it
+    (or the directory vanished)."""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
+
+
+def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None = None,
+                        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES):
+    """This gateway's ledger with a spool: takes a fresh instance, takes over the
+    gone instances of the same database (:func:`take_over_gone_instances`).
+
+    Args:
+      spool_dir: the spool directory (None: ``$XLASERVE_DATA_DIR/ledger-spool``).
+      spool_max_bytes: the spool's bound (see ``ledger_spool.py``).
+
+    Returns:
+      (Ledger, GatewayInstance); release the instance after closing the ledger.
+
+    Raises:
+      OSError: the spool directory cannot be created or locked.
+      ValueError: `spool_max_bytes` below 1.
+    """
+    from serving.config.server_config import data_dir
+    from serving.gateway.accounts.ledger import Ledger
+
+    root = Path(spool_dir) if spool_dir is not None else data_dir() / "ledger-spool"
+    root = root / database_key(engine)
+    spool_max_bytes = int(spool_max_bytes)
+    if spool_max_bytes < 1:
+        raise ValueError(f"ledger_spool_max_bytes must be at least 1, got {spool_max_bytes}")
+    instance = GatewayInstance(root)
+    take_over_gone_instances(root, engine, instance.id)
+    spool = LedgerSpool(instance.directory, spool_max_bytes)
+    return Ledger(engine, spool=spool, instance=instance.id), instance
