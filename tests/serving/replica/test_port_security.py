@@ -226,3 +226,19 @@ def test_a_port_beyond_loopback_that_authenticates_no_caller_refuses_to_start(ce
     assert "--grpc-client-ca (mutual TLS) needs TLS" in capsys.readouterr().err
     assert cli.main(["engine", "--grpc-port", "0", "--grpc-token-file", str(certs.ca.parent / "missing")]) == 2
     assert "cannot read the engine token file" in capsys.readouterr().err
+
+
+def test_a_replica_calls_its_peers_with_its_own_certificate_and_ca_by_default(certs):
+    """``xlaserve engine``'s KV pulls: ``--grpc-ca-file`` defaults to ``--grpc-client-ca``, the client
+    certificate to the port's own, and the token is the port's."""
+    from serving.cli.engine_port import client_security
+
+    args = types.SimpleNamespace(grpc_ca_file=None, grpc_client_cert=None, grpc_client_key=None,
+                                 grpc_client_ca=str(certs.ca), grpc_tls_cert=str(certs.server_cert),
+                                 grpc_tls_key=str(certs.server_key), grpc_token_file=str(certs.token))
+    peer = client_security(args, peer=True)
+    assert peer.root_certificates == certs.ca.read_bytes()
+    assert peer.certificate_chain == certs.server_cert.read_bytes()
+    assert peer.private_key == certs.server_key.read_bytes() and peer.token == "s3cret-engine-token"
+    gateway = client_security(args)  # serve's: nothing borrowed from a port it does not have
+    assert gateway.root_certificates is None and gateway.certificate_chain is None
