@@ -3,8 +3,12 @@
 # never been built or run. Change the build args below for your accelerator.
 #
 # One image serves both roles (the entrypoint is `xlaserve`):
-#   gateway: docker run IMAGE serve --host 0.0.0.0 --engines grpc://engine-0:50051,grpc://engine-1:50051
-#   replica: docker run IMAGE engine --grpc-port 50051 --host 0.0.0.0 --model gemma-3-270m
+#   gateway: docker run IMAGE serve --host 0.0.0.0 --engines grpcs://engine-0:50051,grpcs://engine-1:50051 \
+#              --grpc-ca-file ca.pem --grpc-client-cert gateway.pem --grpc-client-key gateway.key --grpc-token-file token
+#   replica: docker run IMAGE engine --grpc-port 50051 --host 0.0.0.0 --model gemma-3-270m \
+#              --grpc-tls-cert engine.pem --grpc-tls-key engine.key --grpc-client-ca ca.pem --grpc-token-file token
+#     (an engine on 0.0.0.0 refuses to start with neither a token nor a client CA; see
+#     docs/operator/deployment.md for the files and docs/operator/replicas.md for the flags)
 #   both in one process (the default CMD): docker run -p 8000:8000 IMAGE
 #     (a non-loopback --host refuses to start until an API key exists, or with
 #     --allow-unauthenticated: `docker run -v DATA:/data IMAGE keys create --tenant NAME --rpm N`)

@@ -14,6 +14,10 @@ get OVERLOADED, open streams get ``drain_timeout`` seconds.
 
 The gateway side, ``serve --engines``, is ``serving.cli.serve``'s.
 
+Who may call the port (TLS, client certificates, a shared token; a port that
+authenticates no caller refuses a non-loopback ``--host`` unless
+``--insecure-engine-port``): ``serving.cli.engine_port``.
+
 Roles (``--role``, reported in ``GetModelInfo``): every replica is a whole
 engine with a KV connector (``serving.replica.kv_connector``), so any can compute a
 prompt for another to decode or decode a prompt another computed; the role
@@ -38,12 +42,12 @@ import signal
 
 from serving.cli.bootstrap import (
     _is_leader,
-    _is_loopback,
     build_engine,
     freeze_startup_heap,
     join_processes,
     run_follower,
 )
+from serving.cli.engine_port import add_port_flags, check_exposure, client_security, port_security
 from serving.cli.settings import _add_settings, _overrides
 
 log = logging.getLogger("xlaserve")
@@ -85,7 +89,8 @@ def register(sub) -> None:
                         "(the gateway's router pairs them: serving/cli/engine.py)")
     engine.add_argument("--kv-transport", default="auto", choices=("auto", "jax", "grpc"),
                         help="how KV pages move between replicas: jax (jax.experimental.transfer), grpc "
-                        "(host staging over the engine service); auto (default): jax where it imports")
+                        "(host staging over the engine service); auto (default): jax where it imports, "
+                        "grpc when the port has TLS or a token (jax's transfer port has neither)")
     engine.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                         help="seconds a prefill replica keeps a prompt's pages for a decode replica to "
                         "pull before it frees them (default 30)")
@@ -99,6 +104,7 @@ def register(sub) -> None:
     engine.add_argument("--served-model-name", help="the model id the gateway serves it as")
     engine.add_argument("--stream-buffer-events", type=int, default=None,
                         help="events a stream may fall behind before the request is cancelled (default 1024)")
+    add_port_flags(engine)
     engine.set_defaults(func=cmd_engine)
 
 
@@ -111,6 +117,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {args.role!r}")
     labels = parse_labels(args.labels)
+    security = port_security(args)  # before the engine: a refused start is quick
+    check_exposure(args.host, security, args.insecure_engine_port)
+    peers = client_security(args, peer=True)
     cfg = load_server_config(args.config, **overrides)
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves gRPC
         return run_follower(cfg)
@@ -122,7 +131,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
         from serving.replica.kv_connector import KvConnector
         from serving.replica.kv_transport import Transport, resolve
 
-        transport = Transport(resolve(args.kv_transport), args.host)
+        kind = args.kv_transport
+        if kind == "auto" and (security.tls or security.token is not None):
+            kind = "grpc"  # the pages go through the secured engine port
+        elif kind == "jax" and (security.tls or security.token is not None):
+            log.warning("--kv-transport jax: KV pages move over jax's transfer port, which has neither the "
+                        "engine port's TLS nor its token")
+        transport = Transport(resolve(kind), args.host, security=peers)
         loop.connector = KvConnector(loop.engine, loop.kv, transport, timeout_s=args.kv_transfer_timeout,
                                      chunk_pages=args.kv_chunk_pages, wake=loop.wake)
     elif args.role != "both":
@@ -133,15 +148,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         service = EngineService(loop, info)
-        server, port = await start_server(service, args.host, args.grpc_port)
-        log.info("engine replica of %s serving gRPC on %s:%d, role %s%s", info.model, args.host, port, args.role,
+        server, port = await start_server(service, args.host, args.grpc_port, security)
+        log.info("engine replica of %s serving gRPC on %s:%d (%s), role %s%s", info.model, args.host, port,
+                 security.describe(), args.role,
                  f", KV transport {info.kv_transport} (--kv-transport {args.kv_transport})"
                  if info.kv_transport else "")
         if labels:
             log.info("labels: %s", ", ".join(f"{k}={v}" for k, v in labels.items()))
-        if not _is_loopback(args.host):
-            log.warning("the engine service has no authentication: keep %s:%d on a private network",
-                        args.host, port)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

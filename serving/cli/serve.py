@@ -5,6 +5,10 @@ remote engine replicas (``--engines``: the router :func:`build_router` builds).
     xlaserve serve --model tiny-random --port 8100
     xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
 
+``serve --engines grpcs://...`` reaches replicas over TLS; ``--grpc-ca-file``,
+``--grpc-client-cert/--grpc-client-key`` and ``--grpc-token-file`` say what it trusts,
+presents and sends (``serving.cli.engine_port``).
+
 ``serve --engines`` loads no weights: it asks each replica for its model,
 limits, tokenizer and chat template (``GetModelInfo``), waits until one
 answers, checks the others serve the same model, tokenizer and page size when
@@ -25,6 +29,7 @@ from serving.cli.bootstrap import (
     join_processes,
     run_follower,
 )
+from serving.cli.engine_port import add_client_flags, check_engine_urls, client_security
 from serving.cli.settings import _add_settings, _overrides
 from serving.gateway.http.log_context import RequestIdLogFilter
 
@@ -87,7 +92,7 @@ def register(sub) -> None:
                        "is cancelled (default 30)")
     serve.add_argument("--engines", metavar="grpc://HOST:PORT,...",
                        help="serve remote engine replicas (`xlaserve engine`) instead of loading a model: "
-                       "the model, tokenizer and chat template come from them")
+                       "the model, tokenizer and chat template come from them; grpcs://HOST:PORT for TLS")
     serve.add_argument("--router", default="kv-aware", choices=("kv-aware", "least-load", "round-robin"),
                        help="with --engines: how a replica is chosen (default kv-aware: where the prompt's "
                        "pages are cached, against load, with an imbalance guard)")
@@ -106,6 +111,7 @@ def register(sub) -> None:
     serve.add_argument("--router-overload-per-slot", type=float, default=2.0,
                        help="with --region: a replica holding this many requests per slot (running + "
                        "waiting) counts as overloaded (default 2.0)")
+    add_client_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -179,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine, tokenizer, name, _ = build_router(
                 args.engines, args.router, prefill_weight=args.router_prefill_weight,
                 balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel,
-                region=args.region, overload_per_slot=args.router_overload_per_slot)
+                region=args.region, overload_per_slot=args.router_overload_per_slot,
+                security=client_security(args))
         else:
             loop, tokenizer, name = build_engine(cfg)
             engine = loop
@@ -231,41 +238,55 @@ def _prefix_cache_groups(values: list[str]) -> dict[str, list[str]]:
 
 def build_router(engine_urls: str, policy: str, prefill_weight: float = 2.0, balance_abs: int = 16,
                  balance_rel: float = 1.5, wait_log_s: float = 10.0, region: str | None = None,
-                 overload_per_slot: float = 2.0):
-    """The router over ``engine_urls`` (comma-separated ``grpc://host:port``), once one answers
-    (``region``: the gateway's own, preferred; see :class:`serving.routing.router.Router`).
+                 overload_per_slot: float = 2.0, security=None):
+    """The router over ``engine_urls`` (comma-separated ``grpc://host:port`` or ``grpcs://host:port``),
+    once one answers.
+
+    Args:
+      region: the gateway's own, preferred (see :class:`serving.routing.router.Router`).
+      security: how the replicas are called (``serving.rpc.channel_security.ClientSecurity``:
+        CA, client certificate, token; default: none).
 
     Returns:
       (router, tokenizer, model name, the first replica's ModelInfo).
 
     Raises:
-      ValueError: a malformed URL, an unknown policy, replicas that disagree.
+      ValueError: a malformed URL, an unknown policy, replicas that disagree; a replica that
+        refused the token (UNAUTHENTICATED: a wrong or missing --grpc-token-file).
     """
     import grpc
 
     from model.tokenizer_files import tokenizer_from_files
     from serving.routing import disaggregation
     from serving.routing.router import Router
+    from serving.rpc.channel_security import PLAIN
     from serving.rpc.remote_engine import RemoteEngine, fetch_model_info, parse_engine_url
 
+    security = security or PLAIN
     urls = [u.strip() for u in engine_urls.split(",") if u.strip()]
     if not urls:
         raise ValueError("--engines needs at least one grpc://host:port")
     for u in urls:
         parse_engine_url(u)
+    check_engine_urls(urls, security)
     infos: dict[str, object] = {}
     last_log = time.monotonic()
     while not infos:
         for u in urls:
             try:
-                infos[u] = fetch_model_info(u, timeout=2.0)
+                infos[u] = fetch_model_info(u, timeout=2.0, security=security)
             except grpc.RpcError as e:
+                code = getattr(e, "code", lambda: None)()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise ValueError(f"engine replica {u} refused this gateway: {e.details()} "
+                                     f"(--grpc-token-file must hold the replicas' token)") from None
                 if time.monotonic() - last_log > wait_log_s:
-                    log.info("waiting for engine replica %s (%s)", u, getattr(e, "code", lambda: e)())
+                    log.info("waiting for engine replica %s (%s: %s)", u, code or e,
+                             getattr(e, "details", lambda: "")())
         if time.monotonic() - last_log > wait_log_s:
             last_log = time.monotonic()
     first = next(iter(infos.values()))
-    replicas = [RemoteEngine(u, infos.get(u), expected=first) for u in urls]
+    replicas = [RemoteEngine(u, infos.get(u), expected=first, security=security) for u in urls]
     router = Router(replicas, policy=policy, prefill_weight=prefill_weight, balance_abs=balance_abs,
                     balance_rel=balance_rel, region=region, overload_per_slot=overload_per_slot)
     tokenizer = tokenizer_from_files(dict(first.tokenizer_files))

@@ -20,6 +20,9 @@ Implements ``serving/rpc/engine.proto`` over an
   an offer, as host bytes (the ``grpc`` transport), and the decode side's word
   that it has them (the pages are freed at the loop's next turn).
 
+Who may call it: :class:`~serving.replica.port_security.PortSecurity` (TLS, client
+certificates, the shared token checked on every call).
+
 Server settings: keepalive pings from clients every 10 s are allowed (the
 gateway sends them to notice a dead peer); messages up to 64 MiB (the
 tokenizer files).
@@ -35,6 +38,7 @@ from typing import Any
 import grpc
 
 from serving.contract.engine_client import EngineOverloadedError, RequestRejectedError
+from serving.replica.port_security import PortSecurity
 from serving.rpc import convert
 from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
@@ -146,8 +150,13 @@ def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",
         kv_transport=kv_transport, labels=labels or {})
 
 
-async def start_server(service: EngineService, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_server(service: EngineService, host: str, port: int,
+                       security: PortSecurity | None = None) -> tuple[grpc.aio.Server, int]:
     """Starts serving ``service`` on ``host:port`` (0: a free port) on the running event loop.
+
+    Args:
+      security: TLS, client certificates and token (default: plain text, anyone may call;
+        ``xlaserve engine`` refuses that beyond loopback unless told otherwise).
 
     Returns:
       (the server, the port bound).
@@ -155,9 +164,13 @@ async def start_server(service: EngineService, host: str, port: int) -> tuple[gr
     Raises:
       RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    security = security or PortSecurity()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
     pb_grpc.add_EngineServiceServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.tls:
+        bound = server.add_secure_port(f"{host}:{port}", security.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise RuntimeError(f"could not bind the engine service to {host}:{port}")
     await server.start()

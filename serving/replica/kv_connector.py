@@ -48,7 +48,7 @@ import numpy as np
 from serving.contract.engine_client import KvTransferParams
 from serving.core.kv.kv_cache_manager import KVCacheManager, prompt_page_hashes
 from serving.engine.kv_pages import chunks
-from serving.replica.kv_transport import KvTransferError, Transport, new_transfer_id, source_stub
+from serving.replica.kv_transport import KvTransferError, Transport, new_transfer_id
 from serving.rpc import engine_pb2 as pb
 
 log = logging.getLogger("xlaserve.kv_connector")
@@ -235,7 +235,8 @@ class KvConnector:
     def _pull(self, rid: str, params: KvTransferParams, first: int, wanted: list[int]) -> None:
         def alive() -> bool:
             try:
-                return source_stub(params.source_url).Health(pb.HealthRequest(), timeout=2.0) is not None
+                return self.transport.source_stub(params.source_url).Health(pb.HealthRequest(),
+                                                                            timeout=2.0) is not None
             except Exception:  # noqa: BLE001 (any failure to answer is death here)
                 return False
 
@@ -251,13 +252,12 @@ class KvConnector:
             self._done.put((rid, first, wanted, got))
         self.wake()
 
-    @staticmethod
-    def _release_remote(params: KvTransferParams, wait: bool = False) -> None:
+    def _release_remote(self, params: KvTransferParams, wait: bool = False) -> None:
         """Tells the prefill side its offer is done with (in a thread unless ``wait``: never
         on the loop thread)."""
         def release() -> None:
             try:
-                source_stub(params.source_url).ReleaseKv(
+                self.transport.source_stub(params.source_url).ReleaseKv(
                     pb.ReleaseKvRequest(transfer_id=params.transfer_id), timeout=5.0)
             except Exception as e:  # noqa: BLE001 (it frees them at its timeout instead)
                 log.info("could not release KV transfer %s at %s: %s", params.transfer_id, params.source_url, e)

@@ -16,6 +16,12 @@ Two transports behind one interface, picked per replica (``--kv-transport``):
 A chunk is ``(k, v)``, each ``[layers, kv_heads, chunk_pages, page_size,
 head_dim]`` in the KV storage dtype (``serving.engine.kv_pages``).
 
+The decode side calls the prefill replica's engine service (``PullKv``, ``Health``,
+``ReleaseKv``) at the URL the gateway knows it by, with the transport's
+:class:`~serving.rpc.channel_security.ClientSecurity`: TLS for ``grpcs://``, its client
+certificate and the shared token, as the gateway calls it. (``jax``'s own transfer
+connection is not encrypted or authenticated by xlaserve: see docs/operator/disaggregation.md.)
+
 A pull that cannot finish must not hang the decode side: ``jax``'s pull of an
 offer that is gone (expired, or its process died) blocks until the connection
 closes, so pulls run in worker threads that give up at the offer's
@@ -39,6 +45,7 @@ import numpy as np
 from serving.contract.engine_client import KvTransferParams
 from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
+from serving.rpc.channel_security import PLAIN, ClientSecurity, open_channel
 
 log = logging.getLogger("xlaserve.kv_transport")
 
@@ -104,12 +111,15 @@ class Transport:
     Args:
       kind: "jax" or "grpc" (:func:`resolve` first).
       host: the address the ``jax`` transfer server binds (the engine service's host).
+      security: how the decode side calls a prefill replica's engine service (TLS material,
+        client certificate, token; default: none).
     """
 
-    def __init__(self, kind: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, kind: str, host: str = "127.0.0.1", security: ClientSecurity = PLAIN) -> None:
         if kind not in ("jax", "grpc"):
             raise ValueError(f"a transport is jax or grpc, got {kind!r}")
         self.kind = kind
+        self.security = security
         self.offers = _Offers()  # grpc: served by PullKv; jax: kept alive until released
         self._server = None
         self._connections: dict[str, object] = {}
@@ -157,7 +167,7 @@ class Transport:
             raise KvTransferError(f"the prefill replica offers pages over {params.transport!r}, "
                                   f"this replica pulls over {self.kind!r}")
         if self.kind == "grpc":
-            return _pull_grpc(params, chunk_ids, deadline)
+            return _pull_grpc(self.source_stub(params.source_url), params, chunk_ids, deadline)
         return self._pull_jax(params, chunk_ids, deadline, alive)
 
     def _pull_jax(self, params: KvTransferParams, chunk_ids: Sequence[int], deadline: float,
@@ -194,6 +204,11 @@ class Transport:
         finally:
             pool.shutdown(wait=False)  # a pull blocked on a dead peer is left behind (daemon-like)
 
+    def source_stub(self, url: str) -> pb_grpc.EngineServiceStub:
+        """A (shared, thread-safe) stub of the source replica's engine service, called with this
+        transport's security."""
+        return source_stub(url, self.security)
+
 
 def _uuid(transfer_id: str, chunk: int) -> int:
     """The ``jax`` uuid of one chunk of an offer: the id's 48 bits, then 16 bits of chunk index."""
@@ -210,27 +225,29 @@ def _chunk_shape(params: KvTransferParams) -> tuple[int, ...]:
     return (L, H, params.chunk_pages, ps, D)
 
 
-_channels: dict[str, grpc.Channel] = {}
+_channels: dict[tuple[str, ClientSecurity], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
-def source_stub(url: str) -> pb_grpc.EngineServiceStub:
-    """A (shared, thread-safe) stub of the source replica's engine service."""
-    from serving.rpc.remote_engine import CHANNEL_OPTIONS, parse_engine_url
+def source_stub(url: str, security: ClientSecurity = PLAIN) -> pb_grpc.EngineServiceStub:
+    """A (shared, thread-safe) stub of the source replica's engine service (``grpc://`` or
+    ``grpcs://``), every call carrying ``security``'s token."""
+    from serving.rpc.remote_engine import CHANNEL_OPTIONS
 
     with _channels_lock:
-        ch = _channels.get(url)
+        ch = _channels.get((url, security))
         if ch is None:
-            ch = _channels[url] = grpc.insecure_channel(
-                parse_engine_url(url), options=CHANNEL_OPTIONS + [("grpc.max_send_message_length", 64 << 20)])
+            ch = _channels[(url, security)] = open_channel(
+                url, security, CHANNEL_OPTIONS + [("grpc.max_send_message_length", 64 << 20)])
     return pb_grpc.EngineServiceStub(ch)
 
 
-def _pull_grpc(params: KvTransferParams, chunk_ids: Sequence[int], deadline: float) -> list[Chunk]:
+def _pull_grpc(stub: pb_grpc.EngineServiceStub, params: KvTransferParams, chunk_ids: Sequence[int],
+               deadline: float) -> list[Chunk]:
     shape, dtype = _chunk_shape(params), np.dtype(params.dtype)
     size = int(np.prod(shape)) * dtype.itemsize
     try:
-        stream = source_stub(params.source_url).PullKv(
+        stream = stub.PullKv(
             pb.PullKvRequest(transfer_id=params.transfer_id, chunks=list(chunk_ids)),
             timeout=max(0.1, deadline - time.time()))
         out = []

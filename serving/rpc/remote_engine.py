@@ -20,6 +20,9 @@ connection reset ends its streams at once. A request whose stream fails before
 any event raises :class:`ReplicaUnavailable` instead, so the router can send it
 to another replica.
 
+Its channel is plain text for ``grpc://``, TLS for ``grpcs://``, and every call carries the
+shared engine token when one is given (``serving.rpc.channel_security``).
+
 No JAX here: the gateway uses this module.
 """
 
@@ -41,6 +44,8 @@ from serving.contract.engine_client import (
 from serving.rpc import convert
 from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
+from serving.rpc.channel_security import PLAIN, ClientSecurity, open_aio_channel, open_channel
+from serving.rpc.channel_security import parse_engine_url as parse_engine_url  # re-exported
 
 log = logging.getLogger("xlaserve.remote")
 
@@ -63,29 +68,16 @@ class ReplicaUnavailable(RuntimeError):
     """The replica could not take a request (its stream failed before any event)."""
 
 
-def parse_engine_url(url: str) -> str:
-    """``grpc://host:port`` (or ``host:port``) as the gRPC target ``host:port``.
-
-    Raises:
-      ValueError: another scheme, or no port.
-    """
-    target = url.removeprefix("grpc://")
-    if "://" in target:
-        raise ValueError(f"engine URL {url!r}: only grpc://host:port is supported")
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"engine URL {url!r} must be grpc://host:port")
-    return target
-
-
-def fetch_model_info(url: str, timeout: float = 10.0) -> pb.ModelInfo:
-    """``GetModelInfo`` of the replica at ``url``, over a short-lived blocking channel.
+def fetch_model_info(url: str, timeout: float = 10.0, security: ClientSecurity = PLAIN) -> pb.ModelInfo:
+    """``GetModelInfo`` of the replica at ``url``, over a short-lived blocking channel
+    (``serving.rpc.channel_security``: TLS for ``grpcs://``, the token if ``security`` has one).
 
     Raises:
       ValueError: a malformed URL.
-      grpc.RpcError: the replica did not answer within ``timeout`` seconds.
+      grpc.RpcError: the replica did not answer within ``timeout`` seconds; UNAUTHENTICATED:
+        it refused the token (or its absence).
     """
-    with grpc.insecure_channel(parse_engine_url(url), options=CHANNEL_OPTIONS) as channel:
+    with open_channel(url, security, CHANNEL_OPTIONS) as channel:
         return pb_grpc.EngineServiceStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=timeout,
                                                                wait_for_ready=True)
 
@@ -159,12 +151,14 @@ class RemoteEngine:
     """An engine replica behind gRPC: one channel, its load, its cached pages.
 
     Args:
-      url: ``grpc://host:port``.
+      url: ``grpc://host:port``, or ``grpcs://host:port`` for TLS.
       info: its ``GetModelInfo`` answer (:func:`fetch_model_info`), or None
         when it has not answered yet: it is then asked before it is taken in.
       probe_interval: seconds between load or health probes.
       expected: the model info every replica of the router must match
         (:func:`info_mismatch`); default: ``info``.
+      security: the TLS material and token it is called with
+        (``serving.rpc.channel_security``; default: none).
 
     Attributes:
       url: as given.
@@ -177,11 +171,13 @@ class RemoteEngine:
     """
 
     def __init__(self, url: str, info: pb.ModelInfo | None, probe_interval: float = 0.5,
-                 expected: pb.ModelInfo | None = None) -> None:
+                 expected: pb.ModelInfo | None = None, security: ClientSecurity = PLAIN) -> None:
         if info is None and expected is None:
             raise ValueError("a replica that has not answered needs the expected model info")
         self.url = url
         self.target = parse_engine_url(url)
+        self.security = security
+        self._metadata = security.metadata  # on every call: the replica may check a token
         self.expected = expected or info
         self.info = info or self.expected  # the expected one until it answers
         self._verified = info is not None
@@ -226,7 +222,7 @@ class RemoteEngine:
 
     async def open(self) -> None:
         """Opens the channel (on the running event loop) and starts the probe and KV follower."""
-        self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = open_aio_channel(self.url, self.security, CHANNEL_OPTIONS)
         self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._up_event = asyncio.Event()
         self._tasks = [asyncio.create_task(self._probe(), name=f"probe {self.url}"),
@@ -269,7 +265,8 @@ class RemoteEngine:
     async def _verify(self) -> bool:
         """Whether the replica serves the expected model (asks it once, when it first answers)."""
         if not self._verified:
-            info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+            info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=RPC_TIMEOUT_S,
+                                                  metadata=self._metadata)
             why = info_mismatch(info, self.expected)
             if why is not None:
                 if why != self._refused:
@@ -282,7 +279,7 @@ class RemoteEngine:
     async def _follow_kv(self) -> None:
         while True:
             await self._up_event.wait()
-            self._kv_call = call = self._stub.SubscribeKvEvents(pb.KvEventsRequest())
+            self._kv_call = call = self._stub.SubscribeKvEvents(pb.KvEventsRequest(), metadata=self._metadata)
             try:
                 async for batch in call:
                     if batch.snapshot:
@@ -313,7 +310,7 @@ class RemoteEngine:
           EngineOverloadedError, RequestRejectedError: the replica did not admit it.
         """
         rid = request.request_id
-        call = self._stub.Generate(convert.request_to_proto(request))
+        call = self._stub.Generate(convert.request_to_proto(request), metadata=self._metadata)
         received = False
         try:
             async for m in call:
@@ -346,7 +343,8 @@ class RemoteEngine:
     async def abort(self, request_id: str) -> None:
         """Asks the replica to end the request (errors are logged: a broken replica ends it anyway)."""
         try:
-            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S,
+                                   metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             log.warning("Abort(%s) on %s failed: %s", request_id, self.url, e.code().name)
 
@@ -354,12 +352,14 @@ class RemoteEngine:
         """Tells a prefill replica an offer will not be pulled (errors are logged: it frees the
         pages at its timeout anyway)."""
         try:
-            await self._stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=transfer_id), timeout=RPC_TIMEOUT_S)
+            await self._stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=transfer_id), timeout=RPC_TIMEOUT_S,
+                                       metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             log.warning("ReleaseKv(%s) on %s failed: %s", transfer_id, self.url, e.code().name)
 
     async def health(self) -> pb.HealthResponse:
-        return await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
+        return await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S, metadata=self._metadata)
 
     async def get_load(self) -> EngineStats:
-        return convert.load_from_proto(await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S))
+        return convert.load_from_proto(await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S,
+                                                                metadata=self._metadata))

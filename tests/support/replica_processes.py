@@ -15,6 +15,7 @@ import pytest
 
 from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
+from serving.rpc.channel_security import PLAIN, ClientSecurity, open_channel
 from serving.rpc.remote_engine import CHANNEL_OPTIONS
 from tests.support.server_process import free_port
 
@@ -27,19 +28,22 @@ ENGINE_ARGS = ["--model", "tiny-random", "--max-model-len", "2048", "--max-slots
 STARTUP_TIMEOUT_S = 240
 
 
-def start_engine(log_path: Path, args: list[str] = ENGINE_ARGS) -> tuple[subprocess.Popen, str]:
-    """An ``xlaserve engine`` process (``wait_healthy`` waits for it to answer ready)."""
+def start_engine(log_path: Path, args: list[str] = ENGINE_ARGS, scheme: str = "grpc") -> tuple[subprocess.Popen, str]:
+    """An ``xlaserve engine`` process (``wait_healthy`` waits for it to answer ready); ``scheme``
+    grpcs for one whose ``args`` give it TLS."""
     port = free_port()
     log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "engine",
                              *args, "--grpc-port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"grpc://127.0.0.1:{port}"
+    return proc, f"{scheme}://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, security: ClientSecurity = PLAIN,
+                 timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Waits until the replica answers ``Health`` ready (called with ``security``: TLS material, token)."""
+    deadline = time.monotonic() + timeout_s
     # The client's own reconnect backoff (at most 2 s), not gRPC's default (up to 120 s).
-    with grpc.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS) as ch:
+    with open_channel(url, security, CHANNEL_OPTIONS) as ch:
         stub = pb_grpc.EngineServiceStub(ch)
         while True:
             try:

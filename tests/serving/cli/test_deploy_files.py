@@ -166,7 +166,7 @@ def test_gateway_targets_exist():
     engines = gateway[gateway.index("--engines") + 1].split(",")
     assert len(engines) >= 2
     for url in engines:
-        m = re.fullmatch(r"grpc://([a-z0-9-]+)-(\d+)\.([a-z0-9-]+):(\d+)", url)
+        m = re.fullmatch(r"grpcs://([a-z0-9-]+)-(\d+)\.([a-z0-9-]+):(\d+)", url)
         assert m, url
         name, ordinal, service, port = m[1], int(m[2]), m[3], int(m[4])
         sts = sets[name]
@@ -191,3 +191,50 @@ def test_dockerfile_copies_what_exists_and_runs_as_a_user():
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", ".xlaserve-test-data"} <= ignored
     assert not {"README.md", "pyproject.toml", "serving", "configs"} & ignored
+
+
+PORT_FLAGS = ("--grpc-tls-cert", "--grpc-tls-key", "--grpc-client-ca", "--grpc-token-file")
+GATEWAY_FLAGS = ("--grpc-ca-file", "--grpc-client-cert", "--grpc-client-key", "--grpc-token-file")
+
+
+def _mounted_files(container: dict, volumes: dict[str, dict]) -> dict[str, str]:
+    """{mount path: the Secret mounted there} of a container's Secret volumes."""
+    return {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"]
+            for m in container.get("volumeMounts") or () if "secret" in volumes.get(m["name"], {})}
+
+
+def _pod_specs(node):
+    if isinstance(node, dict):
+        if "containers" in node:
+            yield node
+        for value in node.values():
+            yield from _pod_specs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _pod_specs(item)
+
+
+def test_engine_ports_are_secured_and_their_files_mounted():
+    """Every engine in the manifests serves TLS with a client CA and a token, the gateway calls
+    them over grpcs:// with its certificate and the token, and each file a flag names lies in a
+    mounted Secret (docs/operator/replicas.md#securing-the-engine-port)."""
+    seen = set()
+    for path in MANIFESTS:
+        for doc in documents(path):
+            for pod in _pod_specs(doc.get("spec")):
+                volumes = {v["name"]: v for v in pod.get("volumes") or ()}
+                for c in pod["containers"]:
+                    args = [str(a) for a in c.get("args") or ()]
+                    if not args or args[0] not in ("engine", "serve"):
+                        continue
+                    flags = PORT_FLAGS if args[0] == "engine" else GATEWAY_FLAGS
+                    mounts = _mounted_files(c, volumes)
+                    for flag in flags:
+                        assert flag in args, f"{path.name} {c['name']}: no {flag}"
+                        file = args[args.index(flag) + 1]
+                        assert any(file.startswith(m.rstrip("/") + "/") for m in mounts), \
+                            f"{path.name} {c['name']}: {flag} {file} is in no mounted Secret"
+                    if args[0] == "serve":
+                        assert all(u.startswith("grpcs://") for u in args[args.index("--engines") + 1].split(","))
+                    seen.add(args[0])
+    assert seen == {"engine", "serve"}
