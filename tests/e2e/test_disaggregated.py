@@ -1,12 +1,18 @@
 """Disaggregated serving with real processes on loopback: ``xlaserve engine --role prefill`` and
 ``--role decode`` replicas, the gateway's router over them (``serving.routing.disaggregation``),
-the KV pages moving by ``jax.experimental.transfer`` between the two processes.
+the KV pages moving between the two processes.
 
 Gemma 3 270M (float32, test_server_e2e's engine settings: its compiled programs) through a
-prefill and a decode replica gives the golden greedy continuations; tiny-random (bfloat16,
-seeded sampling) through the two hops equals one co-located replica; an offer nobody pulls is
-freed at ``--kv-transfer-timeout``; a prefill replica killed mid-transfer fails that request on
-the decode side, which frees its pages and keeps serving (last: it kills the replica)."""
+prefill and a decode replica whose ports are secured (TLS, client certificates signed by the
+test CA, a shared token; the gateway calls them over ``grpcs://``, and with TLS the decode
+replica pulls the pages through the prefill replica's secured port, ``--kv-transport auto``
+picking grpc) gives the golden greedy continuations; a call to that port without the token ends
+UNAUTHENTICATED, one with a stranger's certificate fails its TLS handshake (UNAVAILABLE), and a
+gateway given the wrong token refuses to start. tiny-random (bfloat16, seeded sampling, plain
+text, ``jax.experimental.transfer``) through the two hops equals one co-located replica; an offer
+nobody pulls is freed at ``--kv-transfer-timeout``; a prefill replica killed mid-transfer fails
+that request on the decode side, which frees its pages and keeps serving (last: it kills the
+replica). Certificates: ``tests/support/engine_port_certs.py`` (trustme)."""
 
 from __future__ import annotations
 
@@ -18,10 +24,13 @@ import grpc
 import openai
 import pytest
 
+from serving.cli import main as cli
 from serving.rpc import engine_pb2 as pb
 from serving.rpc import engine_pb2_grpc as pb_grpc
+from serving.rpc.channel_security import PLAIN, ClientSecurity, open_channel
 from serving.rpc.remote_engine import CHANNEL_OPTIONS
 from tests.support.engine_helpers import agree_until_near_tie
+from tests.support.engine_port_certs import make_port_files
 from tests.support.replica_processes import ENGINE_ARGS, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
 
@@ -30,14 +39,16 @@ PAGE_SIZE = 16  # the default
 CHUNK_PAGES = 16  # --kv-chunk-pages' default
 
 
-def start_pair(tmp, args: list[str], prefill_extra: list[str] = ()) -> dict[str, tuple]:
-    """A prefill and a decode replica (one after the other: the second loads what the first compiled)."""
+def start_pair(tmp, args: list[str], prefill_extra: list[str] = (), scheme: str = "grpc",
+               security: ClientSecurity = PLAIN) -> dict[str, tuple]:
+    """A prefill and a decode replica (one after the other: the second loads what the first
+    compiled); ``scheme`` grpcs and ``security`` the client's side when ``args`` secure the port."""
     out = {}
     for role, extra in (("prefill", list(prefill_extra)), ("decode", [])):
         log = tmp / f"{role}.log"
-        proc, url = start_engine(log, [*args, "--role", role, *extra])
+        proc, url = start_engine(log, [*args, "--role", role, *extra], scheme=scheme)
         out[role] = (proc, url)
-        wait_healthy(proc, url, log)
+        wait_healthy(proc, url, log, security)
     return out
 
 
@@ -48,24 +59,31 @@ def stop(procs: dict[str, tuple]) -> None:
             proc.wait()
 
 
-# -- Gemma: golden continuations through the router ----------------------------------------
+# -- Gemma: golden continuations through the router, over secured ports ----------------------
 
 
 @pytest.fixture(scope="module")
 def gemma_pd(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gemma_pd")
+    certs = make_port_files(tmp)
+    port_flags = ["--grpc-tls-cert", certs.server_cert, "--grpc-tls-key", certs.server_key,
+                  "--grpc-client-ca", certs.ca, "--grpc-token-file", certs.token]
+    security = ClientSecurity.from_files(certs.ca, certs.client_cert, certs.client_key, certs.token)
     procs = {}
     try:
-        procs.update(start_pair(tmp, GEMMA_ARGS))
+        procs.update(start_pair(tmp, [*GEMMA_ARGS, *map(str, port_flags)], scheme="grpcs", security=security))
         engines = ",".join(url for _, url in procs.values())
-        with serve_process(["--engines", engines], tmp / "gateway.log") as (_, gateway, _):
-            yield gateway, {role: url for role, (_, url) in procs.items()}
+        gateway_flags = ["--engines", engines, "--grpc-ca-file", certs.ca, "--grpc-client-cert", certs.client_cert,
+                         "--grpc-client-key", certs.client_key, "--grpc-token-file", certs.token]
+        with serve_process(list(map(str, gateway_flags)), tmp / "gateway.log") as (_, gateway, _):
+            yield gateway, {role: url for role, (_, url) in procs.items()}, certs, tmp
     finally:
         stop(procs)
 
 
 def test_gemma_golden_through_a_prefill_and_a_decode_replica(gemma_pd, golden):
-    gateway, urls = gemma_pd
+    gateway, urls, _, _ = gemma_pd
+    assert all(url.startswith("grpcs://") for url in urls.values())
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     page_bytes = 2 * 18 * 1 * PAGE_SIZE * 256 * 4  # K and V of 18 layers, 1 KV head, head_dim 256, float32
@@ -84,6 +102,36 @@ def test_gemma_golden_through_a_prefill_and_a_decode_replica(gemma_pd, golden):
         moved += t["kv_transfer_bytes"]
     assert moved > 0, "the long prompt's 44 full pages moved"
     client.close()
+
+
+def health(url: str, security: ClientSecurity) -> grpc.RpcError | pb.HealthResponse:
+    with open_channel(url, security) as ch:
+        try:
+            return pb_grpc.EngineServiceStub(ch).Health(pb.HealthRequest(), timeout=10)
+        except grpc.RpcError as e:
+            return e
+
+
+def test_a_secured_replica_refuses_a_missing_token_and_a_strangers_certificate(gemma_pd):
+    _, urls, c, _ = gemma_pd
+    url = urls["prefill"]
+    assert health(url, ClientSecurity.from_files(c.ca, c.client_cert, c.client_key, c.token)).ready
+    for token in (None, c.wrong_token):
+        e = health(url, ClientSecurity.from_files(c.ca, c.client_cert, c.client_key, token))
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in e.details(), token
+    for cert, key in ((None, None), (c.stranger_cert, c.stranger_key)):
+        e = health(url, ClientSecurity.from_files(c.ca, cert, key, c.token))
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, cert  # the TLS handshake fails: no call is made
+
+
+def test_a_gateway_with_the_wrong_token_refuses_to_start(gemma_pd, capsys):
+    _, urls, c, tmp = gemma_pd
+    argv = ["serve", "--engines", urls["prefill"], "--grpc-ca-file", c.ca, "--grpc-client-cert", c.client_cert,
+            "--grpc-client-key", c.client_key, "--grpc-token-file", c.wrong_token,
+            "--database-url", f"sqlite:///{tmp / 'refused.db'}"]
+    assert cli.main(list(map(str, argv))) == 2
+    err = capsys.readouterr().err
+    assert f"engine replica {urls['prefill']} refused this gateway" in err and "--grpc-token-file" in err, err
 
 
 # -- tiny-random: equality, the timeout, a prefill replica killed mid-transfer ------------------
