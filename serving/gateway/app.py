@@ -353,6 +353,7 @@ def _trace_body(row: dict) -> dict:
         "tenant": row["tenant"],
         "key_id": row["key_id"],
         "priority": row["priority"],
+        "service_tier": row.get("service_tier"),
         "stream": bool(row["stream"]),
         "status": row["status"],
         "finish_reason": row["finish_reason"],

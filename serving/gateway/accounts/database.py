@@ -9,13 +9,15 @@ several gateways sharing one ledger). Nothing here imports JAX.
 Tables::
 
     tenants   name* | rpm | tpm | max_concurrent | models (JSON list or NULL = all) | created_at
+              | service_tiers (JSON list or NULL = all)
     api_keys  key_id* | tenant | name | key_hash (sha256, unique) | key_prefix | is_admin
               | rpm | tpm | max_concurrent | created_at | revoked_at
+              | service_tiers (JSON list or NULL = all)
     requests  request_id* | x_request_id | tenant | key_id | model | priority | stream
               | status | finish_reason | error | created_at | day | first_token_at
               | finished_at | prompt_tokens | cached_tokens | completion_tokens
               | reasoning_tokens | tool_calls | queue_time_s | ttft_s | itl_mean_s
-              | itl_max_s | e2e_s | cost_usd | trace (JSON)
+              | itl_max_s | e2e_s | cost_usd | trace (JSON) | service_tier
     files     file_id* | tenant | purpose | filename | bytes | created_at | content (bytes)
     batches   batch_id* | tenant | key_id | endpoint | input_file_id | output_file_id
               | error_file_id | status | completion_window | metadata (JSON) | errors (JSON)
@@ -36,6 +38,11 @@ batches (``files.py``, ``batches.py``, ``batch_runner.py``) live here too, so
 several gateways sharing one PostgreSQL see the same ones; a batch line's
 ``attempt_id`` is the X-Request-ID of its ledger row. Stored responses
 (``response_store.py``) hold what ``previous_response_id`` continues.
+
+There are no migrations: :func:`open_database` creates missing tables, and adds
+to an existing table the nullable columns it lacks (:data:`ADDED_COLUMNS`:
+columns added after the table was first shipped), so a database file from an
+older version keeps working.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ tenants = sa.Table(
     sa.Column("max_concurrent", sa.Integer, nullable=True),
     sa.Column("models", sa.Text, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("service_tiers", sa.Text, nullable=True),
 )
 
 api_keys = sa.Table(
@@ -71,6 +79,7 @@ api_keys = sa.Table(
     sa.Column("max_concurrent", sa.Integer, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float, nullable=True),
+    sa.Column("service_tiers", sa.Text, nullable=True),
 )
 
 requests = sa.Table(
@@ -101,6 +110,7 @@ requests = sa.Table(
     sa.Column("e2e_s", sa.Float, nullable=True),
     sa.Column("cost_usd", sa.Float, nullable=False, default=0.0),
     sa.Column("trace", sa.Text, nullable=True),
+    sa.Column("service_tier", sa.String(16), nullable=True),
 )
 
 
@@ -227,4 +237,25 @@ def open_database(url: str | None = None) -> sa.Engine:
     else:
         engine = sa.create_engine(url, pool_pre_ping=True)
     metadata.create_all(engine)
+    add_missing_columns(engine)
     return engine
+
+
+ADDED_COLUMNS = (("tenants", "service_tiers"), ("api_keys", "service_tiers"), ("requests", "service_tier"))
+"""(table, column): nullable columns added after their table first shipped."""
+
+
+def add_missing_columns(engine: sa.Engine) -> list[str]:
+    """Adds the :data:`ADDED_COLUMNS` an existing database lacks (``ALTER TABLE ... ADD
+    COLUMN``, NULL in existing rows). Returns "table.column" of each one added."""
+    inspector = sa.inspect(engine)
+    added = []
+    with engine.begin() as conn:
+        for table, column in ADDED_COLUMNS:
+            if column in {c["name"] for c in inspector.get_columns(table)}:
+                continue
+            col = metadata.tables[table].c[column]
+            conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} "
+                                 f"{col.type.compile(dialect=engine.dialect)}"))
+            added.append(f"{table}.{column}")
+    return added

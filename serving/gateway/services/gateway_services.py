@@ -21,6 +21,7 @@ from serving.gateway.services.cache_scope import PrefixCacheScopes
 from serving.gateway.services.metering import Metering
 from serving.gateway.services.metrics import GatewayMetrics
 from serving.gateway.services.policy import Policies
+from serving.gateway.services.service_tiers import FlexAdmission
 from serving.gateway.services.tracing import RequestTracer
 
 
@@ -34,6 +35,7 @@ class GatewayServices:
       log_text: whether logs may carry prompt and completion text.
       cache_scopes: which tenants share prefix-cache pages (default: each
         tenant only its own).
+      flex_admission: when ``service_tier`` "flex" requests are shed (``service_tiers.py``).
     """
 
     authenticator: Authenticator = dataclasses.field(default_factory=lambda: Authenticator(None))
@@ -43,6 +45,7 @@ class GatewayServices:
     ledger: Ledger | None = None
     log_text: bool = False
     cache_scopes: PrefixCacheScopes = dataclasses.field(default_factory=PrefixCacheScopes)
+    flex_admission: FlexAdmission = FlexAdmission()
 
     @classmethod
     def open_server(cls, database_url: str | None = None, prices_path: str | None = None,
