@@ -1,6 +1,6 @@
 """Service tiers under load: priority TTFT against idle, flex shed and unbilled, a batch not starved.
 
-    python -m benchmarks.service_tiers [--model gemma-3-270m] [--max-slots 4] [--extra-load 2]
+    python -m benchmarks.service_tiers [--model gemma-3-270m] [--max-slots 4] [--extra-load 4]
         [--requests 10] [--max-tokens 8] [--load-max-tokens 64] [--flex-requests 10]
         [--lines 4] [--line-max-tokens 16] [--starvation-seconds 10] [--max-model-len 1024]
         [--json out.json]
@@ -145,6 +145,8 @@ async def _run(url: str, args) -> dict:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the default load did not fill every slot")
                 await asyncio.sleep(0.1)
+            # Warm-up under load: the shapes a preemption and its recomputation compile.
+            await _measure(client, model, 8000, 2, args.max_tokens, "priority")
             prio = await _measure(client, model, 2000, args.requests, args.max_tokens, "priority")
             default = await _measure(client, model, 3000, args.requests, args.max_tokens, "default")
             flex = await _flex(client, model, args.flex_requests, args.max_tokens)
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--max-slots", type=int, default=4)
-    ap.add_argument("--extra-load", type=int, default=2, help="default clients beyond the slots (they wait)")
+    ap.add_argument("--extra-load", type=int, help="default clients beyond the slots, which wait "
+                    "(default: as many as the slots, so the queue never runs dry)")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--load-max-tokens", type=int, default=64)
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-pages", type=int, help="the KV pool in pages (default: the server's)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.extra_load is None:
+        args.extra_load = args.max_slots
 
     with tempfile.TemporaryDirectory() as d:
         port, log = _free_port(), Path(d) / "server.log"
