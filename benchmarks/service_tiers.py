@@ -1,6 +1,6 @@
 """Service tiers under load: priority TTFT against idle, flex shed and unbilled, a batch not starved.
 
-    python -m benchmarks.service_tiers [--model gemma-3-270m] [--max-slots 4] [--extra-load 4]
+    python -m benchmarks.service_tiers [--model gemma-3-270m] [--max-slots 4] [--extra-load 8]
         [--requests 10] [--max-tokens 8] [--load-max-tokens 64] [--flex-requests 10]
         [--lines 4] [--line-max-tokens 16] [--starvation-seconds 10] [--max-model-len 1024]
         [--json out.json]
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--max-slots", type=int, default=4)
     ap.add_argument("--extra-load", type=int, help="default clients beyond the slots, which wait "
-                    "(default: as many as the slots, so the queue never runs dry)")
+                    "(default: twice as many as the slots, so the queue seldom runs dry)")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--load-max-tokens", type=int, default=64)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if args.extra_load is None:
-        args.extra_load = args.max_slots
+        args.extra_load = 2 * args.max_slots
 
     with tempfile.TemporaryDirectory() as d:
         port, log = _free_port(), Path(d) / "server.log"
