@@ -25,7 +25,8 @@ budget goes to prompt chunks: running requests first, then waiting ones in
 (priority, arrival) order, admitted while a slot is free and their pages fit
 above a small watermark (with every slot taken, a waiting request takes the
 slot of the newest running request of a lower priority, which is preempted:
-batch work gives way to interactive work at once, not when it finishes); a
+flex work gives way to default work, and both to priority work, at once, not when
+it finishes); a
 waiting prompt that a later step could take whole is not started in the rest
 of this one (:meth:`Scheduler._would_split`). When a
 running request needs a page and none is free or evictable, the
@@ -37,11 +38,8 @@ Priority classes (``PRIORITIES``: the service tiers and the older names):
 PRIORITY (``"priority"``) runs first and takes the slot of default or flex
 work; INTERACTIVE (``"default"``, ``"interactive"``) takes the slot of flex
 work; BATCH (``"flex"``, ``"batch"``: flex requests and Batch API lines) is
-admitted last and preempted first. Starvation guard: a waiting BATCH request
-preempted more than ``starvation_preemptions`` times, or waiting more than
-``starvation_seconds`` since it was queued, is *protected*: it is promoted to
-INTERACTIVE for the rest of its life (it keeps its arrival, so it is ahead of
-every default request that came after it).
+admitted last and preempted first, until the starvation guard
+(``serving.core.sched.starvation_guard``) promotes it to INTERACTIVE.
 
 The plan is a :class:`~serving.core.sched.step_plan.StepPlan` of value records, built
 while planning, each right after its request's pages are reserved:
@@ -122,6 +120,7 @@ from typing import Callable
 from serving.config.speculative_config import SpeculativeConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager, PageCopy, PrefixHit
 from serving.core.sched.speculative import may_speculate, propose_ngram
+from serving.core.sched.starvation_guard import StarvationGuard
 from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
 PRIORITY, INTERACTIVE, BATCH = 0, 1, 2
@@ -228,7 +227,7 @@ class Scheduler:
         running ones can grow without immediately preempting.
       speculative: n-gram speculative decoding settings (None: off).
       starvation_preemptions: a waiting BATCH request preempted more than this many
-        times is protected (see the module docstring); None: never for preemptions.
+        times is protected (``starvation_guard.py``); None: never for preemptions.
       starvation_seconds: a BATCH request still waiting this many seconds after it
         was queued is protected; None: never for waiting.
       clock: seconds, monotonic (tests pass their own).
@@ -249,10 +248,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_seqs = max_prefill_seqs
         self.speculative = speculative
-        self.starvation_preemptions = starvation_preemptions
-        self.starvation_seconds = starvation_seconds
         self.clock = clock
-        self.num_protected = 0  # BATCH requests the starvation guard promoted (lifetime)
+        self.starvation = StarvationGuard(starvation_preemptions, starvation_seconds, clock)
         self.watermark_pages = (max(1, kv.num_pages // 100) if watermark_pages is None
                                 else watermark_pages)
         self.waiting: list[SchedRequest] = []
@@ -416,7 +413,7 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             prefill_budget -= self._add_chunk(plan, req, n)
-        self._protect_starved()
+        self.starvation.protect(self.waiting, BATCH, INTERACTIVE)
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         self._head_waits_for_pages = False
         kept = 0  # slots kept for children ahead in the queue waiting for a running family member
@@ -557,20 +554,6 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
         return copies
-
-    def _protect_starved(self) -> None:
-        """The starvation guard (see the module docstring): promotes waiting BATCH
-        requests preempted too often or waiting too long to INTERACTIVE."""
-        n, limit = self.starvation_preemptions, self.starvation_seconds
-        if n is None and limit is None:
-            return
-        now = self.clock()
-        for r in self.waiting:
-            if r.priority == BATCH and ((n is not None and r.num_preemptions > n)
-                                        or (limit is not None and now - r.queued_at > limit)):
-                r.priority = INTERACTIVE
-                r.protected = True
-                self.num_protected += 1
 
     def _lower_priority_victim(self, req: SchedRequest) -> SchedRequest | None:
         """The running request waiting `req` takes the slot of when none is free: the

@@ -91,7 +91,7 @@ def test_a_flex_request_preempted_more_than_n_times_is_protected():
     assert f.protected and f.priority == INTERACTIVE and f.status is Status.RUNNING
     sched.add(req("d2", INTERACTIVE))
     assert step(sched) == [] and sched.running == [f]  # default work no longer takes its slot
-    assert sched.num_protected == 1
+    assert sched.starvation.num_protected == 1
 
 
 def test_a_flex_request_waiting_longer_than_t_goes_ahead_of_later_default_work():
