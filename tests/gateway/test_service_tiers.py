@@ -198,3 +198,17 @@ def test_an_older_database_gains_the_new_columns(tmp_path):
     assert database.add_missing_columns(db) == []  # idempotent
     with db.connect() as conn:
         assert conn.execute(sa.text("SELECT service_tiers FROM tenants")).scalar() is None  # old rows: NULL
+
+
+def test_the_admin_cli_sets_tier_allow_lists(tmp_path, capsys):
+    from serving.cli.main import main
+    from serving.gateway.accounts.api_keys import KeyStore
+
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    assert main(["tenants", "set", "acme", "--service-tiers", "default,flex", "--database-url", url]) == 0
+    assert main(["keys", "create", "--tenant", "acme", "--service-tiers", "flex", "--database-url", url]) == 0
+    key = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(["tenants", "list", "--database-url", url]) == 0
+    assert '["default", "flex"]' in capsys.readouterr().out
+    status, principal = KeyStore(database.open_database(url)).lookup(key)
+    assert status == "ok" and principal.service_tiers == {"flex"}
