@@ -159,7 +159,10 @@ async def test_flex_is_shed_under_load_and_not_billed(gateway):
         for tier in ("default", "priority"):
             assert (await client.post("/v1/chat/completions", json=chat(service_tier=tier))).status_code == 200
         metrics = (await client.get("/metrics")).text
+        usage = (await client.get("/v1/usage", params={"group_by": "service_tier"})).json()
     assert 'xlaserve:requests_total{model_name="tiny",status="shed"} 2.0' in metrics
+    by_tier = {g["group"]: g for g in usage["data"]}
+    assert {t: g["requests"] for t, g in by_tier.items()} == {"default": 1, "flex": 3, "priority": 1}
     assert len(engine.submitted) == 3
     ledger = rows(services)
     assert [r["status"] for r in ledger] == ["shed", "shed", "ok", "ok", "ok"]

@@ -27,8 +27,9 @@ from serving.gateway.accounts.database import requests as requests_table
 
 log = logging.getLogger("xlaserve.ledger")
 
-GROUP_BY = ("model", "key", "day", "tenant", "status")
-_GROUP_COLUMN = {"model": "model", "key": "key_id", "day": "day", "tenant": "tenant", "status": "status"}
+GROUP_BY = ("model", "key", "day", "tenant", "status", "service_tier")
+_GROUP_COLUMN = {"model": "model", "key": "key_id", "day": "day", "tenant": "tenant", "status": "status",
+                 "service_tier": "service_tier"}
 
 
 def utc_day(t: float) -> str:
