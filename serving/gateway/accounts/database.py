@@ -255,7 +255,9 @@ def add_missing_columns(engine: sa.Engine) -> list[str]:
             if column in {c["name"] for c in inspector.get_columns(table)}:
                 continue
             col = metadata.tables[table].c[column]
-            conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} "
+            # IF NOT EXISTS (PostgreSQL): two gateways starting at once on one database.
+            guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
+            conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {guard}{column} "
                                  f"{col.type.compile(dialect=engine.dialect)}"))
             added.append(f"{table}.{column}")
     return added
