@@ -1,9 +1,10 @@
 """``xlaserve keys``, ``xlaserve tenants`` and ``xlaserve usage``: the gateway's database from the shell.
 
     xlaserve keys create --tenant acme --rpm 60 --tpm 100000 --max-concurrent 8
+    xlaserve keys create --tenant acme --service-tiers default,flex
     xlaserve keys list [--tenant acme]
     xlaserve keys revoke key_0123456789ab
-    xlaserve tenants set acme --rpm 600 --models gemma-3-270m
+    xlaserve tenants set acme --rpm 600 --models gemma-3-270m --service-tiers default,flex,priority
     xlaserve tenants list
     xlaserve usage --group-by day --start 2026-11-01 [--tenant acme]
 
@@ -30,6 +31,12 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpm", type=int, help="tokens per minute: prompt + max_tokens reserved, "
                    "settled to prompt + completion tokens (default: unlimited)")
     p.add_argument("--max-concurrent", type=int, help="requests in flight at once (default: unlimited)")
+    p.add_argument("--service-tiers", help="comma-separated service tiers its requests may ask for: "
+                   "default, flex, priority (default: all)")
+
+
+def _tiers(args):
+    return None if args.service_tiers is None else [t.strip() for t in args.service_tiers.split(",") if t.strip()]
 
 
 def _store(args):
@@ -55,7 +62,8 @@ def _print_table(header: list[str], rows: list[list[object]]) -> None:
 def cmd_keys(args: argparse.Namespace) -> int:
     store = _store(args)
     if args.keys_command == "create":
-        key, info = store.create_key(args.tenant, name=args.name, limits=_limits(args), is_admin=args.admin)
+        key, info = store.create_key(args.tenant, name=args.name, limits=_limits(args), is_admin=args.admin,
+                                     service_tiers=_tiers(args))
         print(key)
         print(f"key id {info.key_id}, tenant {info.tenant}{' (admin)' if info.is_admin else ''}. "
               "Store the key now: it is not shown again.", file=sys.stderr)
@@ -78,12 +86,12 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     store = _store(args)
     if args.tenants_command == "set":
         models = None if args.models is None else [m for m in args.models.split(",") if m]
-        store.set_tenant(args.tenant, _limits(args), models)
+        store.set_tenant(args.tenant, _limits(args), models, _tiers(args))
         print(f"tenant {args.tenant} set")
     else:
-        rows = [[t["name"], t["rpm"], t["tpm"], t["max_concurrent"], t["models"] or "all"]
-                for t in store.list_tenants()]
-        _print_table(["TENANT", "RPM", "TPM", "CONCURRENT", "MODELS"], rows)
+        rows = [[t["name"], t["rpm"], t["tpm"], t["max_concurrent"], t["models"] or "all",
+                 t["service_tiers"] or "all"] for t in store.list_tenants()]
+        _print_table(["TENANT", "RPM", "TPM", "CONCURRENT", "MODELS", "SERVICE_TIERS"], rows)
     return 0
 
 

@@ -75,6 +75,11 @@ def register(sub) -> None:
                        "route is held to it instead of --max-request-bytes (default 100 MiB)")
     serve.add_argument("--batch-concurrency", type=int, default=None,
                        help="batch lines this gateway runs at once, at batch priority (default 8)")
+    serve.add_argument("--flex-max-waiting", type=int, default=None,
+                       help="service_tier flex requests are shed with 429 when more requests than this wait "
+                       "for an engine slot (default 0) ...")
+    serve.add_argument("--flex-max-kv-usage", type=float, default=None,
+                       help="... or when more than this fraction of the KV cache is in use (default 0.9)")
     serve.add_argument("--batch-lease-seconds", type=float, default=None,
                        help="how long this gateway's lease on a batch lasts unrenewed: another gateway "
                        "(or this one restarted) resumes a batch this long after its runner died (default 30)")
@@ -164,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.config.server_config import load_server_config
     from serving.gateway.app import GatewayLimits, ServedModel, create_app
     from serving.gateway.batch.batch_runner import BatchSettings
+    from serving.gateway.services.service_tiers import FlexAdmission
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
 
     overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
@@ -172,13 +178,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   "stream_write_timeout", "default_chat_max_tokens",
                                   "redis_url", "ledger_spool_dir", "ledger_spool_max_bytes",
                                   "tool_call_parser", "reasoning_parser",
-                                  "max_file_bytes", "batch_concurrency", "batch_lease_seconds"))
+                                  "max_file_bytes", "batch_concurrency", "batch_lease_seconds",
+                                  "flex_max_waiting", "flex_max_kv_usage"))
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
     if join_processes(cfg) and not _is_leader():  # multi-host: only process 0 serves HTTP
         return run_follower(cfg)
     services = open_gateway_services(cfg)  # before the engine: a refused start is quick
+    services.flex_admission = FlexAdmission(max_waiting=cfg.flex_max_waiting, max_kv_usage=cfg.flex_max_kv_usage)
     loop = None
     try:
         if args.engines:  # a gateway over remote replicas: no weights here

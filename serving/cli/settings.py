@@ -37,6 +37,10 @@ _SETTINGS = [
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
     ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),
     ("speculative_max_batch", int, "speculate only while at most this many requests run (default 2)"),
+    ("flex_starvation_preemptions", int, "a flex request or batch line preempted more than this many "
+                                         "times runs as default work from then on (default 3)"),
+    ("flex_starvation_seconds", float, "a flex request or batch line waiting longer than this many seconds "
+                                       "runs as default work from then on (default 60)"),
 ]
 
 

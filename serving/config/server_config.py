@@ -46,6 +46,10 @@ class ServerConfig:
     max_file_bytes: int = 100 * 1024 * 1024
     batch_concurrency: int = 8
     batch_lease_seconds: float = 30.0
+    flex_max_waiting: int = 0
+    flex_max_kv_usage: float = 0.9
+    flex_starvation_preemptions: int = 3
+    flex_starvation_seconds: float = 60.0
     max_prompt_chars: int = 1_000_000
     default_chat_max_tokens: int | None = None
     tool_call_parser: str = "auto"
@@ -95,6 +99,11 @@ class ServerConfig:
                             ("ledger_spool_max_bytes", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if self.flex_max_waiting < 0 or self.flex_starvation_preemptions < 0:
+            raise ValueError("flex_max_waiting and flex_starvation_preemptions must be >= 0")
+        if not 0 <= self.flex_max_kv_usage <= 1 or not self.flex_starvation_seconds > 0:
+            raise ValueError(f"flex_max_kv_usage must be in [0, 1] (got {self.flex_max_kv_usage!r}) and "
+                             f"flex_starvation_seconds positive (got {self.flex_starvation_seconds!r})")
         if not self.batch_lease_seconds > 0:
             raise ValueError(f"batch_lease_seconds must be positive, got {self.batch_lease_seconds!r}")
         if not self.stream_write_timeout > 0:

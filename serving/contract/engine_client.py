@@ -150,8 +150,11 @@ class EngineRequest:
       prompt_ids: prompt token ids, BOS included where the model expects it.
       sampling: see :class:`SamplingParams`.
       arrival_time: wall-clock seconds (time.time()) when the gateway received it.
-      priority: "interactive" (default) or "batch": batch work is admitted only
-        when no interactive request waits, and is preempted first.
+      priority: the scheduling class: "priority" runs first and may preempt default
+        and flex work; "interactive" (the default; also "default") may preempt flex
+        work; "batch" (also "flex") is admitted only when nothing else waits, is
+        preempted first, and is promoted to default once starved (the engine's
+        starvation guard).
       cache_salt: scopes prefix-cache sharing: requests share cached pages only
         with requests of the same salt. Opaque to the engine (the gateway
         derives it from the tenant and the request's own ``cache_salt``).

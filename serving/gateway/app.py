@@ -5,7 +5,7 @@ Routes:
     be sent as ``application/json``, else 415),
   GET /v1/models (OpenAI list shape), GET /v1/models/{id} (one model; ids may
     contain '/'; 404 for a model the caller may not use, as the list hides it),
-  GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status (the caller's
+  GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status|service_tier (the caller's
     tenant; admin keys see every tenant, or one with ``tenant=``),
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
   POST /v1/responses (JSON or typed SSE events), GET /v1/responses/{id},
@@ -353,6 +353,7 @@ def _trace_body(row: dict) -> dict:
         "tenant": row["tenant"],
         "key_id": row["key_id"],
         "priority": row["priority"],
+        "service_tier": row.get("service_tier"),
         "stream": bool(row["stream"]),
         "status": row["status"],
         "finish_reason": row["finish_reason"],

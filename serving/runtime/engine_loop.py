@@ -110,6 +110,13 @@ DEFAULT_MAX_QUEUED_EVENTS = 1024
 """Events (about one per token) a request's consumer may fall behind before the
 request is cancelled: the server's ``stream_buffer_events``."""
 
+DEFAULT_STARVATION_PREEMPTIONS = 3
+"""A flex/batch request preempted more than this many times runs as default work
+(the server's ``flex_starvation_preemptions``)."""
+
+DEFAULT_STARVATION_SECONDS = 60.0
+"""A flex/batch request waiting this long runs as default work (``flex_starvation_seconds``)."""
+
 
 @dataclasses.dataclass(eq=False)
 class _Sequence:
@@ -149,6 +156,9 @@ class EngineLoop:
         the gateway that checked it: about 2 s for Gemma). None: requests with
         ``structured_output`` are rejected.
       host_kv_cache_bytes: the host KV tier's bound in bytes (0: no host tier).
+      starvation_preemptions, starvation_seconds: the scheduler's starvation guard for
+        flex-class (``"flex"``/``"batch"``) work: promoted to default once preempted more
+        than this many times or waiting this long (None: that bound is off).
 
     Raises:
       ValueError: `max_queued_events` below 2 (a token event and the final one).
@@ -157,7 +167,9 @@ class EngineLoop:
     def __init__(self, engine: Engine, max_waiting: int = 256, max_waiting_tokens: int | None = None,
                  token_budget: int | None = None, enable_prefix_caching: bool = True,
                  max_queued_events: int | None = DEFAULT_MAX_QUEUED_EVENTS,
-                 tokenizer: TextTokenizer | None = None, host_kv_cache_bytes: int = 0):
+                 tokenizer: TextTokenizer | None = None, host_kv_cache_bytes: int = 0,
+                 starvation_preemptions: int | None = DEFAULT_STARVATION_PREEMPTIONS,
+                 starvation_seconds: float | None = DEFAULT_STARVATION_SECONDS):
         if max_queued_events is not None and max_queued_events < 2:
             raise ValueError(f"max_queued_events must be >= 2, got {max_queued_events}")
         self.engine = engine
@@ -173,7 +185,8 @@ class EngineLoop:
             self.kv, num_slots=cfg.max_slots,
             token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
             max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs,
-            speculative=cfg.speculative)
+            speculative=cfg.speculative, starvation_preemptions=starvation_preemptions,
+            starvation_seconds=starvation_seconds)
         self.spec_counters = SpecCounters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}

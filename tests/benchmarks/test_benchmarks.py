@@ -122,3 +122,22 @@ def test_host_kv_tier_benchmark_runs_on_the_tiny_model(tmp_path):
     assert row["host_cached_tokens"] == row["cached_tokens"] == 96 and row["host_hit_pages"] == 12
     assert out["identical_output"] and out["ratio"] > 0
     assert json.loads((tmp_path / "out.json").read_text())["args"]["prompt_tokens"] == 100
+
+
+def test_service_tiers_benchmark_runs_on_the_tiny_model(tmp_path):
+    """Its phases run and report: priority TTFT idle and under load, flex shed with their
+    ledger rows unbilled, the batch's time against its bound (the tests' tiny server's shapes)."""
+    from benchmarks import service_tiers
+
+    out = service_tiers.main([
+        "--model", "tiny-random", "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
+        "--requests", "2", "--max-tokens", "4", "--load-max-tokens", "24", "--flex-requests", "2",
+        "--lines", "2", "--line-max-tokens", "4", "--starvation-seconds", "2",
+        "--json", str(tmp_path / "out.json")])
+    assert list(out["ttft"]) == ["idle", "priority", "default"]
+    assert all(len(p["ttft_s"]) == 2 and p["p50_s"] > 0 for p in out["ttft"].values())
+    flex = out["flex"]
+    assert flex["status_429"] + flex["status_200"] == 2
+    assert flex["shed_rows"] == {"rows": flex["status_429"], "cost_usd": 0.0, "tokens": 0}
+    assert out["batch"]["seconds"] > 0 and out["batch"]["bound_s"] > 2
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["lines"] == 2

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable, Sequence
 from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
+    EngineStats,
     RequestRejectedError,
     TokenEvent,
     TokenLogprobs,
@@ -213,7 +214,7 @@ class FakeEngine:
 
     Flags: ``overloaded`` / ``reject`` make ``submit`` raise
     ``EngineOverloadedError`` / ``RequestRejectedError``; ``ready`` is what
-    ``is_ready`` returns.
+    ``is_ready`` returns; ``load`` is what ``stats`` returns.
 
     Records: ``submitted`` (EngineRequests), ``cancelled`` (request ids passed
     to ``cancel``), ``first_token`` (set once any request emits a token).
@@ -229,6 +230,7 @@ class FakeEngine:
     overloaded: bool = False
     reject: bool = False
     ready: bool = True
+    load: EngineStats = EngineStats()
     model_len: int = 512
     submitted: list[EngineRequest] = dataclasses.field(default_factory=list)
     cancelled: list[str] = dataclasses.field(default_factory=list)
@@ -243,6 +245,9 @@ class FakeEngine:
 
     def is_ready(self) -> bool:
         return self.ready
+
+    def stats(self) -> EngineStats:
+        return self.load
 
     async def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)

@@ -25,13 +25,21 @@ budget goes to prompt chunks: running requests first, then waiting ones in
 (priority, arrival) order, admitted while a slot is free and their pages fit
 above a small watermark (with every slot taken, a waiting request takes the
 slot of the newest running request of a lower priority, which is preempted:
-batch work gives way to interactive work at once, not when it finishes); a
+flex work gives way to default work, and both to priority work, at once, not when
+it finishes); a
 waiting prompt that a later step could take whole is not started in the rest
 of this one (:meth:`Scheduler._would_split`). When a
 running request needs a page and none is free or evictable, the
 lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits
 at the front of its priority class to be recomputed.
+
+Priority classes (``PRIORITIES``: the service tiers and the older names):
+PRIORITY (``"priority"``) runs first and takes the slot of default or flex
+work; INTERACTIVE (``"default"``, ``"interactive"``) takes the slot of flex
+work; BATCH (``"flex"``, ``"batch"``: flex requests and Batch API lines) is
+admitted last and preempted first, until the starvation guard
+(``serving.core.sched.starvation_guard``) promotes it to INTERACTIVE.
 
 The plan is a :class:`~serving.core.sched.step_plan.StepPlan` of value records, built
 while planning, each right after its request's pages are reserved:
@@ -106,14 +114,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import time
+from typing import Callable
 
 from serving.config.speculative_config import SpeculativeConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager, PageCopy, PrefixHit
 from serving.core.sched.speculative import may_speculate, propose_ngram
+from serving.core.sched.starvation_guard import StarvationGuard
 from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow, SamplingSettings, StepPlan
 
-INTERACTIVE, BATCH = 0, 1
-PRIORITIES = {"interactive": INTERACTIVE, "batch": BATCH}
+PRIORITY, INTERACTIVE, BATCH = 0, 1, 2
+PRIORITIES = {"priority": PRIORITY, "default": INTERACTIVE, "interactive": INTERACTIVE,
+              "flex": BATCH, "batch": BATCH}
+"""Scheduling class of each ``EngineRequest.priority`` name: the service tiers
+("priority", "default", "flex") and the older "interactive" (= default) and "batch" (= flex)."""
 
 
 class Status(enum.Enum):
@@ -131,7 +145,8 @@ class SchedRequest:
       prompt_ids: prompt token ids.
       max_tokens: most tokens to generate.
       stop_token_ids: a generated token in here finishes the request ("stop").
-      priority: INTERACTIVE (0) or BATCH (1); lower runs first and is preempted last.
+      priority: PRIORITY (0), INTERACTIVE (1) or BATCH (2); lower runs first and is
+        preempted last (see the module docstring).
       salt: prefix-cache scope (tenant); None shares with every other None.
       sampling: sampling settings, opaque to the scheduler (copied into plan rows).
       output_ids: generated tokens read back so far.
@@ -155,6 +170,8 @@ class SchedRequest:
       speculate: False: never verified with drafts (structured output: each
         position's mask needs the tokens before it consumed on the host).
       num_draft_tokens, num_accepted_tokens: drafts verified for it and accepted.
+      queued_at: the scheduler's clock (seconds) when it was added.
+      protected: a BATCH request the starvation guard promoted to INTERACTIVE.
     """
 
     request_id: str
@@ -180,6 +197,8 @@ class SchedRequest:
     speculate: bool = True
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    queued_at: float = 0.0
+    protected: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -207,6 +226,11 @@ class Scheduler:
       watermark_pages: free pages kept back when admitting new requests, so
         running ones can grow without immediately preempting.
       speculative: n-gram speculative decoding settings (None: off).
+      starvation_preemptions: a waiting BATCH request preempted more than this many
+        times is protected (``starvation_guard.py``); None: never for preemptions.
+      starvation_seconds: a BATCH request still waiting this many seconds after it
+        was queued is protected; None: never for waiting.
+      clock: seconds, monotonic (tests pass their own).
 
     Raises:
       ValueError: token_budget <= num_slots.
@@ -214,7 +238,8 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, num_slots: int, token_budget: int,
                  max_prefill_tokens: int, max_prefill_seqs: int = 1, watermark_pages: int | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, starvation_preemptions: int | None = None,
+                 starvation_seconds: float | None = None, clock: Callable[[], float] = time.monotonic):
         if token_budget < num_slots + 1:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.kv = kv
@@ -223,6 +248,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_seqs = max_prefill_seqs
         self.speculative = speculative
+        self.clock = clock
+        self.starvation = StarvationGuard(starvation_preemptions, starvation_seconds, clock)
         self.watermark_pages = (max(1, kv.num_pages // 100) if watermark_pages is None
                                 else watermark_pages)
         self.waiting: list[SchedRequest] = []
@@ -258,6 +285,7 @@ class Scheduler:
         else:
             req.parent_id = parent.parent_id or parent.request_id  # the family's root
         req.arrival = next(self._arrivals)
+        req.queued_at = self.clock()
         req.status = Status.WAITING
         self._live[req.request_id] = req
         self.waiting.append(req)
@@ -385,6 +413,7 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             prefill_budget -= self._add_chunk(plan, req, n)
+        self.starvation.protect(self.waiting, BATCH, INTERACTIVE)
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         self._head_waits_for_pages = False
         kept = 0  # slots kept for children ahead in the queue waiting for a running family member
@@ -528,8 +557,8 @@ class Scheduler:
 
     def _lower_priority_victim(self, req: SchedRequest) -> SchedRequest | None:
         """The running request waiting `req` takes the slot of when none is free: the
-        newest of the lowest priority below req's (batch work, for an interactive
-        request), or None."""
+        newest of the lowest priority below req's (flex work first, then default work
+        for a priority request), or None."""
         lower = [r for r in self.running if r.priority > req.priority]
         return max(lower, key=lambda r: (r.priority, r.arrival)) if lower else None
 

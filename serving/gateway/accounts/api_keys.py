@@ -5,7 +5,9 @@ A key is ``xls-`` followed by 43 URL-safe characters (256 random bits from
 much entropy a fast hash is enough (as for GitHub tokens or OpenAI keys), and
 a lookup is one indexed query. Keys belong to a tenant; a tenant's optional
 model allow-list and limits (``rpm``, ``tpm``, ``max_concurrent``) apply to all
-its keys together, a key's own limits to that key alone.
+its keys together, a key's own limits to that key alone. A tenant and a key may
+each carry a service-tier allow-list (``service_tiers``: "default", "flex",
+"priority"; None: all); a request may ask for a tier both allow.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Principal:
       models: the models the tenant may use (None: all).
       key_limits: limits of this key.
       tenant_limits: limits shared by all keys of the tenant.
+      service_tiers: the service tiers it may ask for (the key's and the tenant's
+        allow-lists together; None: all).
     """
 
     tenant: str
@@ -65,6 +69,7 @@ class Principal:
     models: frozenset[str] | None = None
     key_limits: Limits = Limits()
     tenant_limits: Limits = Limits()
+    service_tiers: frozenset[str] | None = None
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -86,6 +91,7 @@ class KeyInfo:
     limits: Limits
     created_at: float
     revoked_at: float | None
+    service_tiers: frozenset[str] | None = None
 
 
 def hash_key(key: str) -> str:
@@ -109,12 +115,17 @@ class KeyStore:
     # -- tenants ---------------------------------------------------------------
 
     def set_tenant(self, name: str, limits: Limits = Limits(),
-                   models: Sequence[str] | None = None) -> None:
-        """Creates or replaces tenant `name`'s limits and model allow-list."""
+                   models: Sequence[str] | None = None, service_tiers: Sequence[str] | None = None) -> None:
+        """Creates or replaces tenant `name`'s limits, model and service-tier allow-lists.
+
+        Raises:
+          ValueError: an empty name, or a tier that is not default, flex or priority.
+        """
         if not name:
             raise ValueError("tenant name must not be empty")
         values = dict(rpm=limits.rpm, tpm=limits.tpm, max_concurrent=limits.max_concurrent,
-                      models=None if models is None else json.dumps(sorted(models)))
+                      models=None if models is None else json.dumps(sorted(models)),
+                      service_tiers=_tiers_json(service_tiers))
         with self.engine.begin() as conn:
             updated = conn.execute(tenants.update().where(tenants.c.name == name).values(**values))
             if updated.rowcount == 0:
@@ -134,23 +145,29 @@ class KeyStore:
     # -- keys ------------------------------------------------------------------
 
     def create_key(self, tenant: str, name: str | None = None, limits: Limits = Limits(),
-                   is_admin: bool = False) -> tuple[str, KeyInfo]:
+                   is_admin: bool = False, service_tiers: Sequence[str] | None = None) -> tuple[str, KeyInfo]:
         """Creates a key for `tenant`. Returns (the key's text, shown only now; its info).
 
+        Args:
+          service_tiers: the tiers this key may ask for (None: all the tenant allows).
+
         Raises:
-          ValueError: empty tenant name.
+          ValueError: empty tenant name, or a tier that is not default, flex or priority.
         """
         if not tenant:
             raise ValueError("tenant name must not be empty")
+        tiers_json = _tiers_json(service_tiers)
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         info = KeyInfo(key_id="key_" + secrets.token_hex(6), tenant=tenant, name=name,
                        key_prefix=key[:10], is_admin=is_admin, limits=limits,
-                       created_at=time.time(), revoked_at=None)
+                       created_at=time.time(), revoked_at=None,
+                       service_tiers=None if service_tiers is None else frozenset(service_tiers))
         with self.engine.begin() as conn:
             conn.execute(api_keys.insert().values(
                 key_id=info.key_id, tenant=tenant, name=name, key_hash=hash_key(key),
                 key_prefix=info.key_prefix, is_admin=is_admin, rpm=limits.rpm, tpm=limits.tpm,
-                max_concurrent=limits.max_concurrent, created_at=info.created_at))
+                max_concurrent=limits.max_concurrent, created_at=info.created_at,
+                service_tiers=tiers_json))
         return key, info
 
     def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
@@ -203,8 +220,34 @@ class KeyStore:
 def _principal(row, trow) -> Principal:
     tenant_limits, models = _tenant_of(trow)
     info = _key_info(row)
+    tiers = info.service_tiers
+    tenant_tiers = None if trow is None else _tiers_of(trow._mapping["service_tiers"])
+    if tenant_tiers is not None:
+        tiers = tenant_tiers if tiers is None else tiers & tenant_tiers
     return Principal(tenant=info.tenant, key_id=info.key_id, is_admin=info.is_admin,
-                     models=models, key_limits=info.limits, tenant_limits=tenant_limits)
+                     models=models, key_limits=info.limits, tenant_limits=tenant_limits,
+                     service_tiers=tiers)
+
+
+_TIERS = ("default", "flex", "priority")  # serving.gateway.services.service_tiers.SERVED_TIERS
+
+
+def _tiers_json(tiers: Sequence[str] | None) -> str | None:
+    """A service-tier allow-list as stored (JSON list; None: all).
+
+    Raises:
+      ValueError: a tier that is not default, flex or priority.
+    """
+    if tiers is None:
+        return None
+    bad = sorted(set(tiers) - set(_TIERS))
+    if bad:
+        raise ValueError(f"service tiers must be among {', '.join(_TIERS)}; got {', '.join(bad)}")
+    return json.dumps(sorted(set(tiers)))
+
+
+def _tiers_of(value: str | None) -> frozenset[str] | None:
+    return None if value is None else frozenset(json.loads(value))
 
 
 def _tenant_of(row) -> tuple[Limits, frozenset[str] | None]:
@@ -218,4 +261,5 @@ def _tenant_of(row) -> tuple[Limits, frozenset[str] | None]:
 def _key_info(r) -> KeyInfo:
     return KeyInfo(key_id=r["key_id"], tenant=r["tenant"], name=r["name"], key_prefix=r["key_prefix"],
                    is_admin=bool(r["is_admin"]), limits=Limits(r["rpm"], r["tpm"], r["max_concurrent"]),
-                   created_at=r["created_at"], revoked_at=r["revoked_at"])
+                   created_at=r["created_at"], revoked_at=r["revoked_at"],
+                   service_tiers=_tiers_of(r["service_tiers"]))

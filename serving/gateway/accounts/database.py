@@ -9,13 +9,15 @@ several gateways sharing one ledger). Nothing here imports JAX.
 Tables::
 
     tenants   name* | rpm | tpm | max_concurrent | models (JSON list or NULL = all) | created_at
+              | service_tiers (JSON list or NULL = all)
     api_keys  key_id* | tenant | name | key_hash (sha256, unique) | key_prefix | is_admin
               | rpm | tpm | max_concurrent | created_at | revoked_at
+              | service_tiers (JSON list or NULL = all)
     requests  request_id* | x_request_id | tenant | key_id | model | priority | stream
               | status | finish_reason | error | created_at | day | first_token_at
               | finished_at | prompt_tokens | cached_tokens | completion_tokens
               | reasoning_tokens | tool_calls | queue_time_s | ttft_s | itl_mean_s
-              | itl_max_s | e2e_s | cost_usd | trace (JSON) | gateway_instance
+              | itl_max_s | e2e_s | cost_usd | trace (JSON) | gateway_instance | service_tier
     files     file_id* | tenant | purpose | filename | bytes | created_at | content (bytes)
     batches   batch_id* | tenant | key_id | endpoint | input_file_id | output_file_id
               | error_file_id | status | completion_window | metadata (JSON) | errors (JSON)
@@ -40,9 +42,10 @@ A ``requests`` row's ``gateway_instance`` names the gateway process that
 admitted it (``ledger_instances.py``), so a restart reconciles only the rows
 of gateways that are gone (status "interrupted").
 
-Columns added to a table after a database was created are nullable, and
-:func:`open_database` adds the missing ones to an existing database
-(``ALTER TABLE ... ADD COLUMN``), so an older ledger keeps working.
+There are no migrations: :func:`open_database` creates missing tables, and adds
+to an existing table the nullable columns it lacks (``ALTER TABLE ... ADD
+COLUMN``, with their indexes; :data:`ADDED_COLUMNS` lists those added after
+their table first shipped), so a database file from an older version keeps working.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ tenants = sa.Table(
     sa.Column("max_concurrent", sa.Integer, nullable=True),
     sa.Column("models", sa.Text, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("service_tiers", sa.Text, nullable=True),
 )
 
 api_keys = sa.Table(
@@ -78,6 +82,7 @@ api_keys = sa.Table(
     sa.Column("max_concurrent", sa.Integer, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float, nullable=True),
+    sa.Column("service_tiers", sa.Text, nullable=True),
 )
 
 requests = sa.Table(
@@ -109,6 +114,7 @@ requests = sa.Table(
     sa.Column("cost_usd", sa.Float, nullable=False, default=0.0),
     sa.Column("trace", sa.Text, nullable=True),
     sa.Column("gateway_instance", sa.String(64), nullable=True, index=True),
+    sa.Column("service_tier", sa.String(16), nullable=True),
 )
 
 
@@ -229,9 +235,20 @@ def is_unreachable(error: BaseException) -> bool:
     return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
 
 
-def _add_missing_columns(engine: sa.Engine) -> None:
-    """Adds the nullable columns of our tables that an existing database lacks."""
+ADDED_COLUMNS = (("tenants", "service_tiers"), ("api_keys", "service_tiers"), ("requests", "service_tier"),
+                 ("requests", "gateway_instance"))
+"""(table, column): nullable columns added after their table first shipped (what an older
+database lacks; :func:`add_missing_columns` adds any nullable column missing, these included)."""
+
+
+def add_missing_columns(engine: sa.Engine) -> list[str]:
+    """Adds the nullable columns of our tables that an existing database lacks (``ALTER TABLE
+    ... ADD COLUMN``, NULL in existing rows; their indexes too). Returns "table.column" of each
+    one added."""
     inspector = sa.inspect(engine)
+    # IF NOT EXISTS (PostgreSQL): two gateways starting at once on one database.
+    guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
+    added = []
     with engine.begin() as conn:
         for table in metadata.sorted_tables:
             have = {c["name"] for c in inspector.get_columns(table.name)}
@@ -239,10 +256,12 @@ def _add_missing_columns(engine: sa.Engine) -> None:
                 if column.name in have or not column.nullable:
                     continue
                 kind = column.type.compile(dialect=engine.dialect)
-                conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+                conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN {guard}"{column.name}" {kind}'))
+                added.append(f"{table.name}.{column.name}")
                 for index in table.indexes:
                     if column.name in index.columns:
                         index.create(conn, checkfirst=True)
+    return added
 
 
 def open_database(url: str | None = None) -> sa.Engine:
@@ -262,5 +281,6 @@ def open_database(url: str | None = None) -> sa.Engine:
         connect_args = {"connect_timeout": 5} if url.startswith("postgresql") else {}
         engine = sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     metadata.create_all(engine)
-    _add_missing_columns(engine)
+    add_missing_columns(engine)
     return engine
+

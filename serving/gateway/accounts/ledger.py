@@ -42,8 +42,9 @@ from serving.gateway.accounts.ledger_spool import LedgerSpool
 
 log = logging.getLogger("xlaserve.ledger")
 
-GROUP_BY = ("model", "key", "day", "tenant", "status")
-_GROUP_COLUMN = {"model": "model", "key": "key_id", "day": "day", "tenant": "tenant", "status": "status"}
+GROUP_BY = ("model", "key", "day", "tenant", "status", "service_tier")
+_GROUP_COLUMN = {"model": "model", "key": "key_id", "day": "day", "tenant": "tenant", "status": "status",
+                 "service_tier": "service_tier"}
 INCOMPLETE = ("running", "interrupted")
 """Statuses of rows that never completed (counted as ``incomplete`` by :meth:`Ledger.usage`)."""
 

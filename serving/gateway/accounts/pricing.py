@@ -1,7 +1,12 @@
 """Cost of a request from the price table in ``configs/prices.yaml``.
 
     cost = ((prompt - cached) * input + cached * cached_input + completion * output) / 1e6
-           * (1 - batch_discount if priority == "batch" else 1)
+           * (1 - batch_discount if priority == "batch" else service_tiers[tier])
+
+``service_tiers`` maps each service tier served ("default", "flex",
+"priority") to a price multiplier (a tier not listed: 1). A Batch API line
+(priority "batch", served at the flex tier) gets the batch discount instead of
+the flex multiplier, not both.
 
 Prices are USD per million tokens, per model, as OpenAI and most providers
 publish them. Reasoning tokens are billed as output (they are part of
@@ -33,27 +38,35 @@ class ModelPrice:
 
 @dataclasses.dataclass(frozen=True)
 class PriceTable:
-    """Per-model prices and the batch-priority discount (a fraction in [0, 1])."""
+    """Per-model prices, the batch-priority discount (a fraction in [0, 1]) and the
+    service tiers' price multipliers (>= 0)."""
 
     models: Mapping[str, ModelPrice]
     default: ModelPrice = ModelPrice()
     batch_discount: float = 0.0
+    service_tiers: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not 0.0 <= self.batch_discount <= 1.0:
             raise ValueError(f"batch_discount must be in [0, 1], got {self.batch_discount}")
+        bad = {t: m for t, m in self.service_tiers.items()
+               if t not in ("default", "flex", "priority") or not m >= 0}
+        if bad:
+            raise ValueError(f"service_tiers maps default, flex and priority to multipliers >= 0; got {bad}")
 
     def price(self, model: str) -> ModelPrice:
         return self.models.get(model, self.default)
 
     def cost(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-             priority: str = "interactive") -> float:
-        """USD for one request's token counts."""
+             priority: str = "interactive", service_tier: str | None = None) -> float:
+        """USD for one request's token counts, served at `service_tier` (None: "default")."""
         p = self.price(model)
         usd = ((prompt_tokens - cached_tokens) * p.input + cached_tokens * p.cached_input
                + completion_tokens * p.output) / 1e6
         if priority == "batch":
             usd *= 1.0 - self.batch_discount
+        else:
+            usd *= self.service_tiers.get(service_tier or "default", 1.0)
         return usd
 
     @classmethod
@@ -63,7 +76,7 @@ class PriceTable:
         Raises:
           ValueError: unknown keys or negative prices.
         """
-        unknown = set(data) - {"models", "default", "batch_discount"}
+        unknown = set(data) - {"models", "default", "batch_discount", "service_tiers"}
         if unknown:
             raise ValueError(f"unknown keys in the price table: {sorted(unknown)}")
         try:
@@ -71,7 +84,9 @@ class PriceTable:
             default = ModelPrice(**(data.get("default") or {}))
         except TypeError as e:
             raise ValueError(f"bad price entry: {e}") from None
-        return cls(models=models, default=default, batch_discount=float(data.get("batch_discount", 0.0)))
+        tiers = {str(t): float(m) for t, m in (data.get("service_tiers") or {}).items()}
+        return cls(models=models, default=default, batch_discount=float(data.get("batch_discount", 0.0)),
+                   service_tiers=tiers)
 
 
 def load_price_table(path: str | Path | None = None) -> PriceTable:

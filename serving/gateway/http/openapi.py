@@ -24,12 +24,13 @@ _REF = "#/components/schemas/{model}"
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: the message names the field (`param`).",
     401: "Missing or unknown API key.",
-    403: "Revoked key, or a model or tenant the key may not use.",
+    403: "Revoked key, or a model, tenant or service tier the key may not use.",
     404: "Unknown model, route or record.",
     409: "The record's state does not allow it (e.g. cancelling a finished batch).",
     413: "Request body too large.",
     415: "Content-Type is not `application/json`.",
-    429: "Over a rate limit (`Retry-After`, `x-ratelimit-*` headers).",
+    429: "Over a rate limit (`Retry-After`, `x-ratelimit-*` headers), or a flex request shed "
+         "under load (`resource_unavailable`, `Retry-After`).",
     503: "Engine overloaded or draining (`Retry-After`).",
 }
 

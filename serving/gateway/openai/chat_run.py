@@ -79,13 +79,14 @@ class ChatRun:
                logprobs: bool = True) -> ChatCompletionChunk:
         r = self.renderers[k]
         lp = r.piece() if logprobs and r is not None else None
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   service_tier=self.gen.service_tier, choices=[
             ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish)])
 
     def usage_chunk(self) -> ChatCompletionChunk:
         """The final usage-only chunk (``choices == []``)."""
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=self.usage())
+                                   usage=self.usage(), service_tier=self.gen.service_tier)
 
     def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         """The streamed chunks: per choice an opening chunk (``role``, ``content: ""``),
@@ -135,7 +136,7 @@ class ChatRun:
                 logprobs=None if self.renderers[k] is None else self.renderers[k].piece(),
                 finish_reason=self._finish_reason(k)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                      choices=choices, usage=self.usage())
+                                      choices=choices, usage=self.usage(), service_tier=self.gen.service_tier)
 
     async def aclose(self) -> None:
         """Ends the run without consuming it: the engine requests are cancelled and

@@ -51,19 +51,22 @@ class MeteredGeneration:
       output_filter: makes the output policy's filter for one completion
         (None: no filter).
       response_id: the response's ``id`` (default: the first request's id).
+      service_tier: the tier it is served at (echoed in the response and its chunks).
 
     Attributes:
       meter: as given.
+      service_tier: as given.
       outputs: one :class:`~serving.output.output_processor.TextGeneration` per request.
     """
 
     def __init__(self, served: ServedModel, requests: EngineRequest | Sequence[EngineRequest],
                  stop: Sequence[str] = (), meter: RequestMeter | None = None,
                  output_filter: Callable[[], OutputFilter | None] | None = None,
-                 response_id: str | None = None) -> None:
+                 response_id: str | None = None, service_tier: str | None = None) -> None:
         if isinstance(requests, EngineRequest):
             requests = [requests]
         self.meter = meter
+        self.service_tier = service_tier
         on_event = None if meter is None else meter.on_event
         self.outputs = [TextGeneration(served.engine, r, served.tokenizer, stop,
                                        None if output_filter is None else output_filter(),

@@ -65,6 +65,7 @@ from serving.gateway.schema.response_models import (
 from serving.gateway.schema.structured_request import check_structured_output
 from serving.gateway.services.gateway_services import GatewayServices
 from serving.gateway.services.policy import PolicyViolation
+from serving.gateway.services.service_tiers import ENGINE_PRIORITY, flex_shed, served_tier
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -220,7 +221,7 @@ class OpenAIServing:
             choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                             finish_reason=gen.outputs[k].finish_reason))
         body = CompletionResponse(id=gen.id, created=created, model=req.model, choices=choices,
-                                  usage=gen.usage())
+                                  usage=gen.usage(), service_tier=gen.service_tier)
         return JSONResponse(body.model_dump(mode="json"))
 
     async def _start(self, request: Request, principal: Principal, arrival: float,
@@ -228,18 +229,20 @@ class OpenAIServing:
                      max_tokens: int, per_prompt: int, param: str, texts: list[str],
                      structured_output: StructuredOutput | None = None,
                      ) -> tuple[MeteredGeneration, list[Slot]]:
-        """Context check (per prompt), rate limits and metering (once, for all
-        completions), input policy, then submit every (prompt, choice); returns
-        once the engine has admitted them all.
+        """Context check (per prompt), the service tier (allow-list, flex shedding),
+        rate limits and metering (once, for all completions), input policy, then
+        submit every (prompt, choice); returns once the engine has admitted them all.
 
         Raises:
           OpenAIError: 400 when a prompt plus max_tokens exceeds the context
             window, a token id is outside the vocabulary, or the input policy
-            rejects it, 429 over a rate limit, or the engine's admission errors
-            (503 overloaded, 400 rejected).
+            rejects it, 403 for a service tier the caller may not use, 429 over a
+            rate limit or for a flex request shed under load, or the engine's
+            admission errors (503 overloaded, 400 rejected).
         """
         for ids in prompt_ids:
             self._check_context(served, len(ids), max_tokens, param)
+        tier = served_tier(req.service_tier, req.priority, principal)
         if structured_output is None:
             structured_output = req.structured_output
         if structured_output is not None:  # an invalid schema / regex / grammar is a 400 here
@@ -248,23 +251,32 @@ class OpenAIServing:
         sampling = sampling_params(req, max_tokens, served.tokenizer, structured_output)
         response_id = self._response_id(request, id_prefix)
         engine_requests, slots = fan_out(
-            response_id, prompt_ids, sampling, per_prompt, priority=req.priority,
+            response_id, prompt_ids, sampling, per_prompt,
+            priority="batch" if req.priority == "batch" else ENGINE_PRIORITY[tier],
             cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt))
         rid, _ = request_id_of(request)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         logger.info("request %s (X-Request-ID %s): model=%s prompts=%d choices=%d prompt_tokens=%d "
-                    "max_tokens=%d", response_id, rid, served.name, len(prompt_ids), per_prompt,
-                    prompt_tokens, max_tokens)
+                    "max_tokens=%d service_tier=%s", response_id, rid, served.name, len(prompt_ids), per_prompt,
+                    prompt_tokens, max_tokens, tier)
+        flex = self.services.flex_admission
+        overload = flex.overload(served.engine.stats()) if tier == "flex" and req.priority != "batch" else None
+        if overload is not None:
+            logger.info("request %s shed: %s", response_id, overload)
+            self.services.metering.shed(principal, response_id, rid, served.name, req.priority, bool(req.stream),
+                                        arrival, prompt_tokens, max_tokens * len(engine_requests), tier, overload)
+            raise flex_shed(overload, flex.retry_after_s)
         try:
             meter = self.services.metering.admit(
                 principal, response_id, rid, served.name, req.priority, bool(req.stream), arrival,
-                prompt_tokens, max_tokens * len(engine_requests))
+                prompt_tokens, max_tokens * len(engine_requests), service_tier=tier)
         except RateLimited as e:
             logger.info("request %s rate limited: %s %s limit", response_id, e.scope, e.limit)
             raise rate_limited(e) from None
         request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
         gen = MeteredGeneration(served, engine_requests, req.stop_strings, meter,
-                                self.services.policies.output_filter, response_id=response_id)
+                                self.services.policies.output_filter, response_id=response_id,
+                                service_tier=tier)
         if self.services.log_text:
             logger.info("request %s prompt: %r", gen.id, texts or prompt_ids)
         try:
@@ -284,7 +296,7 @@ class OpenAIServing:
                            ) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
             return CompletionResponse(id=gen.id, created=created, model=req.model, usage=usage,
-                                      choices=choices)
+                                      choices=choices, service_tier=gen.service_tier)
 
         def piece(k: int, text: str, finish: str | None = None) -> list[CompletionResponse]:
             text, logprobs = renderers[k].piece(text)

@@ -127,6 +127,7 @@ class ResponsesServing:
             "text": req.text_json(), "previous_response_id": req.previous_response_id,
             "store": req.store, "metadata": req.metadata or {}, "truncation": "disabled",
             "reasoning": {"effort": None, "summary": None}, "background": False, "usage": None,
+            "service_tier": run.gen.service_tier,
         }
 
     async def _events(self, run: ChatRun, asm: ResponseAssembler, req: ResponseRequest,

@@ -217,6 +217,7 @@ class ResponseRequest(_Request):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
         None, max_length=MAX_METADATA_KEYS)
     priority: Literal["interactive", "batch"] = "interactive"
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
@@ -301,7 +302,7 @@ class ResponseRequest(_Request):
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "parallel_tool_calls": self.parallel_tool_calls, "stream": self.stream,
-            "priority": self.priority, "cache_salt": self.cache_salt,
+            "priority": self.priority, "service_tier": self.service_tier, "cache_salt": self.cache_salt,
         }
         if self.tools:
             body["tools"] = [t.to_chat() for t in self.tools]

@@ -167,6 +167,9 @@ class _SamplingRequest(_Request, StructuredOutputFields):
     # xlaserve extension: "batch" work is admitted only when no interactive
     # request waits, and is preempted first.
     priority: Literal["interactive", "batch"] = "interactive"
+    # OpenAI's: "auto" (= "default"), "default", "flex" (cheaper, shed under load),
+    # "priority" (runs ahead); see serving/gateway/services/service_tiers.py.
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     # vLLM extension: requests share prefix-cache pages only with the same salt,
     # within the caller's tenant (or tenant group; see cache_scope.py).
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)

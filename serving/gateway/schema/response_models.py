@@ -88,6 +88,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: str | None = None  # the tier served
 
 
 class TopLogprob(BaseModel):
@@ -180,6 +181,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    service_tier: str | None = None  # the tier served
 
 
 class DeltaFunctionCall(_DropNone):
@@ -228,6 +230,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = None  # the tier served
 
 
 class ModelCard(BaseModel):

@@ -22,6 +22,7 @@ from serving.gateway.services.cache_scope import PrefixCacheScopes
 from serving.gateway.services.metering import Metering
 from serving.gateway.services.metrics import GatewayMetrics
 from serving.gateway.services.policy import Policies
+from serving.gateway.services.service_tiers import FlexAdmission
 from serving.gateway.services.tracing import RequestTracer
 
 
@@ -37,6 +38,7 @@ class GatewayServices:
         tenant only its own).
       instance: this gateway's instance (its id on ledger rows, its spool's
         directory), when it keeps a ledger.
+      flex_admission: when ``service_tier`` "flex" requests are shed (``service_tiers.py``).
     """
 
     authenticator: Authenticator = dataclasses.field(default_factory=lambda: Authenticator(None))
@@ -47,6 +49,7 @@ class GatewayServices:
     log_text: bool = False
     cache_scopes: PrefixCacheScopes = dataclasses.field(default_factory=PrefixCacheScopes)
     instance: GatewayInstance | None = None
+    flex_admission: FlexAdmission = FlexAdmission()
 
     @classmethod
     def open_server(cls, database_url: str | None = None, prices_path: str | None = None,

@@ -3,6 +3,7 @@
 The gateway's request path, as far as metering sees it::
 
     authenticate -> validate -> tokenize -> context check
+      -> Metering.shed()         a flex request over the load threshold (429 -> a "shed" row)
       -> Metering.admit()        rate limits (429 -> a "rate_limited" row), row opened ("running")
       -> input policy            a rejection completes the row ("error")
       -> engine.submit ... RequestMeter.on_event() per engine event (timings, cache hits)
@@ -63,6 +64,7 @@ class RequestMeter:
     arrival: float
     prompt_tokens: int
     admission: Admission | None
+    service_tier: str | None = None  # the tier served (service_tiers.py); None: not set by the caller
     scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -162,8 +164,11 @@ class Metering:
 
     def admit(self, principal: Principal, request_id: str, x_request_id: str, model: str,
               priority: str, stream: bool, arrival: float, prompt_tokens: int,
-              max_tokens: int) -> RequestMeter:
+              max_tokens: int, service_tier: str | None = None) -> RequestMeter:
         """Applies the rate limits and opens the request's ledger row.
+
+        Args:
+          service_tier: the tier it is served at (ledger, trace and price).
 
         Raises:
           OpenAIError: 503 ``ledger_unavailable`` while the ledger's spool is full
@@ -179,7 +184,7 @@ class Metering:
                               headers={"Retry-After": str(LEDGER_UNAVAILABLE_RETRY_AFTER_S)})
         base = dict(request_id=request_id, x_request_id=x_request_id, tenant=principal.tenant,
                     key_id=principal.key_id, model=model, priority=priority, stream=stream,
-                    created_at=arrival, prompt_tokens=0)
+                    created_at=arrival, prompt_tokens=0, service_tier=service_tier)
         try:
             admission = self.limiter.admit(principal, prompt_tokens + max_tokens)
         except RateLimited as e:
@@ -197,13 +202,30 @@ class Metering:
             self.metrics.rate_limited.labels(model, e.scope, e.limit).inc()
             raise
         meter = RequestMeter(self, principal, request_id, x_request_id, model, priority, stream,
-                             arrival, prompt_tokens, admission)
+                             arrival, prompt_tokens, admission, service_tier=service_tier)
         meter.note("admitted", reserved_tokens=admission.reserved_tokens)
         if self.ledger is not None:
             # What is known of the request if its gateway dies before it ends (ledger_instances.py).
             self.ledger.open_row({**base, "status": "running", "trace": {
                 "requested_prompt_tokens": prompt_tokens, "requested_max_tokens": max_tokens}})
         return meter
+
+    def shed(self, principal: Principal, request_id: str, x_request_id: str, model: str,
+             priority: str, stream: bool, arrival: float, prompt_tokens: int, max_tokens: int,
+             service_tier: str, reason: str) -> None:
+        """Records a request shed before admission (a flex request over the load
+        threshold): a "shed" ledger row with no tokens and no cost, its reason in
+        the trace; counted in ``xlaserve:requests_total{status="shed"}``."""
+        now = time.time()
+        if self.ledger is not None:
+            self.ledger.open_row(dict(
+                request_id=request_id, x_request_id=x_request_id, tenant=principal.tenant,
+                key_id=principal.key_id, model=model, priority=priority, stream=stream, created_at=arrival,
+                prompt_tokens=0, service_tier=service_tier, status="shed", finished_at=now,
+                e2e_s=now - arrival, error=reason,
+                trace={"service_tier": service_tier, "shed": reason, "events": [],
+                       "requested_prompt_tokens": prompt_tokens, "requested_max_tokens": max_tokens}))
+        self.metrics.requests.labels(model, "shed").inc()
 
     async def _finish(self, m: RequestMeter, status: str, finish_reason: str | None,
                       completion_tokens: int, error: str | None) -> None:
@@ -215,7 +237,8 @@ class Metering:
         used = prompt_tokens + completion_tokens
         if m.admission is not None:
             m.admission.settle(used)
-        cost = self.prices.cost(m.model, prompt_tokens, cached_tokens, completion_tokens, m.priority)
+        cost = self.prices.cost(m.model, prompt_tokens, cached_tokens, completion_tokens, m.priority,
+                                m.service_tier)
         queue_time = None if m.scheduled_time is None else max(0.0, m.scheduled_time - m.arrival)
         ttft = None if m.first_token_time is None else m.first_token_time - m.arrival
         details = {}
@@ -233,6 +256,7 @@ class Metering:
                 {**d, "decision": "admitted"} for d in m.admission.decisions],
             "reserved_tokens": None if m.admission is None else m.admission.reserved_tokens,
             "settled_tokens": used,
+            "service_tier": m.service_tier,
             "requested_prompt_tokens": m.prompt_tokens,
             "prefix_cache": prefix_cache,
             "host_cached_tokens": m.host_cached_tokens,
@@ -267,6 +291,7 @@ class Metering:
                 "xlaserve.request_id": m.request_id, "xlaserve.x_request_id": m.x_request_id,
                 "xlaserve.model": m.model, "xlaserve.tenant": m.principal.tenant,
                 "xlaserve.status": status, "xlaserve.finish_reason": finish_reason,
+                "xlaserve.service_tier": m.service_tier,
                 "xlaserve.replica": m.replica,
                 "xlaserve.prefill_replica": m.prefill_replica,
                 "xlaserve.region": m.region,

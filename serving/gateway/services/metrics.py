@@ -153,7 +153,7 @@ class GatewayMetrics:
                                     "Time a request waited before its first prefill step.",
                                     ["model_name"], buckets=_REQUEST_BUCKETS, registry=r)
         self.requests = Counter("xlaserve:requests", "Requests by final status "
-                                "(ok, error, cancelled, rate_limited).",
+                                "(ok, error, cancelled, rate_limited, shed).",
                                 ["model_name", "status"], registry=r)
         self.success = Counter("xlaserve:request_success", "Finished requests by finish_reason.",
                                ["model_name", "finish_reason"], registry=r)
