@@ -482,6 +482,7 @@ def test_metrics_and_trace_report_drafts_and_acceptance():
 
     class Ledger:
         rows = {}
+        admitting = True  # the spool has room (the real ledger's property)
 
         def open_row(self, row):
             pass
