@@ -179,13 +179,21 @@ class ModelConfig:
             hidden / heads; the expert width is ``expert_feed_forward_length``
             (Qwen3-MoE), else ``feed_forward_length`` (Mixtral).
 
+        RoPE scaling: ``{arch}.rope.scaling.type`` "linear" (Gemma 3 4B and up:
+        factor 8, global layers only) or "yarn" with ``.factor``,
+        ``.original_context_length`` and, where present, ``.yarn_beta_fast``,
+        ``.yarn_beta_slow``, ``.yarn_attn_factor`` (else HF's defaults: 32, 1,
+        ``0.1 ln(factor) + 1``), as llama.cpp's converter writes HF's
+        ``rope_scaling``; "none" or a factor of 1 is unscaled.
+
         Not in the metadata, set by ``model.gguf_loader`` from the tensors:
         ``tie_embeddings`` (whether ``output.weight`` exists; ``meta["tie_embeddings"]``
         if given) and Llama 3.1 RoPE scaling (the ``rope_freqs`` tensor).
 
         Raises:
           ValueError: an unsupported architecture, a required key is missing, or
-            RoPE scaling / expert gating this decoder does not implement.
+            RoPE scaling (e.g. "longrope", YaRN's ``yarn_log_multiplier``) or expert
+            gating this decoder does not implement.
         """
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
@@ -213,6 +221,7 @@ class ModelConfig:
             rope_theta_global=float(get("rope.freq_base", 10_000.0)),
             max_position=int(get("context_length")),
         )
+        common.update(_gguf_rope_scaling(meta, arch, common["max_position"]))
         if arch == "gemma3":
             head_dim = int(get("attention.key_length"))
             return cls(
@@ -225,11 +234,6 @@ class ModelConfig:
                 query_pre_attn_scalar=float(head_dim),
                 **common,
             )
-        scaling = get("rope.scaling.type", "none")
-        if scaling not in ("none", "linear") or (
-                scaling == "linear" and float(get("rope.scaling.factor", 1.0)) != 1.0):
-            raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported "
-                             "(only Llama 3.1 scaling, stored as a rope_freqs tensor)")
         gating = int(get("expert_gating_func", 1))
         if gating != 1:  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
             raise ValueError(f"GGUF {arch}.expert_gating_func={gating} is not supported (softmax only)")
@@ -250,3 +254,45 @@ class ModelConfig:
             sliding_window=0, sliding_window_pattern=0,
             tie_embeddings=bool(meta.get("tie_embeddings", False)),
             **common)
+
+
+GGUF_ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+"""``{arch}.rope.scaling.type`` values read (llama.cpp's ``RopeScalingType`` names)."""
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -> dict[str, Any]:
+    """ModelConfig's RoPE scaling fields from ``{arch}.rope.scaling.*`` (``from_gguf_metadata``).
+
+    The yarn defaults are HF's (``modeling_rope_utils._compute_yarn_parameters``):
+    beta_fast 32, beta_slow 1, attention factor ``0.1 ln(factor) + 1``; the original
+    context defaults to the GGUF's ``context_length``.
+    """
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.rope.scaling.{name}", default)
+
+    kind = str(key("type", "none"))
+    if kind not in GGUF_ROPE_SCALING_TYPES:
+        raise ValueError(f"GGUF {arch}.rope.scaling.type={kind!r} is not supported "
+                         f"(supported: {', '.join(GGUF_ROPE_SCALING_TYPES)}; Llama 3.1 scaling "
+                         "is read from the rope_freqs tensor)")
+    factor = float(key("factor", 1.0) or 1.0)
+    if kind == "none" or factor == 1.0:
+        return {}
+    if float(key("attn_factor", 1.0) or 1.0) != 1.0:
+        raise ValueError(f"GGUF {arch}.rope.scaling.attn_factor={key('attn_factor')} is not supported")
+    if kind == "linear":
+        return dict(rope_scaling_type="linear", rope_scaling_factor=factor)
+    if float(key("yarn_log_multiplier", 0.0) or 0.0) != 0.0:
+        raise ValueError(f"GGUF {arch}.rope.scaling.yarn_log_multiplier (DeepSeek's YaRN "
+                         "mscale) is not supported")
+    ext = key("yarn_ext_factor")
+    if ext is not None and float(ext) not in (-1.0, 1.0):  # -1: llama.cpp's "1 for yarn"
+        raise ValueError(f"GGUF {arch}.rope.scaling.yarn_ext_factor={float(ext)} is not supported "
+                         "(only YaRN's full ramp, 1)")
+    attention = key("yarn_attn_factor")
+    return dict(rope_scaling_type="yarn", rope_scaling_factor=factor,
+                rope_original_max_position=int(key("original_context_length", context_length)),
+                rope_yarn_beta_fast=float(key("yarn_beta_fast", 32.0)),
+                rope_yarn_beta_slow=float(key("yarn_beta_slow", 1.0)),
+                rope_attention_factor=float(attention) if attention is not None
+                else 0.1 * math.log(factor) + 1.0)

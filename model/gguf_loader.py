@@ -8,8 +8,10 @@ MoE). The tensor names and layouts per architecture are in
 permutation for "llama" GGUFs.
 
 Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (the
-same routine the golden reference used; any type it supports: F16, Q8_0,
-Q4_K, ...). GGUF stores a linear layer as ``[ne0 = in, ne1 = out]``, so the
+same routine the golden reference used; any type it supports: F16, BF16,
+Q4_0 ... Q8_0, the K-quants, IQ, TQ, MXFP4: :func:`dequantizable`); a tensor of
+a type it does not read (e.g. I32, F64) is a ValueError naming the tensor and
+the type before anything is dequantized. GGUF stores a linear layer as ``[ne0 = in, ne1 = out]``, so the
 dequantized row-major array is ``(out, in)`` and ``y = x @ W.T``; we transpose
 once here into einsum-friendly layouts.
 
@@ -28,6 +30,7 @@ quantization), so a restart skips dequantization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -72,10 +75,64 @@ def read_gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelC
     return _config_from_reader(reader, name, {t.name: t for t in reader.tensors})
 
 
+@functools.cache
+def dequantizable(qtype) -> bool:
+    """Whether tensors of ``qtype`` (a ``gguf.GGMLQuantizationType``) load: F32, and every
+    type the installed gguf-py's ``gguf.quants.dequantize`` implements (probed once, on
+    one all-zero block: with gguf 0.19, F16, BF16, Q4_0 ... Q8_0, the K-quants Q2_K ..
+    Q6_K, the IQ types, TQ1_0 / TQ2_0, MXFP4 and NVFP4; not Q8_1, Q8_K, Q1_0, the
+    integer types nor F64)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    if qtype == GGMLQuantizationType.F32:
+        return True
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        out = dequantize(np.zeros(type_size, np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return np.asarray(out).dtype.kind == "f" and np.asarray(out).size == block
+
+
+def dequantizable_types() -> list[str]:
+    """The names of every ``GGMLQuantizationType`` that :func:`dequantizable` accepts."""
+    from gguf import GGMLQuantizationType
+
+    return [t.name for t in GGMLQuantizationType if dequantizable(t)]
+
+
+def check_tensor_types(tensors: dict, gguf_name: str) -> None:
+    """Raises ValueError naming the first tensors (and their types) that do not load.
+
+    Args:
+      tensors: {name: ``gguf.ReaderTensor``}.
+      gguf_name: the file's name, for the message.
+    """
+    bad = [(n, t.tensor_type.name) for n, t in tensors.items() if not dequantizable(t.tensor_type)]
+    if bad:
+        listed = ", ".join(f"{n!r} is {ty}" for n, ty in bad[:4])
+        raise ValueError(f"GGUF {gguf_name}: tensor {listed}{' ...' if len(bad) > 4 else ''}: "
+                         f"{'a type' if len(bad) == 1 else 'types'} xlaserve cannot dequantize "
+                         f"(gguf {_gguf_version()} reads {', '.join(dequantizable_types())})")
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "?"
+
+
 def _dequantize(tensor) -> np.ndarray:
+    """One tensor as float32 in ``(out, in)`` order, equal to ``gguf.quants.dequantize``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    check_tensor_types({tensor.name: tensor}, "file")
     if tensor.tensor_type in (GGMLQuantizationType.F32,):
         arr = np.asarray(tensor.data, np.float32)
     else:
@@ -134,8 +191,9 @@ def load_gguf(
 
     Raises:
       ValueError: an unsupported architecture (naming it), a missing tensor
-        (naming it), a tensor this decoder would ignore (e.g. biases, shared
-        experts), unsupported RoPE scaling, or an unknown quantization.
+        (naming it), a tensor of a type that does not dequantize (naming both,
+        :func:`check_tensor_types`), a tensor this decoder would ignore (e.g.
+        biases, shared experts), unsupported RoPE scaling, or an unknown quantization.
     """
     path = Path(path)
     int8 = check_quantization(quantization) == "int8"
@@ -155,6 +213,7 @@ def load_gguf(
     t0 = time.perf_counter()
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
+    check_tensor_types(tensors, path.name)
     cfg = _config_from_reader(reader, name, tensors)
     arch = str(reader.fields["general.architecture"].contents())
     used: set[str] = set()

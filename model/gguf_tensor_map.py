@@ -150,6 +150,11 @@ def llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, theta: float,
       original_max_position: ``old`` in tokens (GGUF
         ``{arch}.rope.scaling.original_context_length``, else Llama 3.1's 8192).
 
+    With fewer than two frequencies inside the band (a small head_dim, or a short
+    original context) low and high are not determined: any edges that leave every
+    frequency on its side, and the one inside at its value, give the same frequencies
+    (:func:`_band_edges`).
+
     Returns:
       None when every factor is 1, else {"rope_scaling_factor",
       "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"}.
@@ -167,13 +172,14 @@ def llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, theta: float,
     inv_freq = 1.0 / theta ** (np.arange(head_dim // 2) * 2.0 / head_dim)
     x = inv_freq / (2 * math.pi)  # 1 / wavelength
     band = (ff > 1 + 1e-6) & (ff < factor * (1 - 1e-6))
-    low, high = 1.0, 4.0  # Llama 3.1's values, used when the band holds < 2 frequencies
+    s = (1.0 / ff - 1.0 / factor) / (1.0 - 1.0 / factor)  # 0 scaled by factor .. 1 unscaled
     if band.sum() >= 2:
-        s = (1.0 / ff[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        a, b = np.polyfit(x[band], s, 1)  # s = old / (high - low) * x - low / (high - low)
+        a, b = np.polyfit(x[band], s[band], 1)  # s = old / (high - low) * x - low / (high - low)
         width = old / a
         low = round(float(-b * width), 6)
         high = round(float(-b * width + width), 6)
+    else:
+        low, high = _band_edges(x, s, band, ~band & (ff > 1 + 1e-6), old)
     params = {"rope_scaling_factor": factor, "rope_low_freq_factor": low,
               "rope_high_freq_factor": high, "rope_original_max_position": int(old)}
     wavelen = 1.0 / x
@@ -184,3 +190,26 @@ def llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, theta: float,
         raise ValueError(f"rope_freqs is not Llama 3 RoPE scaling (best fit {params} "
                          f"differs by {np.abs(want - ff).max():.2e})")
     return params
+
+
+def _band_edges(x: np.ndarray, s: np.ndarray, band: np.ndarray, scaled: np.ndarray,
+                old: float) -> tuple[float, float]:
+    """(low, high) freq factors for :func:`llama3_rope_scaling` with < 2 frequencies in the band.
+
+    In ``x = 1 / wavelength`` the band is ``low / old < x < high / old`` with ``s``
+    linear from 0 to 1 across it; frequencies with ``x`` below it are divided by the
+    factor, those above it kept. Picks edges halfway to the nearest outside
+    frequency on each side, through the band frequency's ``(x, s)`` when there is one.
+    """
+    below = float(x[scaled].max()) if scaled.any() else 0.0
+    above_x = x[~scaled & ~band]
+    above = float(above_x.min()) if above_x.size else math.inf
+    if band.any():
+        x0, s0 = float(x[band][0]), float(s[band][0])
+        width = 0.5 * min((x0 - below) / s0, (above - x0) / (1.0 - s0))
+        lo = x0 - s0 * width
+    elif math.isinf(above):  # every frequency divided: a band above them all
+        lo, width = 2.0 * below, 2.0 * below
+    else:
+        lo, width = below + (above - below) / 3.0, (above - below) / 3.0
+    return lo * old, (lo + width) * old
