@@ -46,7 +46,7 @@ from model.quantization import CONTRACTION_AXES, GGUF_BLOCK, QuantizedArray, che
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: configs carry {arch}.rope.scaling.* (Gemma 3 4B+ linear)
 EXACT_INT8_TYPES = ("Q8_0", "Q4_0", "Q5_0")
 """GGUF types held exactly as int8 with one float scale per 32 values."""
 _EXACT_LAYOUTS = ("q", "kv", "in")  # layout kinds whose contraction is one axis (not "out", "experts")
