@@ -75,7 +75,7 @@ def test_the_installed_gguf_reads_every_expected_type():
     got = {t.name for t in READ}
     assert EXPECTED <= got, f"the installed gguf no longer dequantizes {sorted(EXPECTED - got)}"
     assert set(gguf_loader.dequantizable_types()) == got
-    assert not dequantizable(Q.I32) and not dequantizable(Q.F64)
+    assert not any(dequantizable(t) for t in (Q.I32, Q.F64, Q.Q8_K))
 
 
 def test_every_type_is_bit_exact_against_gguf_py(tmp_path):
@@ -111,13 +111,16 @@ def test_every_type_is_bit_exact_against_gguf_py(tmp_path):
     assert sorted(checked_blocks) == sorted(EXACT_INT8_TYPES)
 
 
-@pytest.mark.parametrize("qtype", [Q.I32, Q.F64])
+@pytest.mark.parametrize("qtype", [Q.I32, Q.F64, Q.Q8_K])
 def test_a_type_that_does_not_dequantize_is_named_at_load(tmp_path, qtype):
     spec = dict(vocab=40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=48, theta=1e4)
-    dtype = {Q.I32: np.int32, Q.F64: np.float64}[qtype]
+    if qtype == Q.Q8_K:  # a llama.cpp type gguf-py does not dequantize (16 rows of one block)
+        tensor = (np.zeros((16, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    else:
+        tensor = np.ones((16, 32), {Q.I32: np.int32, Q.F64: np.float64}[qtype])
     path = fx.write_gguf(tmp_path / "odd.gguf", "llama", spec, fx.hf_params(spec),
                          drop=frozenset({"blk.0.attn_v.weight"}),
-                         typed_tensors={"blk.0.attn_v.weight": np.ones((16, 32), dtype)})
+                         typed_tensors={"blk.0.attn_v.weight": tensor})
     with pytest.raises(ValueError, match=rf"'blk\.0\.attn_v\.weight' is {qtype.name}: a type xlaserve "
                                          r"cannot dequantize \(gguf .* reads F32, F16, .*Q4_K"):
         load_gguf(path, progress=False)

@@ -122,7 +122,7 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
                permute: bool | None = None, rope_scaling: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, drop: frozenset = frozenset(),
                per_expert: bool = False, add_vocab=None,
-               typed_tensors: dict[str, np.ndarray] | None = None,
+               typed_tensors: dict[str, np.ndarray | tuple] | None = None,
                rope_metadata: dict | None = None) -> Path:
     """Writes ``p`` (HF layout) as a GGUF of ``arch`` ("llama", "qwen3", "qwen3moe").
 
@@ -134,7 +134,8 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
       (default 4096) and ``eps`` (RMSNorm epsilon, default 1e-5).
     qtype: storage type of 2-D/3-D weights (F32, F16, Q8_0; norms and router stay F32).
     extra_tensors: more F32 tensors to write; drop: GGUF tensor names not to write;
-    typed_tensors: more tensors written in their numpy dtype's GGML type (int32 -> I32, ...).
+    typed_tensors: more tensors written in their numpy dtype's GGML type (int32 -> I32, ...),
+      or given as ``(uint8 bytes, GGMLQuantizationType)``.
     per_expert: write experts one tensor each (``blk.{i}.ffn_gate.{e}.weight``, older
       Mixtral GGUFs) instead of stacked ``ffn_gate_exps``.
     add_vocab: ``writer -> None`` writing the tokenizer fields (default: a llama.cpp-style
@@ -232,7 +233,10 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
     for name, arr in (extra_tensors or {}).items():
         put(name, arr, keep_f32=True)
     for name, arr in (typed_tensors or {}).items():
-        w.add_tensor(name, arr)
+        if isinstance(arr, tuple):  # (uint8 bytes, GGMLQuantizationType)
+            w.add_tensor(name, arr[0], raw_dtype=arr[1])
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
