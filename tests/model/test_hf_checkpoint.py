@@ -1,6 +1,7 @@
 """Hugging Face checkpoints through ``model.safetensors_loader`` against transformers' own outputs.
 
-The tiny random checkpoints in tests/data/hf_tiny (one per architecture, float32,
+The tiny random checkpoints in tests/data/hf_tiny (one per architecture: Llama, Mistral,
+Qwen3, Gemma 3 text and multimodal, Qwen2, Phi-3, Gemma 2, Mixtral, Qwen3-MoE; float32,
 "llama" in shards with an index) and transformers' logits and greedy ids for them
 were recorded once by tests/data/hf_tiny/make_fixtures.py; no torch here. Each
 checkpoint is loaded, run over the prompt (one prefill over the paged KV cache)
@@ -23,6 +24,7 @@ import pytest
 from flax import nnx
 
 from model.attention_metadata import AttentionMetadata
+from model.compute import REFERENCE, Compute
 from model.factory import build_model
 from model.hf_config import read_hf_config
 from model.kv_cache import KVCache
@@ -32,7 +34,7 @@ from tests.support.paths import TEST_DATA
 DATA = TEST_DATA / "hf_tiny"
 PAGE = 8
 ATOL = 1e-4
-DENSE = ["llama", "mistral", "qwen3", "gemma3_text", "gemma3_mm"]
+DENSE = ["llama", "mistral", "qwen3", "gemma3_text", "gemma3_mm", "qwen2", "phi3", "gemma2"]
 MOE = ["mixtral", "qwen3_moe"]
 
 
@@ -40,16 +42,16 @@ def golden(case: str) -> dict:
     return json.loads((DATA / case / "golden.json").read_text())
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step(graphdef, state, tokens, positions, cache, md, logits_indices):
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE):
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache, md, logits_indices)
+    return model(tokens, positions, cache, md, logits_indices, compute)
 
 
-def prefill_then_greedy(model, prompt: list[int], new: int
+def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE
                         ) -> tuple[np.ndarray, list[int], np.ndarray]:
     """(logits [T, V] at every prompt position, ``new`` greedy ids decoded through the cache,
-    the logits [new, V] each id was chosen from)."""
+    the logits [new, V] each id was chosen from), every step run with ``compute``."""
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     T = len(prompt)
@@ -63,7 +65,7 @@ def prefill_then_greedy(model, prompt: list[int], new: int
                            num_seqs=jnp.asarray(1, jnp.int32), mode="prefill")
     with jax.default_matmul_precision("highest"):
         logits, cache = _step(graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos),
-                              cache, md, jnp.asarray(pos))
+                              cache, md, jnp.asarray(pos), compute)
         logits = np.asarray(logits)
         rows = [logits[-1]]
         ids = [int(np.argmax(logits[-1]))]
@@ -74,7 +76,8 @@ def prefill_then_greedy(model, prompt: list[int], new: int
                 cu_q_lens=jnp.asarray([0, 1], jnp.int32), num_seqs=jnp.asarray(1, jnp.int32),
                 mode="decode")
             step, cache = _step(graphdef, state, jnp.asarray([ids[-1]], jnp.int32),
-                                jnp.asarray([p], jnp.int32), cache, md, jnp.asarray([0], jnp.int32))
+                                jnp.asarray([p], jnp.int32), cache, md, jnp.asarray([0], jnp.int32),
+                                compute)
             rows.append(np.asarray(step)[0])
             ids.append(int(np.argmax(rows[-1])))
     return logits, ids, np.stack(rows)
