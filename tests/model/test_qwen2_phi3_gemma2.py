@@ -26,7 +26,7 @@ from model.gguf_loader import load_gguf
 from model.hf_config import config_from_hf, read_hf_config
 from model.layers import apply_rope, rope_attention_factor, rope_inv_freq
 from model.safetensors_loader import load_hf_checkpoint
-from tests.model.test_hf_checkpoint import ATOL, DATA, agree_until_near_tie, golden, prefill_then_greedy
+from tests.support.hf_tiny_parity import ATOL, DATA, agree_until_near_tie, golden, prefill_then_greedy
 from tests.support.hf_to_gguf import write_gguf_from_hf
 
 NEW = ["qwen2", "phi3", "gemma2"]
