@@ -161,12 +161,12 @@ def _layer_extras(arch: str, cfg: ModelConfig) -> dict[str, Source]:
         out.update(_QKV_BIAS)
     if not cfg.is_moe:
         out.update(_DENSE_MLP)
-    if arch == "Phi3ForCausalLM":
-        out.update(_PHI3_FUSED)
     elif arch == "MixtralForCausalLM":
         out.update(_MIXTRAL_MOE)
     else:
         out.update(_QWEN3_MOE)
+    if arch == "Phi3ForCausalLM":
+        out.update(_PHI3_FUSED)
     return out
 
 
