@@ -26,7 +26,7 @@ from model.gguf_loader import load_gguf
 from model.hf_config import config_from_hf, read_hf_config
 from model.layers import apply_rope, rope_attention_factor, rope_inv_freq
 from model.safetensors_loader import load_hf_checkpoint
-from tests.support.hf_tiny_parity import ATOL, DATA, agree_until_near_tie, golden, prefill_then_greedy
+from tests.support.hf_tiny_parity import ATOL, DATA, golden, prefill_then_greedy
 from tests.support.hf_to_gguf import write_gguf_from_hf
 
 NEW = ["qwen2", "phi3", "gemma2"]
@@ -92,12 +92,13 @@ def test_pallas_kernels_match_transformers(case):
     cfg, params = load_hf_checkpoint(DATA / case, progress=False)
     model = build_model(cfg, params=params, dtype=jnp.float32)
     pallas = Compute(attention=select_attention("pallas", "cpu"))
-    logits, ids, step_logits = prefill_then_greedy(model, ref["prompt"], len(ref["greedy"]["ids"]),
-                                                   compute=pallas)
+    steps = 6  # of the 12 recorded: interpret mode is slow; no near-tie among them (checked)
+    assert min(ref["greedy"]["step_top1_top2_margin"][:steps]) > ref["cutoff"]
+    logits, ids, step_logits = prefill_then_greedy(model, ref["prompt"], steps, compute=pallas)
     assert np.abs(logits - np.load(DATA / case / "logits.npy")).max() <= ATOL
-    compared = agree_until_near_tie(ids, ref, f"{case} (pallas)")
-    want_steps = np.load(DATA / case / "greedy_logits.npy")[:compared + 1]
-    assert np.abs(step_logits[:len(want_steps)] - want_steps).max() <= ATOL
+    assert ids == ref["greedy"]["ids"][:steps]
+    want_steps = np.load(DATA / case / "greedy_logits.npy")[:steps]
+    assert np.abs(step_logits - want_steps).max() <= ATOL
 
 
 @pytest.mark.parametrize("case", NEW)

@@ -1,7 +1,8 @@
-"""The engine on tiny Hugging Face checkpoints of the architectures added in issue 30 (tests/data/
-hf_tiny: Qwen2, Phi-3, Gemma 2): served through the engine loop (its backend policy, paged KV
-cache, decode buckets), float32 greedy ids equal transformers' up to the first
-near-tie, for a request alone and for two sharing decode steps."""
+"""The engine on a tiny Hugging Face checkpoint of an architecture added in issue 30 (tests/data/
+hf_tiny/gemma2: attention soft-cap, alternating sliding windows): served through the engine
+loop (its backend policy, paged KV cache, a decode batch of two), float32 greedy ids equal
+transformers' up to the first near-tie. (Qwen2 and Phi-3 run the Llama decoder, whose engine
+path other tests cover; their parity is tests/model/test_hf_checkpoint.py's.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.support.engine_helpers import generate, request
 from tests.support.paths import TEST_DATA
 
 
-@pytest.mark.parametrize("case", ["qwen2", "phi3", "gemma2"])
+@pytest.mark.parametrize("case", ["gemma2"])
 def test_engine_greedy_matches_transformers(case):
     ref = golden(case)
     cfg, params = load_hf_checkpoint(TEST_DATA / "hf_tiny" / case, progress=False)
@@ -29,10 +30,8 @@ def test_engine_greedy_matches_transformers(case):
     loop.start(warmup=False)
     try:
         n = len(ref["greedy"]["ids"])
-        alone = generate(loop, [request(ref["prompt"], max_tokens=n, ignore_eos=True)])[0]
         pair = generate(loop, [request(ref["prompt"], max_tokens=n, ignore_eos=True),
                                request(ref["prompt"][:9], max_tokens=4, ignore_eos=True)])[0]
     finally:
         loop.stop()
-    assert agree_until_near_tie(alone, ref, f"{case} engine") >= 6
     assert agree_until_near_tie(pair, ref, f"{case} engine, batched") >= 6
