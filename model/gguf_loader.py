@@ -1,9 +1,10 @@
 """GGUF -> the parameter layout of our decoders, with an on-disk cache of the result.
 
 One loader for every architecture ``ModelConfig.from_gguf_metadata`` reads,
-dispatched on ``general.architecture``: "gemma3" (``model.gemma3``), and
-"llama" (Llama 2/3, Mixtral), "qwen3", "qwen3moe" (``model.llama``, dense or
-MoE). The tensor names and layouts per architecture are in
+dispatched on ``general.architecture``: "gemma3", "gemma2" (``model.gemma3``),
+and "llama" (Llama 2/3, Mixtral), "qwen2" (q/k/v biases), "qwen3", "qwen3moe",
+"phi3" (fused ``attn_qkv`` / ``ffn_up`` split here; LongRoPE factors from the
+``rope_factors_*`` tensors) (``model.llama``, dense or MoE). The tensor names and layouts per architecture are in
 ``model.gguf_tensor_map``, including the undoing of llama.cpp's Q/K row
 permutation for "llama" GGUFs.
 
@@ -170,7 +171,7 @@ def load_gguf(
     """Loads a GGUF: its config and its weights in our decoder's layout.
 
     Args:
-      path: the GGUF file (``general.architecture`` gemma3, llama, qwen3 or qwen3moe).
+      path: the GGUF file (``general.architecture`` one of ``model.config.GGUF_ARCHITECTURES``).
       name: the served model name for the config (default per architecture,
         e.g. "gemma-3", "llama").
       cache_dir: where the config and dequantized arrays are cached; None
@@ -217,23 +218,32 @@ def load_gguf(
     cfg = _config_from_reader(reader, name, tensors)
     arch = str(reader.fields["general.architecture"].contents())
     used: set[str] = set()
+    last: dict[str, np.ndarray] = {}
 
     def get(tname: str, blocks: bool = False):
         """The tensor dequantized, or with ``blocks`` as a QuantizedArray (an exact type)."""
         if tname not in tensors:
             raise ValueError(f"GGUF {path.name} ({arch}) lacks tensor {tname!r}")
         used.add(tname)
-        return _blocks(tensors[tname]) if blocks else _dequantize(tensors[tname])
+        if blocks:
+            return _blocks(tensors[tname])
+        if tname not in last:  # Phi-3's fused tensors are read once per part: dequantize once
+            last.clear()
+            last[tname] = _dequantize(tensors[tname])
+        return last[tname]
 
     def exact(tname: str) -> bool:
         return int8 and tname in tensors and _exact_int8(tensors[tname])
 
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         if "output.weight" in tensors:
-            raise ValueError("untied output.weight is not supported by the Gemma3 model")
-        layer_tensors = tmap.GEMMA3_LAYER_TENSORS
+            raise ValueError(f"untied output.weight is not supported by the {arch} model")
+        layer_tensors = tmap.gemma_layer_tensors(cfg.qk_norm)
     else:
-        layer_tensors = tmap.llama_layer_tensors(cfg.qk_norm, cfg.is_moe)
+        layer_tensors = tmap.llama_layer_tensors(cfg.qk_norm, cfg.is_moe, cfg.qkv_bias,
+                                                 fused_phi3=arch == "phi3")
+        if "rope_factors_short.weight" in tensors or "rope_factors_long.weight" in tensors:
+            cfg = _longrope(cfg, get("rope_factors_short.weight"), get("rope_factors_long.weight"))
         if "rope_freqs.weight" in tensors:
             scaling = tmap.llama3_rope_scaling(
                 get("rope_freqs.weight"), cfg.head_dim, cfg.rope_theta_global,
@@ -245,7 +255,7 @@ def load_gguf(
     permuted = arch in tmap.PERMUTED_QK
 
     def layer_tensor(i: int, theirs: str, kind: str, blocks: bool = False):
-        tname = f"blk.{i}.{theirs}.weight"
+        tname = f"blk.{i}.{theirs}" if theirs.endswith(".bias") else f"blk.{i}.{theirs}.weight"
         per_expert = f"blk.{i}.{theirs.removesuffix('_exps')}.{{}}.weight"
         if kind == "experts" and tname not in tensors and per_expert.format(0) in tensors:
             # older Mixtral GGUFs: one tensor per expert, blk.{i}.ffn_gate.{e}.weight
@@ -295,6 +305,18 @@ def load_gguf(
     if cache is not None:
         _save_cache(cache, cfg, params)
     return cfg, params
+
+
+def _longrope(cfg: ModelConfig, short: np.ndarray, long: np.ndarray) -> ModelConfig:
+    """Phi-3's LongRoPE from llama.cpp's ``rope_factors_short`` / ``rope_factors_long``
+    tensors (HF's ``short_factor`` / ``long_factor``, one per rotated pair); the factor
+    is ``context_length / rope.scaling.original_context_length`` (HF's rule)."""
+    short, long = (np.asarray(a, np.float64).reshape(-1) for a in (short, long))
+    factor = cfg.max_position / cfg.rope_original_max_position
+    return dataclasses.replace(
+        cfg, rope_scaling_type="longrope", rope_scaling_factor=float(factor),
+        rope_short_factors=tuple(float(x) for x in short),
+        rope_long_factors=tuple(float(x) for x in long))
 
 
 def _metadata_int(reader, key: str, default: int) -> int:

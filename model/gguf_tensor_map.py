@@ -24,9 +24,9 @@ The permutation moves row ``j`` of a head to ``2j`` and row ``j + H/2`` to
 ``2j + 1``, so llama.cpp's interleaved RoPE on the GGUF rows computes what HF's
 rotate-half RoPE computes on the HF rows. ``model.layers.apply_rope`` is
 rotate-half, so the loader undoes the permutation (:func:`unpermute_qk`) for
-architectures that llama.cpp permutes (``PERMUTED_QK``). Qwen3 / Qwen3-MoE and
-Gemma 3 use NeoX RoPE in llama.cpp too (``LLAMA_ROPE_TYPE_NEOX``) and their
-converters do not permute: their rows load as stored.
+architectures that llama.cpp permutes (``PERMUTED_QK``). Qwen2, Qwen3 / Qwen3-MoE,
+Phi-3, Gemma 2 and Gemma 3 use NeoX RoPE in llama.cpp too (``LLAMA_ROPE_TYPE_NEOX``)
+and their converters do not permute: their rows load as stored.
 """
 
 from __future__ import annotations
@@ -73,14 +73,35 @@ _MOE_FFN = {
 }
 
 
-def llama_layer_tensors(qk_norm: bool, moe: bool) -> dict[str, tuple[str, str]]:
+_QKV_BIAS = {"bq": ("attn_q.bias", "bias_q"), "bk": ("attn_k.bias", "bias_kv"),
+             "bv": ("attn_v.bias", "bias_kv")}
+_PHI3_FUSED = {  # llama.cpp's phi3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (gate rows first)
+    "wq": ("attn_qkv", "qkv_q"), "wk": ("attn_qkv", "qkv_k"), "wv": ("attn_qkv", "qkv_v"),
+    "w_gate": ("ffn_up", "gate_up_gate"), "w_up": ("ffn_up", "gate_up_up"),
+}
+
+
+def llama_layer_tensors(qk_norm: bool, moe: bool, qkv_bias: bool = False,
+                        fused_phi3: bool = False) -> dict[str, tuple[str, str]]:
     """{our layer param: (GGUF tensor name within ``blk.{i}.``, layout kind)} for a
-    Llama-family decoder (``llama``, ``qwen3``, ``qwen3moe``)."""
+    Llama-family decoder (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3``).
+    A name ending in ``.bias`` is the whole suffix; any other gets ``.weight``."""
     out = dict(_LLAMA_ATTENTION)
     if qk_norm:
         out.update(_QK_NORM)
+    if qkv_bias:
+        out.update(_QKV_BIAS)
     out.update(_MOE_FFN if moe else _DENSE_FFN)
+    if fused_phi3:
+        out.update(_PHI3_FUSED)
     return out
+
+
+def gemma_layer_tensors(qk_norm: bool) -> dict[str, tuple[str, str]]:
+    """The layer tensors of ``gemma3`` GGUFs, and of ``gemma2`` ones (no QK-norm)."""
+    if qk_norm:
+        return dict(GEMMA3_LAYER_TENSORS)
+    return {k: v for k, v in GEMMA3_LAYER_TENSORS.items() if k not in ("q_norm", "k_norm")}
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -110,7 +131,11 @@ def to_layout(arr: np.ndarray, kind: str, *, hidden: int, heads: int, kv_heads: 
     kinds: "vector" [n] as is; "q" (N*H, D) -> [D, N, H]; "kv" (K*H, D) -> [D, K, H];
     "out" (D, N*H) -> [N, H, D]; "in" (out, in) -> [in, out] (also the router:
     (E, D) -> [D, E]); "experts" (E, out, in) -> [E, in, out] (``ffn_gate_exps``
-    (E, F, D) -> [E, D, F], ``ffn_down_exps`` (E, D, F) -> [E, F, D]).
+    (E, F, D) -> [E, D, F], ``ffn_down_exps`` (E, D, F) -> [E, F, D]);
+    "bias_q" (N*H,) -> [N, H], "bias_kv" (K*H,) -> [K, H]; Phi-3's fused
+    ``attn_qkv`` ((N + 2K) * H, D): "qkv_q" / "qkv_k" / "qkv_v" its q / k / v rows
+    as "q" / "kv"; fused ``ffn_up`` (2F, D): "gate_up_gate" / "gate_up_up" its
+    first / second half of rows as "in".
 
     Raises:
       ValueError: unknown kind.
@@ -118,6 +143,20 @@ def to_layout(arr: np.ndarray, kind: str, *, hidden: int, heads: int, kv_heads: 
     D, H = hidden, head_dim
     if kind == "vector":
         return arr
+    if kind == "bias_q":
+        return arr.reshape(heads, H)
+    if kind == "bias_kv":
+        return arr.reshape(kv_heads, H)
+    if kind in ("qkv_q", "qkv_k", "qkv_v"):
+        if arr.shape[0] != (heads + 2 * kv_heads) * H:
+            raise ValueError(f"fused qkv has {arr.shape[0]} rows, expected (N + 2K) * H = "
+                             f"{(heads + 2 * kv_heads) * H}")
+        q, k = heads * H, kv_heads * H
+        part = {"qkv_q": arr[:q], "qkv_k": arr[q:q + k], "qkv_v": arr[q + k:]}[kind]
+        return part.T.reshape(D, -1, H)
+    if kind in ("gate_up_gate", "gate_up_up"):
+        f = arr.shape[0] // 2
+        return (arr[:f] if kind == "gate_up_gate" else arr[f:]).T
     if kind == "q":
         return arr.T.reshape(D, heads, H)
     if kind == "kv":

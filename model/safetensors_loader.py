@@ -248,7 +248,7 @@ def _check_tensors(ckpt: SafetensorsCheckpoint, srcs: Mapping[str, hmap.Source],
     for pname, src in srcs.items():
         inner = layout[pname][0][src.stacked_axes:]
         for tname in hmap.tensor_names(src, cfg):
-            wanted[tname] = hmap.hf_shape(src.kind, inner)
+            wanted[tname] = hmap.hf_shape(src.kind, inner, cfg)
     where = ckpt.directory.name
     missing = sorted(set(wanted) - set(ckpt.files))
     if missing:
