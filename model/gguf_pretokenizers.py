@@ -205,7 +205,7 @@ def _aliases() -> dict[str, str]:
         "afmoe": ["afmoe"],
         "laguna": ["laguna"],
         "exaone-moe": ["exaone-moe"],
-        "gemma4": ["gemma4", "granite-embed-multi-311m"],
+        "gemma4": ["gemma4", "granite-embed-multi-311m", "sarvam-moe"],
         "minicpm5": ["minicpm5"],
     }
     out = {}
@@ -218,7 +218,9 @@ def _aliases() -> dict[str, str]:
 
 GGUF_PRE_TOKENIZERS: dict[str, str] = _aliases()
 """``tokenizer.ggml.pre`` value -> family name in :data:`FAMILIES`: every name
-llama.cpp's ``llama_vocab::impl::load`` accepts for a BPE vocabulary.
+llama.cpp's ``llama_vocab::impl::load`` accepts for a BPE vocabulary but
+"whitespace" (which goes with its own ``tokenizer.ggml.model`` "whitespace",
+not read). "sarvam-moe" shares Gemma 4's rule (llama.cpp's two entries are equal).
 "grok-2" uses Qwen2's expression (llama.cpp's table gives both the same one);
 "glm4"/"glm5" are "chatglm-bpe"'s rule with ``ignore_merges``."""
 

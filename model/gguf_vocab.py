@@ -49,6 +49,9 @@ VOCAB_TYPES = ("gpt2", "llama", "bert", "gemma4")
 """The ``tokenizer.ggml.model`` values read."""
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# llama.cpp's ids where the GGUF names none (llama_vocab::impl::load).
+_DEFAULT_IDS = {("llama", "bos"): 1, ("llama", "eos"): 2, ("llama", "unk"): 0,
+                ("bert", "bos"): 101, ("bert", "eos"): 102, ("bert", "unk"): 100}
 _WS = "\u2581"
 
 
@@ -208,7 +211,8 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, A
     Returns:
       (tokenizer, metadata): ``{"model", "pre", "bos_id", "eos_id", "eot_id",
       "eom_id", "add_bos", "chat_template"}``; ids None where the GGUF has no
-      such field; ``add_bos`` is ``tokenizer.ggml.add_bos_token``, else
+      such field (except llama.cpp's defaults: "llama" BOS 1 / EOS 2, "bert"
+      ``cls_token_id`` / ``seperator_token_id``, else 101 / 102); ``add_bos`` is ``tokenizer.ggml.add_bos_token``, else
       llama.cpp's default for the vocabulary (true for "llama", "bert" and the
       llama3 / tekken / chameleon splits).
 
@@ -235,12 +239,12 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, A
     types = _field(fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(pieces)
     if len(types) != len(pieces):
         raise ValueError(f"{where}: {len(pieces)} tokens but {len(types)} token types")
-    unk_id = _field(fields, "tokenizer.ggml.unknown_token_id")
+    unk_id = _field(fields, "tokenizer.ggml.unknown_token_id", _DEFAULT_IDS.get((kind, "unk")))
     pre = _field(fields, "tokenizer.ggml.pre")
-    add_bos_default = kind in ("llama", "bert")
-    if kind == "gpt2":
-        fam = gguf_pretokenizers.family(pre)
-        add_bos_default = fam.name in ("llama3", "tekken", "chameleon")
+    fam = gguf_pretokenizers.family(pre) if kind == "gpt2" else None
+    add_bos_default = kind in ("llama", "bert") or (fam is not None and fam.name in ("llama3", "tekken",
+                                                                                     "chameleon"))
+    if fam is not None and fam.byte_level:
         merges = _field(fields, "tokenizer.ggml.merges")
         if merges is None:
             raise ValueError(f"{where} has no tokenizer.ggml.merges")
@@ -260,14 +264,17 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, A
                       rstrip_added="phi-3" in name or "phi3" in name)
     elif kind == "bert":
         tok = wordpiece(pieces, types, unk_id=unk_id, where=where)
-    else:  # gemma4
+    else:  # "gemma4", or a "gpt2" GGUF whose rule is SentencePiece-style (sarvam-moe)
         merges = _field(fields, "tokenizer.ggml.merges")
         if merges is None:
             raise ValueError(f"{where} has no tokenizer.ggml.merges")
         tok = gemma4_bpe(pieces, types, _split_merges(merges, where, 1), where=where)
     meta: dict[str, Any] = {"model": kind, "pre": pre, "chat_template": _field(fields, "tokenizer.chat_template")}
     for key in ("bos", "eos", "eot", "eom"):
-        v = _field(fields, f"tokenizer.ggml.{key}_token_id")
+        v = _field(fields, f"tokenizer.ggml.{key}_token_id", _DEFAULT_IDS.get((kind, key)))
+        if v is None and kind == "bert":  # BERT's [CLS] opens and [SEP] ends a sequence
+            v = _field(fields, {"bos": "tokenizer.ggml.cls_token_id", "eos": "tokenizer.ggml.seperator_token_id"}
+                       .get(key, ""), _DEFAULT_IDS.get(("bert", key)))
         meta[f"{key}_id"] = None if v is None else int(v)
     add_bos = _field(fields, "tokenizer.ggml.add_bos_token")
     meta["add_bos"] = bool(add_bos) if add_bos is not None else add_bos_default
