@@ -11,7 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
-from model.gguf_vocab import VOCAB_TYPES, UnsupportedVocab
+from model.gguf_vocab import VOCAB_TYPES
 from model.bpe_tokenizer import BPETokenizer
 from model.config import ModelConfig
 from model.factory import build_model
@@ -46,13 +46,11 @@ def gguf_tokenizer(path: str | Path) -> TextTokenizer:
         return bpe
     try:
         return Tokenizer.from_gguf(path, cache_dir=cache)
-    except (ValueError, KeyError, RuntimeError) as e:
-        spm_error = e
+    except (ValueError, KeyError, RuntimeError):
+        pass  # not Gemma's recipe: model.gguf_vocab reads every other vocabulary type
     try:
         return BPETokenizer.from_gguf(path, cache_dir=cache)
-    except UnsupportedVocab:
-        reason = spm_error
-    except ValueError as e:
+    except ValueError as e:  # gguf_vocab.UnsupportedVocab, an unknown tokenizer.ggml.pre, ...
         reason = e
     raise ValueError(f"{Path(path).name} carries no tokenizer xlaserve can use, so its text cannot "
                      f"be served ({reason}); the loader reads the vocabulary types "

@@ -46,18 +46,18 @@ def test_ids_equal_llama_cpps(models, name):
 
 def test_gguf_tokenizer_serves_sentencepiece_vocabularies(models):
     """A Llama 2 / Phi-3 SentencePiece GGUF (refused before: no Gemma chat pieces) serves
-    through the model registry: BOS 1 prepended (add_bos_token), EOS 2, the GGUF's chat
-    template kept, control tokens typed by a user stay text."""
+    through the model registry: BOS 1 prepended (add_bos_token), EOS from the metadata, the
+    GGUF's chat template kept, control tokens typed by a user stay text."""
     from serving.loading.model_registry import gguf_tokenizer
 
-    for name in ("llama-spm", "phi-3"):
-        _tokenizer(models, name)  # warms the cache the registry reads
+    for name, eos, control in (("llama-spm", 2, "</s>"), ("phi-3", 32000, "<|end|>")):
         tok = gguf_tokenizer(models / f"ggml-vocab-{name}.gguf")
-        assert isinstance(tok, BPETokenizer) and tok.add_bos and (tok.bos_id, tok.eos_id) == (1, 2), name
+        assert isinstance(tok, BPETokenizer) and tok.add_bos and (tok.bos_id, tok.eos_id) == (1, eos), name
         ids = tok.encode(" Hello world", add_bos=True)
         assert ids[0] == 1 and tok.decode(ids[1:]) == " Hello world", name
-        assert tok.encode("</s>") != [2] and tok.encode_markup("</s>") == [2], name
-    assert "<|assistant|>" in tok.chat_template_source and 32007 in tok.stop_token_ids  # phi-3: <|end|> is eot
+        assert len(tok.encode(control)) > 1 and tok.encode_markup(control) == [tok.token_id(control)], name
+    # Phi-3: <|end|> (32007, control) ends a turn; the template is the GGUF's.
+    assert "<|assistant|>" in tok.chat_template_source and 32007 in tok.stop_token_ids
 
 
 def test_every_llama_cpp_pre_name_has_a_split_rule():
