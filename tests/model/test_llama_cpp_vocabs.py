@@ -5,7 +5,9 @@ pairs (tests/support/llama_cpp_vocab.py downloads them with the pinned
 llama-cpp-python sdist) must give llama.cpp's ids for every input through
 ``BPETokenizer.from_gguf`` (``encode``: special tokens not parsed, no BOS, as
 ``test-tokenizer-0.cpp`` tokenizes). The tokenizers are cached under
-``cache_dir("tokenizer")``, so only the first run reads the GGUFs' metadata.
+``cache_dir("tokenizer")`` in a folder named after a hash of the conversion
+code, so only the first run after a change reads the GGUFs' metadata (minutes)
+and a stale cache never hides a change.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from tokenizers import Regex
 from model import gguf_pretokenizers as gp
 from model.bpe_tokenizer import BPETokenizer
 from model.gguf_vocab import UnsupportedVocab, read_gguf_tokenizer
-from serving.config.server_config import cache_dir
 from tests.support import llama_cpp_vocab as lv
 
 
@@ -27,7 +28,7 @@ def models():
 
 
 def _tokenizer(models, name: str) -> BPETokenizer:
-    return BPETokenizer.from_gguf(models / f"ggml-vocab-{name}.gguf", cache_dir=cache_dir("tokenizer"))
+    return BPETokenizer.from_gguf(models / f"ggml-vocab-{name}.gguf", cache_dir=lv.tokenizer_cache())
 
 
 def test_the_sdist_holds_the_vocabularies_tested(models):
@@ -44,14 +45,15 @@ def test_ids_equal_llama_cpps(models, name):
     assert not wrong, f"{name}: {len(wrong)}/{len(cases)} differ, first {wrong[0]!r}"
 
 
-def test_gguf_tokenizer_serves_sentencepiece_vocabularies(models):
+def test_gguf_tokenizer_serves_sentencepiece_vocabularies(models, monkeypatch):
     """A Llama 2 / Phi-3 SentencePiece GGUF (refused before: no Gemma chat pieces) serves
     through the model registry: BOS 1 prepended (add_bos_token), EOS from the metadata, the
     GGUF's chat template kept, control tokens typed by a user stay text."""
-    from serving.loading.model_registry import gguf_tokenizer
+    from serving.loading import model_registry
 
+    monkeypatch.setattr(model_registry, "cache_dir", lambda kind: lv.tokenizer_cache())
     for name, eos, control in (("llama-spm", 2, "</s>"), ("phi-3", 32000, "<|end|>")):
-        tok = gguf_tokenizer(models / f"ggml-vocab-{name}.gguf")
+        tok = model_registry.gguf_tokenizer(models / f"ggml-vocab-{name}.gguf")
         assert isinstance(tok, BPETokenizer) and tok.add_bos and (tok.bos_id, tok.eos_id) == (1, eos), name
         ids = tok.encode(" Hello world", add_bos=True)
         assert ids[0] == 1 and tok.decode(ids[1:]) == " Hello world", name

@@ -80,6 +80,20 @@ def models_dir() -> Path:
     return out
 
 
+def tokenizer_cache() -> Path:
+    """``cache_dir("tokenizer")/llama-cpp-vocab-<hash>``: the hash covers the source of the
+    modules that turn a GGUF vocabulary into a tokenizer, so editing them invalidates it."""
+    from model import bpe_convert, bpe_tokenizer, gguf_pretokenizers, gguf_vocab
+    from serving.config.server_config import cache_dir
+
+    h = hashlib.sha256()
+    for mod in (bpe_convert, bpe_tokenizer, gguf_pretokenizers, gguf_vocab):
+        h.update(Path(mod.__file__).read_bytes())
+    d = cache_dir("tokenizer") / f"llama-cpp-vocab-{h.hexdigest()[:16]}"
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def vocab_cases(models: Path, name: str) -> list[tuple[str, list[int]]]:
     """``(input, expected ids)`` of one vocabulary, read as ``test-tokenizer-0.cpp`` reads them
     (split on the separator; a trailing empty remainder is no case; each output line stripped
@@ -96,12 +110,11 @@ def vocab_cases(models: Path, name: str) -> list[tuple[str, list[int]]]:
 
 def main() -> None:
     from model.bpe_tokenizer import BPETokenizer
-    from serving.config.server_config import cache_dir
 
     models = models_dir()
     total = equal = 0
     for name in TESTED_VOCABS:
-        tok = BPETokenizer.from_gguf(models / f"ggml-vocab-{name}.gguf", cache_dir=cache_dir("tokenizer"))
+        tok = BPETokenizer.from_gguf(models / f"ggml-vocab-{name}.gguf", cache_dir=tokenizer_cache())
         cases = vocab_cases(models, name)
         ok = sum(tok.encode(s) == want for s, want in cases)
         total, equal = total + len(cases), equal + ok
