@@ -264,7 +264,9 @@ class Tokenizer:
           FileNotFoundError: ``path`` does not exist.
           ValueError: the GGUF lacks the tokenizer fields, they are inconsistent, or
             the vocabulary has no ``<start_of_turn>`` / ``<end_of_turn>`` control pieces
-            (Gemma's recipe; e.g. a Llama 2 SentencePiece GGUF).
+            (Gemma's recipe; e.g. a Llama 2 SentencePiece GGUF, which
+            ``model.bpe_tokenizer.BPETokenizer.from_gguf`` reads, as
+            ``serving.loading.model_registry.gguf_tokenizer`` does after this fails).
         """
         path = Path(path)
         st = path.stat()
