@@ -200,8 +200,8 @@ def measure(directory: Path, prompt: str, decode_tokens: int, max_model_len: int
     t0 = time.perf_counter()
     loop, tokenizer, _ = build_engine(cfg, warmup=False)
     load_s = time.perf_counter() - t0
-    peak_load = peak_rss_bytes()
     rss_loaded = rss_bytes()
+    peak_load = peak_rss_bytes()  # read after the RSS: VmHWM >= VmRSS
     ids = tokenizer.encode(prompt, add_bos=True)
 
     async def requests():
