@@ -199,6 +199,7 @@ def measure(directory: Path, prompt: str, decode_tokens: int, max_model_len: int
                              prefill_chunk=64, enable_prefix_caching=False)  # the warm request recomputes
     t0 = time.perf_counter()
     loop, tokenizer, _ = build_engine(cfg, warmup=False)
+    jax.block_until_ready(jax.tree.leaves(loop.engine.params))  # dispatched conversions done
     load_s = time.perf_counter() - t0
     rss_loaded = rss_bytes()
     peak_load = peak_rss_bytes()  # read after the RSS: VmHWM >= VmRSS
