@@ -21,7 +21,9 @@ parameters reads its row range of the fused tensor (kinds "qkv_q", "qkv_k",
 
 :func:`read_block` turns one block of one of our parameters (the index a device
 holds) into the reads of only those bytes from the HF tensor (a ``get_slice``
-of ``safetensors``), so a device never reads another device's shard.
+of ``safetensors``), so a device never reads another device's shard;
+:func:`read_into` fills a preallocated block (in the serving dtype) a slab at a
+time, so the host never holds the block twice.
 """
 
 from __future__ import annotations
@@ -291,6 +293,53 @@ def read_block(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Seque
     if n_stacked == 0:
         return one(src.pattern)
     if n_stacked == 1:
+        if len(stacked[0]) == 1:  # one layer (a slab of read_into): no stacked copy
+            return one(src.pattern.format(i=stacked[0][0]))[None]
         return np.stack([one(src.pattern.format(i=i)) for i in stacked[0]])
     return np.stack([np.stack([one(src.pattern.format(i=i, e=e)) for e in stacked[1]])
                      for i in stacked[0]])
+
+
+SLAB_BYTES = 16 << 20
+"""How much of a block :func:`read_into` reads at a time (at least one index of its axis 0:
+one layer of a stacked parameter)."""
+
+
+def read_into(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Sequence[slice],
+              read: Callable[[str, tuple[slice, ...]], np.ndarray], out: np.ndarray,
+              slab_bytes: int = SLAB_BYTES) -> np.ndarray:
+    """Fills ``out`` with the block ``index`` of our parameter, slab by slab along axis 0.
+
+    Each slab (a run of rows of axis 0, e.g. one layer of a stacked parameter, holding
+    about ``slab_bytes`` of ``out``) is read by :func:`read_block` and cast into
+    ``out``'s dtype as it is copied, so the host holds ``out`` plus one slab, never the
+    block twice (nor the block in the stored dtype beside the serving one).
+
+    Args:
+      src, cfg, shape, index, read: as for :func:`read_block`.
+      out: the block's array ([the block's shape], the serving dtype), written in place.
+      slab_bytes: bytes of ``out`` per read (at least one row of axis 0).
+
+    Returns:
+      ``out``.
+
+    Raises:
+      ValueError: ``out``'s shape is not the block's, or a strided block.
+    """
+    ranges = _ranges(index, shape)
+    if any(r.step != 1 for r in ranges):
+        raise ValueError(f"{src.pattern}: strided blocks are not supported ({index})")
+    block = tuple(len(r) for r in ranges)
+    if tuple(out.shape) != block:
+        raise ValueError(f"{src.pattern}: out has shape {tuple(out.shape)}, the block {block}")
+    if not block:
+        out[...] = read_block(src, cfg, shape, index, read)
+        return out
+    row_bytes = max(1, out.nbytes // max(1, block[0]))
+    step = max(1, slab_bytes // row_bytes)
+    rows = ranges[0]
+    for k in range(0, len(rows), step):
+        sub = rows[k:k + step]
+        sub_index = (slice(sub.start, sub.stop), *(slice(r.start, r.stop) for r in ranges[1:]))
+        out[k:k + len(sub)] = read_block(src, cfg, shape, sub_index, read)
+    return out
