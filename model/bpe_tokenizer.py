@@ -246,8 +246,8 @@ class BPETokenizer:
         and any control token of :data:`END_OF_TURN_TOKENS`; the GGUF's
         ``tokenizer.chat_template`` is kept.
 
-        Reading the metadata of a 128k-token vocabulary takes seconds
-        (``gguf.GGUFReader`` parses every field); with ``cache_dir`` the
+        Building the ``tokenizers`` pipeline of a 128k-token vocabulary takes
+        a second or more (SentencePiece vocabularies: their merge list); with ``cache_dir`` the
         result is saved there (:meth:`save`, keyed by the file's name, size and
         mtime) and later calls (:meth:`cached_gguf`) load that instead.
 

@@ -314,7 +314,8 @@ class ModelConfig:
         expert_mlp = int(get("expert_feed_forward_length", 0) or get("feed_forward_length")) if experts else 0
         default_name = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                         "qwen3moe": "qwen3-moe", "phi3": "phi3"}[arch]
-        fields = {"sliding_window": 0, "sliding_window_pattern": 0, **extra}
+        # {arch}.rope.scaling.* (common) wins over Phi-3's own reading of the same keys.
+        fields = {"sliding_window": 0, "sliding_window_pattern": 0, **extra, **common}
         return cls(
             name=name or default_name, architecture="llama", qk_norm=arch in ("qwen3", "qwen3moe"),
             qkv_bias=arch == "qwen2", head_dim=head_dim, mlp_dim=mlp,
@@ -322,7 +323,7 @@ class ModelConfig:
             num_experts_per_tok=int(get("expert_used_count", 0) or 0),
             expert_mlp_dim=expert_mlp,
             tie_embeddings=bool(meta.get("tie_embeddings", False)),
-            **fields, **common)
+            **fields)
 
 
 GGUF_ROPE_SCALING_TYPES = ("none", "linear", "yarn")

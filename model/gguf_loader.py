@@ -44,6 +44,7 @@ import numpy as np
 from model import gguf_tensor_map as tmap
 from model.config import ModelConfig
 from model.quantization import CONTRACTION_AXES, GGUF_BLOCK, QuantizedArray, check_quantization, gguf_blocks
+from model.gguf_metadata import read_gguf_header
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,14 @@ EXACT_INT8_TYPES = ("Q8_0", "Q4_0", "Q5_0")
 _EXACT_LAYOUTS = ("q", "kv", "in")  # layout kinds whose contraction is one axis (not "out", "experts")
 
 
-def _config_from_reader(reader, name: str | None, tensors: dict) -> ModelConfig:
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith(("tokenizer.", "GGUF."))}
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    elif "token_embd.weight" in tensors:  # GGUF shape is [D, V]
-        meta["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
-    meta["tie_embeddings"] = "output.weight" not in tensors
+def _config_from_metadata(metadata: dict, name: str | None, shapes: dict) -> ModelConfig:
+    """``shapes``: tensor name -> GGUF shape (innermost dimension first)."""
+    meta = {k: v for k, v in metadata.items() if not k.startswith(("tokenizer.", "GGUF."))}
+    if "tokenizer.ggml.tokens" in metadata:
+        meta["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    elif "token_embd.weight" in shapes:  # GGUF shape is [D, V]
+        meta["vocab_size"] = int(shapes["token_embd.weight"][-1])
+    meta["tie_embeddings"] = "output.weight" not in shapes
     return ModelConfig.from_gguf_metadata(meta, name=name)
 
 
@@ -70,10 +71,8 @@ def read_gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelC
     Raises:
       ValueError: an architecture or metadata the config does not support.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    return _config_from_reader(reader, name, {t.name: t for t in reader.tensors})
+    header = read_gguf_header(path)
+    return _config_from_metadata(header.metadata, name, {k: v[0] for k, v in header.tensors.items()})
 
 
 @functools.cache
@@ -215,8 +214,9 @@ def load_gguf(
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     check_tensor_types(tensors, path.name)
-    cfg = _config_from_reader(reader, name, tensors)
-    arch = str(reader.fields["general.architecture"].contents())
+    metadata = read_gguf_header(path).metadata  # fast; reader.fields' views are slow to convert
+    cfg = _config_from_metadata(metadata, name, {k: tuple(int(d) for d in t.shape) for k, t in tensors.items()})
+    arch = str(metadata["general.architecture"])
     used: set[str] = set()
     last: dict[str, np.ndarray] = {}
 
@@ -247,7 +247,7 @@ def load_gguf(
         if "rope_freqs.weight" in tensors:
             scaling = tmap.llama3_rope_scaling(
                 get("rope_freqs.weight"), cfg.head_dim, cfg.rope_theta_global,
-                _metadata_int(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+                int(metadata.get(f"{arch}.rope.scaling.original_context_length", 8192)))
             if scaling:
                 cfg = dataclasses.replace(cfg, **scaling)
     shape_kw = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
@@ -317,11 +317,6 @@ def _longrope(cfg: ModelConfig, short: np.ndarray, long: np.ndarray) -> ModelCon
         cfg, rope_scaling_type="longrope", rope_scaling_factor=float(factor),
         rope_short_factors=tuple(float(x) for x in short),
         rope_long_factors=tuple(float(x) for x in long))
-
-
-def _metadata_int(reader, key: str, default: int) -> int:
-    field = reader.fields.get(key)
-    return int(field.contents()) if field is not None else default
 
 
 def _load_cache(d: Path) -> tuple[dict, dict[str, np.ndarray]] | None:

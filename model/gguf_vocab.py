@@ -42,6 +42,7 @@ from typing import Any, Sequence
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from model import bpe_convert, gguf_pretokenizers
+from model.gguf_metadata import read_gguf_header
 
 __all__ = ["VOCAB_TYPES", "read_gguf_tokenizer", "spm_bpe", "wordpiece", "gemma4_bpe", "UnsupportedVocab"]
 
@@ -59,9 +60,9 @@ class UnsupportedVocab(ValueError):
     """A GGUF whose ``tokenizer.ggml.model`` is none of :data:`VOCAB_TYPES` (a ValueError)."""
 
 
-def _field(fields, key: str, default=None):
-    f = fields.get(key)
-    return default if f is None else f.contents()
+def _field(fields: dict[str, Any], key: str, default=None):
+    v = fields.get(key)
+    return default if v is None else v
 
 
 def _added(pieces: Sequence[str], types: Sequence[int], rstrip: bool = False) -> list[AddedToken]:
@@ -206,7 +207,7 @@ def _split_merges(merges: Sequence[str], where: str, first_space_from: int = 0) 
 def read_gguf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, Any]]:
     """A GGUF's vocabulary (any of :data:`VOCAB_TYPES`) as a ``tokenizers.Tokenizer``.
 
-    Reads ``tokenizer.ggml.*`` with ``gguf.GGUFReader`` (metadata only).
+    Reads ``tokenizer.ggml.*`` with :func:`model.gguf_metadata.read_gguf_header` (metadata only).
 
     Returns:
       (tokenizer, metadata): ``{"model", "pre", "bos_id", "eos_id", "eot_id",
@@ -222,12 +223,10 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, A
       ValueError: an unknown ``tokenizer.ggml.pre`` (named, with the known
         ones), or missing or inconsistent fields.
     """
-    import gguf  # memory-mapped metadata reader; tensor data is not read
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(path)
-    fields = gguf.GGUFReader(path, "r").fields
+    fields = read_gguf_header(path).metadata
     kind = _field(fields, "tokenizer.ggml.model")
     if kind not in VOCAB_TYPES:
         raise UnsupportedVocab(f"{path.name}: tokenizer.ggml.model {kind!r} is not one xlaserve reads "
