@@ -39,7 +39,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from model import bpe_convert, gguf_pretokenizers
 from model.gguf_metadata import read_gguf_header
