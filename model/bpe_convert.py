@@ -19,7 +19,8 @@ then merged by rank):
   ranks shifted past the special tokens (``mistral_common``'s layout).
 - **GGUF "gpt2" vocabularies** (``tokenizer.ggml.model == "gpt2"``): tokens
   already in the byte alphabet, merges given, and ``tokenizer.ggml.pre``
-  naming the split expression (:data:`GGUF_PRE_TOKENIZERS`).
+  naming the split rule (read by :mod:`model.gguf_vocab` with the rules of
+  :mod:`model.gguf_pretokenizers`, through :func:`byte_level_bpe`).
 
 Special tokens become ``tokenizers`` added tokens at their own ids, marked
 ``special`` (control): ``BPETokenizer.encode`` turns their parsing off, so a
@@ -39,9 +40,9 @@ from typing import Mapping, Sequence
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 __all__ = [
-    "LLAMA3_PATTERN", "QWEN2_PATTERN", "TEKKEN_PATTERN", "GGUF_PRE_TOKENIZERS", "LLAMA3_SPECIAL_TOKENS",
+    "LLAMA3_PATTERN", "QWEN2_PATTERN", "TEKKEN_PATTERN", "LLAMA3_SPECIAL_TOKENS",
     "byte_alphabet", "read_tiktoken_ranks", "merges_from_ranks", "byte_level_bpe",
-    "from_ranks", "read_tekken", "read_gguf_bpe", "NotByteLevelBPE",
+    "from_ranks", "read_tekken",
 ]
 
 LLAMA3_PATTERN = (
@@ -65,21 +66,6 @@ TEKKEN_PATTERN = (
 )
 """Mistral's Tekken split expression (``config.pattern`` of ``tekken_240911.json``):
 case-aware letter runs, single digits, punctuation runs that keep a trailing "/"."""
-
-GGUF_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
-    # tokenizer.ggml.pre -> (split expression, NFC-normalize first)
-    "llama-bpe": (LLAMA3_PATTERN, False),
-    "llama3": (LLAMA3_PATTERN, False),
-    "llama-v3": (LLAMA3_PATTERN, False),
-    "qwen2": (QWEN2_PATTERN, True),
-    "tekken": (TEKKEN_PATTERN, False),
-}
-"""The ``tokenizer.ggml.pre`` names read (llama.cpp's names for the split
-expressions): Llama 3 ("llama-bpe", with the older spellings "llama3" and
-"llama-v3"), Qwen2 ("qwen2", whose ``tokenizer.json`` also normalizes to
-NFC) and Mistral's Tekken ("tekken", Mistral Nemo). Any other name is refused
-(:func:`read_gguf_bpe`)."""
-
 
 def _llama3_special_tokens() -> tuple[str, ...]:
     named = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
@@ -198,7 +184,8 @@ def merges_from_ranks(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def byte_level_bpe(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], pattern: str, *,
                    special_tokens: Mapping[str, int] = {}, user_tokens: Mapping[str, int] = {},
-                   nfc: bool = False) -> Tokenizer:
+                   nfc: bool = False, pre_tokenizer: pre_tokenizers.PreTokenizer | None = None,
+                   ignore_merges: bool = True) -> Tokenizer:
     """A ``tokenizers.Tokenizer``: byte-level BPE split by ``pattern``.
 
     The pipeline is Hugging Face's for Llama 3 / Qwen2 ``tokenizer.json``:
@@ -216,6 +203,9 @@ def byte_level_bpe(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], 
       user_tokens: ``{content: id}`` of non-special added tokens (recognized in
         any text, decoded as their text; GGUF "user-defined" tokens).
       nfc: NFC-normalize input first (Qwen2).
+      pre_tokenizer: replaces the ``Split(pattern)`` + ``ByteLevel`` pipeline
+        (a GGUF family's several splits, ``model.gguf_pretokenizers``).
+      ignore_merges: see above (False: every piece goes through the merges).
 
     Raises:
       ValueError: an added token's id is another entry's, its spelling is
@@ -240,11 +230,11 @@ def byte_level_bpe(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], 
     if missing:
         raise ValueError(f"the vocabulary has no token for ids {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} ({len(missing)} gaps)")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), ignore_merges=True,
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), ignore_merges=ignore_merges,
                                fuse_unk=False, byte_fallback=False))
     if nfc:
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
+    tok.pre_tokenizer = pre_tokenizer if pre_tokenizer is not None else pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
     ])
@@ -326,74 +316,3 @@ _TEKKEN_LEGACY_SPECIALS = (
     "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
     "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
 )
-
-
-class NotByteLevelBPE(ValueError):
-    """A GGUF whose ``tokenizer.ggml.model`` is not "gpt2" (e.g. a SentencePiece "llama" one)."""
-
-
-def _gguf_field(fields, key: str, default=None):
-    field = fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def read_gguf_bpe(path: str | os.PathLike) -> tuple[Tokenizer, dict]:
-    """A GGUF's "gpt2" (byte-level BPE) vocabulary as a ``tokenizers`` Tokenizer.
-
-    Reads ``tokenizer.ggml.tokens`` (spelled in the byte alphabet, as in
-    ``tokenizer.json``), ``.merges`` (``"left right"`` strings), ``.token_type``
-    (3 control: special added tokens; 4 user-defined: plain added tokens; 1
-    normal, 5 unused, 6 byte: BPE vocabulary) and ``.pre`` (the split
-    expression, :data:`GGUF_PRE_TOKENIZERS`).
-
-    Returns:
-      (tokenizer, metadata): ``{"pre", "bos_id", "eos_id", "eot_id", "eom_id",
-      "add_bos", "chat_template"}``, each None where the GGUF has no such
-      field (``add_bos`` defaults to True for Llama 3's split, else False, as
-      llama.cpp does).
-
-    Raises:
-      FileNotFoundError: no such file.
-      NotByteLevelBPE: (a ValueError) ``tokenizer.ggml.model`` is not "gpt2".
-      ValueError: an unknown ``tokenizer.ggml.pre``
-        (named, with the supported ones), or missing/inconsistent fields.
-    """
-    import gguf  # memory-mapped metadata reader; tensor data is not read
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(path)
-    fields = gguf.GGUFReader(path, "r").fields
-    kind = _gguf_field(fields, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise NotByteLevelBPE(f"{path.name}: tokenizer.ggml.model is {kind!r}, not 'gpt2' (byte-level BPE)")
-    pre = _gguf_field(fields, "tokenizer.ggml.pre", "default")
-    if pre not in GGUF_PRE_TOKENIZERS:
-        raise ValueError(f"{path.name}: unknown tokenizer.ggml.pre {pre!r}; xlaserve reads "
-                         f"{sorted(GGUF_PRE_TOKENIZERS)}")
-    pattern, nfc = GGUF_PRE_TOKENIZERS[pre]
-    tokens = _gguf_field(fields, "tokenizer.ggml.tokens")
-    merges = _gguf_field(fields, "tokenizer.ggml.merges")
-    if tokens is None or merges is None:
-        raise ValueError(f"{path.name} has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    types = _gguf_field(fields, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"{path.name}: {len(tokens)} tokens but {len(types)} token types")
-    vocab, special, user = {}, {}, {}
-    for i, (t, ty) in enumerate(zip(tokens, types)):
-        (special if ty == 3 else user if ty == 4 else vocab)[t] = i
-    pairs = []
-    for k, m in enumerate(merges):
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"{path.name}: tokenizer.ggml.merges[{k}] = {m!r} is not 'left right'")
-        pairs.append((parts[0], parts[1]))
-    meta = {"pre": pre, "chat_template": _gguf_field(fields, "tokenizer.chat_template")}
-    for key in ("bos", "eos", "eot", "eom"):
-        v = _gguf_field(fields, f"tokenizer.ggml.{key}_token_id")
-        meta[f"{key}_id"] = None if v is None else int(v)
-    add_bos = _gguf_field(fields, "tokenizer.ggml.add_bos_token")
-    meta["add_bos"] = bool(add_bos) if add_bos is not None else pattern == LLAMA3_PATTERN
-    return byte_level_bpe(vocab, pairs, pattern, special_tokens=special, user_tokens=user, nfc=nfc), meta

@@ -9,7 +9,9 @@
 - a tiktoken BPE file, Meta's Llama 3 ``tokenizer.model``
   (:meth:`BPETokenizer.from_tiktoken`) and Mistral's Tekken JSON
   (:meth:`BPETokenizer.from_tekken`), converted by ``model.bpe_convert``;
-- a GGUF's "gpt2" vocabulary (:meth:`BPETokenizer.from_gguf`).
+- a GGUF's vocabulary, any type llama.cpp's test data has ("gpt2" byte-level
+  BPE with every ``tokenizer.ggml.pre`` split, "llama" SentencePiece, "bert"
+  WordPiece, "gemma4"), read by ``model.gguf_vocab`` (:meth:`BPETokenizer.from_gguf`).
 
 User text never becomes control tokens: :meth:`~BPETokenizer.encode` runs with
 special-token parsing off (``tokenizers``' ``encode_special_tokens``), so
@@ -43,7 +45,7 @@ from typing import Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from model import bpe_convert
+from model import bpe_convert, gguf_vocab
 
 __all__ = ["BPETokenizer", "END_OF_TURN_TOKENS", "TURN_OPENING_TOKENS"]
 
@@ -236,27 +238,28 @@ class BPETokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> "BPETokenizer":
-        """From a GGUF's "gpt2" vocabulary (``model.bpe_convert.read_gguf_bpe``).
+        """From a GGUF's vocabulary (``model.gguf_vocab.read_gguf_tokenizer``: "gpt2" with any
+        of llama.cpp's ``tokenizer.ggml.pre`` names, "llama" SentencePiece, "bert", "gemma4").
 
         BOS ``tokenizer.ggml.bos_token_id`` (prepended per ``add_bos_token``);
         generation stops at ``eos_token_id``, ``eot_token_id``, ``eom_token_id``
         and any control token of :data:`END_OF_TURN_TOKENS`; the GGUF's
         ``tokenizer.chat_template`` is kept.
 
-        Reading the metadata of a 128k-token vocabulary takes seconds
-        (``gguf.GGUFReader`` parses every field); with ``cache_dir`` the
+        Building the ``tokenizers`` pipeline of a 128k-token vocabulary takes
+        a second or more (SentencePiece vocabularies: their merge list); with ``cache_dir`` the
         result is saved there (:meth:`save`, keyed by the file's name, size and
         mtime) and later calls (:meth:`cached_gguf`) load that instead.
 
         Raises:
           FileNotFoundError: no such file.
-          ValueError: not a "gpt2" vocabulary (``bpe_convert.NotByteLevelBPE``),
+          ValueError: a vocabulary type not read (``gguf_vocab.UnsupportedVocab``),
             an unknown ``tokenizer.ggml.pre``, or no EOS id.
         """
         hit = cls.cached_gguf(path, cache_dir)
         if hit is not None:
             return hit
-        tok, meta = bpe_convert.read_gguf_bpe(path)
+        tok, meta = gguf_vocab.read_gguf_tokenizer(path)
         control = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         eos = [meta[k] for k in ("eos_id", "eot_id", "eom_id") if meta[k] is not None]
         eos += [i for i in (tok.token_to_id(t) for t in END_OF_TURN_TOKENS) if i in control]
@@ -481,7 +484,7 @@ def _post_processor_adds(tok: HFTokenizer, bos_id: int) -> bool:
         "a", add_special_tokens=False).ids[:1] != [bos_id]
 
 
-_CACHE_RECIPE = 1  # bump when the conversion changes, so stale caches are not reused
+_CACHE_RECIPE = 2  # bump when the conversion changes, so stale caches are not reused
 
 
 def _cache_path(path: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:

@@ -158,12 +158,13 @@ def load_checkpoint_chat_template(directory: str | os.PathLike) -> JinjaChatTemp
     return JinjaChatTemplate(text, variables, name=f"{config_path} chat_template")
 
 
-def load_gguf_chat_template(path: str | os.PathLike, reader: Any = None) -> JinjaChatTemplate | None:
+def load_gguf_chat_template(path: str | os.PathLike,
+                            metadata: Mapping[str, Any] | None = None) -> JinjaChatTemplate | None:
     """A GGUF file's ``tokenizer.chat_template``, with ``bos_token``/``eos_token`` from its vocabulary.
 
     Args:
       path: the GGUF file.
-      reader: an open ``gguf.GGUFReader`` of it, to avoid parsing the metadata twice.
+      metadata: its metadata (:func:`model.gguf_metadata.read_gguf_header`), if already read.
 
     Returns:
       The compiled template, or None when the file carries none.
@@ -171,25 +172,22 @@ def load_gguf_chat_template(path: str | os.PathLike, reader: Any = None) -> Jinj
     Raises:
       ValueError: the template does not parse, or a special-token id is outside the vocabulary.
     """
-    if reader is None:
-        import gguf  # local import: only needed for GGUF files
+    if metadata is None:
+        from model.gguf_metadata import read_gguf_header
 
-        reader = gguf.GGUFReader(path, "r")
-    fields = reader.fields
-    field = fields.get("tokenizer.chat_template")
-    if field is None:
+        metadata = read_gguf_header(path).metadata
+    text = metadata.get("tokenizer.chat_template")
+    if text is None:
         return None
-    text = field.contents()
     variables: dict[str, Any] = {}
-    tokens_field = fields.get("tokenizer.ggml.tokens")
-    tokens = tokens_field.contents() if tokens_field is not None else []
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
     for var, key in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
                      ("unk_token", "tokenizer.ggml.unknown_token_id"),
                      ("pad_token", "tokenizer.ggml.padding_token_id")):
-        id_field = fields.get(key)
-        if id_field is None or not tokens:
+        value = metadata.get(key)
+        if value is None or not tokens:
             continue
-        i = int(id_field.contents())
+        i = int(value)
         if not 0 <= i < len(tokens):
             raise ValueError(f"{Path(path).name}: {key}={i} is outside the vocabulary of {len(tokens)} tokens")
         variables[var] = tokens[i]

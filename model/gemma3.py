@@ -1,4 +1,4 @@
-"""Gemma 3 text decoder in Flax NNX, over a paged KV cache.
+"""Gemma 3 (and Gemma 2) text decoder in Flax NNX, over a paged KV cache.
 
 Architecture (Gemma 3 technical report; checked against the reference README):
 
@@ -9,6 +9,13 @@ Architecture (Gemma 3 technical report; checked against the reference README):
                 q, k = rope(q, k; theta = 1e6 global / 1e4 sliding)  (rotate-half pairing)
                 scores * 1/sqrt(query_pre_attn_scalar); sliding window on 5 of every 6 layers
     logits = final_norm(x) @ embed.T                                  (tied output)
+
+Gemma 2 (Gemma Team 2024, "Gemma 2: Improving Open Language Models at a
+Practical Size"; HF ``modeling_gemma2.py``) is the same stack without QK-norm
+(``cfg.qk_norm`` False: no q_norm / k_norm parameters), one RoPE base on every
+layer, attention-logit soft-capping (``cfg.attn_logit_softcap``, applied by the
+attention kernels: ``c * tanh(scores / c)`` before the mask and softmax) and
+final-logit soft-capping, sliding windows on every other layer (0, 2, ...).
 
 RMSNorm weights are stored as the full multiplier (``1 + w`` in HF terms), as
 the GGUF stores them: ``y = x * rsqrt(mean(x^2) + eps) * scale``.
@@ -58,7 +65,8 @@ class Gemma3(nnx.Module):
 
     Parameter shapes (L = num_layers, D = hidden, N = heads, K = kv heads, H = head_dim, F = mlp):
       embed [V, D]; final_norm [D];
-      attn_norm, post_attn_norm, ffw_norm, post_ffw_norm [L, D]; q_norm, k_norm [L, H];
+      attn_norm, post_attn_norm, ffw_norm, post_ffw_norm [L, D]; q_norm, k_norm [L, H]
+      (with ``cfg.qk_norm``);
       wq [L, D, N, H]; wk, wv [L, D, K, H]; wo [L, N, H, D];
       w_gate, w_up [L, D, F]; w_down [L, F, D].
     """
@@ -102,6 +110,8 @@ class Gemma3(nnx.Module):
             "w_up": ((L, D, F), ("layers", "embed", "mlp")),
             "w_down": ((L, F, D), ("layers", "mlp", "embed")),
         }
+        if not cfg.qk_norm:  # Gemma 2
+            del expected["q_norm"], expected["k_norm"]
         check_params(params, expected)
         self.quantization = quantization
         set_params(self, params, expected, dtype, quantization)
@@ -139,6 +149,7 @@ class Gemma3(nnx.Module):
             name: weight(self, name)
             for name in ("attn_norm", "post_attn_norm", "ffw_norm", "post_ffw_norm", "q_norm",
                          "k_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+            if cfg.qk_norm or name not in ("q_norm", "k_norm")
         }
         eps = cfg.rms_norm_eps
         use_window = cfg.has_sliding_layers
@@ -191,7 +202,7 @@ def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]
     def norm_scale(shape):
         return 1.0 + 0.1 * jax.random.normal(rngs.params(), shape, jnp.float32)
 
-    return {
+    out = {
         "embed": normal((V, D), D),
         "final_norm": norm_scale((D,)),
         "attn_norm": norm_scale((L, D)),
@@ -208,3 +219,6 @@ def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]
         "w_up": normal((L, D, F), D),
         "w_down": normal((L, F, D), F),
     }
+    if not cfg.qk_norm:
+        del out["q_norm"], out["k_norm"]
+    return out

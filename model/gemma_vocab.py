@@ -169,13 +169,13 @@ def tiny_vocab(vocab_size: int = 512) -> tuple[list[str], list[float], list[int]
     return pieces, scores, types
 
 
-def _field_scalar(reader, key: str, default: int | None = None) -> int:
-    field = reader.fields.get(key)
-    if field is None:
+def _field_scalar(fields: dict, key: str, default: int | None = None) -> int:
+    value = fields.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF file has no {key!r} field")
         return default
-    return int(field.contents())
+    return int(value)
 
 
 def read_gguf_vocab(path: Path) -> tuple[list[str], list[float], list[int], dict[str, int]]:
@@ -185,21 +185,20 @@ def read_gguf_vocab(path: Path) -> tuple[list[str], list[float], list[int], dict
     Raises:
       ValueError: a tokenizer field is missing.
     """
-    import gguf  # local import: only needed on a cold build
+    from model.gguf_metadata import read_gguf_header  # local import: only needed on a cold build
 
-    reader = gguf.GGUFReader(path, "r")
-    fields = reader.fields
+    fields = read_gguf_header(path).metadata
     try:
-        pieces = fields["tokenizer.ggml.tokens"].contents()
-        scores = fields["tokenizer.ggml.scores"].contents()
-        types = fields["tokenizer.ggml.token_type"].contents()
+        pieces = fields["tokenizer.ggml.tokens"]
+        scores = fields["tokenizer.ggml.scores"]
+        types = fields["tokenizer.ggml.token_type"]
     except KeyError as e:
         raise ValueError(f"GGUF file {path.name} has no tokenizer field {e.args[0]!r}") from None
     ids = {
-        "bos_id": _field_scalar(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_id": _field_scalar(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_id": _field_scalar(reader, "tokenizer.ggml.padding_token_id", 0),
-        "unk_id": _field_scalar(reader, "tokenizer.ggml.unknown_token_id", 3),
+        "bos_id": _field_scalar(fields, "tokenizer.ggml.bos_token_id"),
+        "eos_id": _field_scalar(fields, "tokenizer.ggml.eos_token_id"),
+        "pad_id": _field_scalar(fields, "tokenizer.ggml.padding_token_id", 0),
+        "unk_id": _field_scalar(fields, "tokenizer.ggml.unknown_token_id", 3),
     }
     return pieces, scores, types, ids
 

@@ -1,15 +1,18 @@
 """GGUF -> the parameter layout of our decoders, with an on-disk cache of the result.
 
 One loader for every architecture ``ModelConfig.from_gguf_metadata`` reads,
-dispatched on ``general.architecture``: "gemma3" (``model.gemma3``), and
-"llama" (Llama 2/3, Mixtral), "qwen3", "qwen3moe" (``model.llama``, dense or
-MoE). The tensor names and layouts per architecture are in
+dispatched on ``general.architecture``: "gemma3", "gemma2" (``model.gemma3``),
+and "llama" (Llama 2/3, Mixtral), "qwen2" (q/k/v biases), "qwen3", "qwen3moe",
+"phi3" (fused ``attn_qkv`` / ``ffn_up`` split here; LongRoPE factors from the
+``rope_factors_*`` tensors) (``model.llama``, dense or MoE). The tensor names and layouts per architecture are in
 ``model.gguf_tensor_map``, including the undoing of llama.cpp's Q/K row
 permutation for "llama" GGUFs.
 
 Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (the
-same routine the golden reference used; any type it supports: F16, Q8_0,
-Q4_K, ...). GGUF stores a linear layer as ``[ne0 = in, ne1 = out]``, so the
+same routine the golden reference used; any type it supports: F16, BF16,
+Q4_0 ... Q8_0, the K-quants, IQ, TQ, MXFP4: :func:`dequantizable`); a tensor of
+a type it does not read (e.g. I32, F64) is a ValueError naming the tensor and
+the type before anything is dequantized. GGUF stores a linear layer as ``[ne0 = in, ne1 = out]``, so the
 dequantized row-major array is ``(out, in)`` and ``y = x @ W.T``; we transpose
 once here into einsum-friendly layouts.
 
@@ -28,6 +31,7 @@ quantization), so a restart skips dequantization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -40,23 +44,24 @@ import numpy as np
 from model import gguf_tensor_map as tmap
 from model.config import ModelConfig
 from model.quantization import CONTRACTION_AXES, GGUF_BLOCK, QuantizedArray, check_quantization, gguf_blocks
+from model.gguf_metadata import read_gguf_header
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: configs carry {arch}.rope.scaling.* (Gemma 3 4B+ linear)
 EXACT_INT8_TYPES = ("Q8_0", "Q4_0", "Q5_0")
 """GGUF types held exactly as int8 with one float scale per 32 values."""
 _EXACT_LAYOUTS = ("q", "kv", "in")  # layout kinds whose contraction is one axis (not "out", "experts")
 
 
-def _config_from_reader(reader, name: str | None, tensors: dict) -> ModelConfig:
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith(("tokenizer.", "GGUF."))}
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    elif "token_embd.weight" in tensors:  # GGUF shape is [D, V]
-        meta["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
-    meta["tie_embeddings"] = "output.weight" not in tensors
+def _config_from_metadata(metadata: dict, name: str | None, shapes: dict) -> ModelConfig:
+    """``shapes``: tensor name -> GGUF shape (innermost dimension first)."""
+    meta = {k: v for k, v in metadata.items() if not k.startswith(("tokenizer.", "GGUF."))}
+    if "tokenizer.ggml.tokens" in metadata:
+        meta["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    elif "token_embd.weight" in shapes:  # GGUF shape is [D, V]
+        meta["vocab_size"] = int(shapes["token_embd.weight"][-1])
+    meta["tie_embeddings"] = "output.weight" not in shapes
     return ModelConfig.from_gguf_metadata(meta, name=name)
 
 
@@ -66,16 +71,68 @@ def read_gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelC
     Raises:
       ValueError: an architecture or metadata the config does not support.
     """
-    from gguf import GGUFReader
+    header = read_gguf_header(path)
+    return _config_from_metadata(header.metadata, name, {k: v[0] for k, v in header.tensors.items()})
 
-    reader = GGUFReader(str(path))
-    return _config_from_reader(reader, name, {t.name: t for t in reader.tensors})
+
+@functools.cache
+def dequantizable(qtype) -> bool:
+    """Whether tensors of ``qtype`` (a ``gguf.GGMLQuantizationType``) load: F32, and every
+    type the installed gguf-py's ``gguf.quants.dequantize`` implements (probed once, on
+    one all-zero block: with gguf 0.19, F16, BF16, Q4_0 ... Q8_0, the K-quants Q2_K ..
+    Q6_K, the IQ types, TQ1_0 / TQ2_0, MXFP4 and NVFP4; not Q8_1, Q8_K, Q1_0, the
+    integer types nor F64)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    if qtype == GGMLQuantizationType.F32:
+        return True
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        out = dequantize(np.zeros(type_size, np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return np.asarray(out).dtype.kind == "f" and np.asarray(out).size == block
+
+
+def dequantizable_types() -> list[str]:
+    """The names of every ``GGMLQuantizationType`` that :func:`dequantizable` accepts."""
+    from gguf import GGMLQuantizationType
+
+    return [t.name for t in GGMLQuantizationType if dequantizable(t)]
+
+
+def check_tensor_types(tensors: dict, gguf_name: str) -> None:
+    """Raises ValueError naming the first tensors (and their types) that do not load.
+
+    Args:
+      tensors: {name: ``gguf.ReaderTensor``}.
+      gguf_name: the file's name, for the message.
+    """
+    bad = [(n, t.tensor_type.name) for n, t in tensors.items() if not dequantizable(t.tensor_type)]
+    if bad:
+        listed = ", ".join(f"{n!r} is {ty}" for n, ty in bad[:4])
+        raise ValueError(f"GGUF {gguf_name}: tensor {listed}{' ...' if len(bad) > 4 else ''}: "
+                         f"{'a type' if len(bad) == 1 else 'types'} xlaserve cannot dequantize "
+                         f"(gguf {_gguf_version()} reads {', '.join(dequantizable_types())})")
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "?"
 
 
 def _dequantize(tensor) -> np.ndarray:
+    """One tensor as float32 in ``(out, in)`` order, equal to ``gguf.quants.dequantize``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    check_tensor_types({tensor.name: tensor}, "file")
     if tensor.tensor_type in (GGMLQuantizationType.F32,):
         arr = np.asarray(tensor.data, np.float32)
     else:
@@ -113,7 +170,7 @@ def load_gguf(
     """Loads a GGUF: its config and its weights in our decoder's layout.
 
     Args:
-      path: the GGUF file (``general.architecture`` gemma3, llama, qwen3 or qwen3moe).
+      path: the GGUF file (``general.architecture`` one of ``model.config.GGUF_ARCHITECTURES``).
       name: the served model name for the config (default per architecture,
         e.g. "gemma-3", "llama").
       cache_dir: where the config and dequantized arrays are cached; None
@@ -134,8 +191,9 @@ def load_gguf(
 
     Raises:
       ValueError: an unsupported architecture (naming it), a missing tensor
-        (naming it), a tensor this decoder would ignore (e.g. biases, shared
-        experts), unsupported RoPE scaling, or an unknown quantization.
+        (naming it), a tensor of a type that does not dequantize (naming both,
+        :func:`check_tensor_types`), a tensor this decoder would ignore (e.g.
+        biases, shared experts), unsupported RoPE scaling, or an unknown quantization.
     """
     path = Path(path)
     int8 = check_quantization(quantization) == "int8"
@@ -155,30 +213,41 @@ def load_gguf(
     t0 = time.perf_counter()
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    cfg = _config_from_reader(reader, name, tensors)
-    arch = str(reader.fields["general.architecture"].contents())
+    check_tensor_types(tensors, path.name)
+    metadata = read_gguf_header(path).metadata  # fast; reader.fields' views are slow to convert
+    cfg = _config_from_metadata(metadata, name, {k: tuple(int(d) for d in t.shape) for k, t in tensors.items()})
+    arch = str(metadata["general.architecture"])
     used: set[str] = set()
+    last: dict[str, np.ndarray] = {}
 
     def get(tname: str, blocks: bool = False):
         """The tensor dequantized, or with ``blocks`` as a QuantizedArray (an exact type)."""
         if tname not in tensors:
             raise ValueError(f"GGUF {path.name} ({arch}) lacks tensor {tname!r}")
         used.add(tname)
-        return _blocks(tensors[tname]) if blocks else _dequantize(tensors[tname])
+        if blocks:
+            return _blocks(tensors[tname])
+        if tname not in last:  # Phi-3's fused tensors are read once per part: dequantize once
+            last.clear()
+            last[tname] = _dequantize(tensors[tname])
+        return last[tname]
 
     def exact(tname: str) -> bool:
         return int8 and tname in tensors and _exact_int8(tensors[tname])
 
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         if "output.weight" in tensors:
-            raise ValueError("untied output.weight is not supported by the Gemma3 model")
-        layer_tensors = tmap.GEMMA3_LAYER_TENSORS
+            raise ValueError(f"untied output.weight is not supported by the {arch} model")
+        layer_tensors = tmap.gemma_layer_tensors(cfg.qk_norm)
     else:
-        layer_tensors = tmap.llama_layer_tensors(cfg.qk_norm, cfg.is_moe)
+        layer_tensors = tmap.llama_layer_tensors(cfg.qk_norm, cfg.is_moe, cfg.qkv_bias,
+                                                 fused_phi3=arch == "phi3")
+        if "rope_factors_short.weight" in tensors or "rope_factors_long.weight" in tensors:
+            cfg = _longrope(cfg, get("rope_factors_short.weight"), get("rope_factors_long.weight"))
         if "rope_freqs.weight" in tensors:
             scaling = tmap.llama3_rope_scaling(
                 get("rope_freqs.weight"), cfg.head_dim, cfg.rope_theta_global,
-                _metadata_int(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+                int(metadata.get(f"{arch}.rope.scaling.original_context_length", 8192)))
             if scaling:
                 cfg = dataclasses.replace(cfg, **scaling)
     shape_kw = dict(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
@@ -186,7 +255,7 @@ def load_gguf(
     permuted = arch in tmap.PERMUTED_QK
 
     def layer_tensor(i: int, theirs: str, kind: str, blocks: bool = False):
-        tname = f"blk.{i}.{theirs}.weight"
+        tname = f"blk.{i}.{theirs}" if theirs.endswith(".bias") else f"blk.{i}.{theirs}.weight"
         per_expert = f"blk.{i}.{theirs.removesuffix('_exps')}.{{}}.weight"
         if kind == "experts" and tname not in tensors and per_expert.format(0) in tensors:
             # older Mixtral GGUFs: one tensor per expert, blk.{i}.ffn_gate.{e}.weight
@@ -238,9 +307,16 @@ def load_gguf(
     return cfg, params
 
 
-def _metadata_int(reader, key: str, default: int) -> int:
-    field = reader.fields.get(key)
-    return int(field.contents()) if field is not None else default
+def _longrope(cfg: ModelConfig, short: np.ndarray, long: np.ndarray) -> ModelConfig:
+    """Phi-3's LongRoPE from llama.cpp's ``rope_factors_short`` / ``rope_factors_long``
+    tensors (HF's ``short_factor`` / ``long_factor``, one per rotated pair); the factor
+    is ``context_length / rope.scaling.original_context_length`` (HF's rule)."""
+    short, long = (np.asarray(a, np.float64).reshape(-1) for a in (short, long))
+    factor = cfg.max_position / cfg.rope_original_max_position
+    return dataclasses.replace(
+        cfg, rope_scaling_type="longrope", rope_scaling_factor=float(factor),
+        rope_short_factors=tuple(float(x) for x in short),
+        rope_long_factors=tuple(float(x) for x in long))
 
 
 def _load_cache(d: Path) -> tuple[dict, dict[str, np.ndarray]] | None:

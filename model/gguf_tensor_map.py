@@ -24,9 +24,9 @@ The permutation moves row ``j`` of a head to ``2j`` and row ``j + H/2`` to
 ``2j + 1``, so llama.cpp's interleaved RoPE on the GGUF rows computes what HF's
 rotate-half RoPE computes on the HF rows. ``model.layers.apply_rope`` is
 rotate-half, so the loader undoes the permutation (:func:`unpermute_qk`) for
-architectures that llama.cpp permutes (``PERMUTED_QK``). Qwen3 / Qwen3-MoE and
-Gemma 3 use NeoX RoPE in llama.cpp too (``LLAMA_ROPE_TYPE_NEOX``) and their
-converters do not permute: their rows load as stored.
+architectures that llama.cpp permutes (``PERMUTED_QK``). Qwen2, Qwen3 / Qwen3-MoE,
+Phi-3, Gemma 2 and Gemma 3 use NeoX RoPE in llama.cpp too (``LLAMA_ROPE_TYPE_NEOX``)
+and their converters do not permute: their rows load as stored.
 """
 
 from __future__ import annotations
@@ -73,14 +73,35 @@ _MOE_FFN = {
 }
 
 
-def llama_layer_tensors(qk_norm: bool, moe: bool) -> dict[str, tuple[str, str]]:
+_QKV_BIAS = {"bq": ("attn_q.bias", "bias_q"), "bk": ("attn_k.bias", "bias_kv"),
+             "bv": ("attn_v.bias", "bias_kv")}
+_PHI3_FUSED = {  # llama.cpp's phi3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (gate rows first)
+    "wq": ("attn_qkv", "qkv_q"), "wk": ("attn_qkv", "qkv_k"), "wv": ("attn_qkv", "qkv_v"),
+    "w_gate": ("ffn_up", "gate_up_gate"), "w_up": ("ffn_up", "gate_up_up"),
+}
+
+
+def llama_layer_tensors(qk_norm: bool, moe: bool, qkv_bias: bool = False,
+                        fused_phi3: bool = False) -> dict[str, tuple[str, str]]:
     """{our layer param: (GGUF tensor name within ``blk.{i}.``, layout kind)} for a
-    Llama-family decoder (``llama``, ``qwen3``, ``qwen3moe``)."""
+    Llama-family decoder (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3``).
+    A name ending in ``.bias`` is the whole suffix; any other gets ``.weight``."""
     out = dict(_LLAMA_ATTENTION)
     if qk_norm:
         out.update(_QK_NORM)
+    if qkv_bias:
+        out.update(_QKV_BIAS)
     out.update(_MOE_FFN if moe else _DENSE_FFN)
+    if fused_phi3:
+        out.update(_PHI3_FUSED)
     return out
+
+
+def gemma_layer_tensors(qk_norm: bool) -> dict[str, tuple[str, str]]:
+    """The layer tensors of ``gemma3`` GGUFs, and of ``gemma2`` ones (no QK-norm)."""
+    if qk_norm:
+        return dict(GEMMA3_LAYER_TENSORS)
+    return {k: v for k, v in GEMMA3_LAYER_TENSORS.items() if k not in ("q_norm", "k_norm")}
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -110,7 +131,11 @@ def to_layout(arr: np.ndarray, kind: str, *, hidden: int, heads: int, kv_heads: 
     kinds: "vector" [n] as is; "q" (N*H, D) -> [D, N, H]; "kv" (K*H, D) -> [D, K, H];
     "out" (D, N*H) -> [N, H, D]; "in" (out, in) -> [in, out] (also the router:
     (E, D) -> [D, E]); "experts" (E, out, in) -> [E, in, out] (``ffn_gate_exps``
-    (E, F, D) -> [E, D, F], ``ffn_down_exps`` (E, D, F) -> [E, F, D]).
+    (E, F, D) -> [E, D, F], ``ffn_down_exps`` (E, D, F) -> [E, F, D]);
+    "bias_q" (N*H,) -> [N, H], "bias_kv" (K*H,) -> [K, H]; Phi-3's fused
+    ``attn_qkv`` ((N + 2K) * H, D): "qkv_q" / "qkv_k" / "qkv_v" its q / k / v rows
+    as "q" / "kv"; fused ``ffn_up`` (2F, D): "gate_up_gate" / "gate_up_up" its
+    first / second half of rows as "in".
 
     Raises:
       ValueError: unknown kind.
@@ -118,6 +143,20 @@ def to_layout(arr: np.ndarray, kind: str, *, hidden: int, heads: int, kv_heads: 
     D, H = hidden, head_dim
     if kind == "vector":
         return arr
+    if kind == "bias_q":
+        return arr.reshape(heads, H)
+    if kind == "bias_kv":
+        return arr.reshape(kv_heads, H)
+    if kind in ("qkv_q", "qkv_k", "qkv_v"):
+        if arr.shape[0] != (heads + 2 * kv_heads) * H:
+            raise ValueError(f"fused qkv has {arr.shape[0]} rows, expected (N + 2K) * H = "
+                             f"{(heads + 2 * kv_heads) * H}")
+        q, k = heads * H, kv_heads * H
+        part = {"qkv_q": arr[:q], "qkv_k": arr[q:q + k], "qkv_v": arr[q + k:]}[kind]
+        return part.T.reshape(D, -1, H)
+    if kind in ("gate_up_gate", "gate_up_up"):
+        f = arr.shape[0] // 2
+        return (arr[:f] if kind == "gate_up_gate" else arr[f:]).T
     if kind == "q":
         return arr.T.reshape(D, heads, H)
     if kind == "kv":
@@ -150,6 +189,11 @@ def llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, theta: float,
       original_max_position: ``old`` in tokens (GGUF
         ``{arch}.rope.scaling.original_context_length``, else Llama 3.1's 8192).
 
+    With fewer than two frequencies inside the band (a small head_dim, or a short
+    original context) low and high are not determined: any edges that leave every
+    frequency on its side, and the one inside at its value, give the same frequencies
+    (:func:`_band_edges`).
+
     Returns:
       None when every factor is 1, else {"rope_scaling_factor",
       "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"}.
@@ -167,13 +211,14 @@ def llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, theta: float,
     inv_freq = 1.0 / theta ** (np.arange(head_dim // 2) * 2.0 / head_dim)
     x = inv_freq / (2 * math.pi)  # 1 / wavelength
     band = (ff > 1 + 1e-6) & (ff < factor * (1 - 1e-6))
-    low, high = 1.0, 4.0  # Llama 3.1's values, used when the band holds < 2 frequencies
+    s = (1.0 / ff - 1.0 / factor) / (1.0 - 1.0 / factor)  # 0 scaled by factor .. 1 unscaled
     if band.sum() >= 2:
-        s = (1.0 / ff[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        a, b = np.polyfit(x[band], s, 1)  # s = old / (high - low) * x - low / (high - low)
+        a, b = np.polyfit(x[band], s[band], 1)  # s = old / (high - low) * x - low / (high - low)
         width = old / a
         low = round(float(-b * width), 6)
         high = round(float(-b * width + width), 6)
+    else:
+        low, high = _band_edges(x, s, band, ~band & (ff > 1 + 1e-6), old)
     params = {"rope_scaling_factor": factor, "rope_low_freq_factor": low,
               "rope_high_freq_factor": high, "rope_original_max_position": int(old)}
     wavelen = 1.0 / x
@@ -184,3 +229,26 @@ def llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, theta: float,
         raise ValueError(f"rope_freqs is not Llama 3 RoPE scaling (best fit {params} "
                          f"differs by {np.abs(want - ff).max():.2e})")
     return params
+
+
+def _band_edges(x: np.ndarray, s: np.ndarray, band: np.ndarray, scaled: np.ndarray,
+                old: float) -> tuple[float, float]:
+    """(low, high) freq factors for :func:`llama3_rope_scaling` with < 2 frequencies in the band.
+
+    In ``x = 1 / wavelength`` the band is ``low / old < x < high / old`` with ``s``
+    linear from 0 to 1 across it; frequencies with ``x`` below it are divided by the
+    factor, those above it kept. Picks edges halfway to the nearest outside
+    frequency on each side, through the band frequency's ``(x, s)`` when there is one.
+    """
+    below = float(x[scaled].max()) if scaled.any() else 0.0
+    above_x = x[~scaled & ~band]
+    above = float(above_x.min()) if above_x.size else math.inf
+    if band.any():
+        x0, s0 = float(x[band][0]), float(s[band][0])
+        width = 0.5 * min((x0 - below) / s0, (above - x0) / (1.0 - s0))
+        lo = x0 - s0 * width
+    elif math.isinf(above):  # every frequency divided: a band above them all
+        lo, width = 2.0 * below, 2.0 * below
+    else:
+        lo, width = below + (above - below) / 3.0, (above - below) / 3.0
+    return lo * old, (lo + width) * old

@@ -1,14 +1,18 @@
 """A Hugging Face ``config.json`` -> ``ModelConfig``, chosen by its ``architectures``.
 
 Supported (``HF_ARCHITECTURES``): ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen3ForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` (the
-``llama`` decoder, dense or MoE, QK-norm for Qwen3), ``Gemma3ForCausalLM`` and the
+``Qwen2ForCausalLM`` (q/k/v biases), ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``
+(fused ``qkv_proj`` / ``gate_up_proj``, LongRoPE, partial rotary),
+``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` (the ``llama`` decoder, dense or
+MoE, QK-norm for Qwen3), ``Gemma2ForCausalLM`` (the ``gemma3`` decoder without
+QK-norm, with attention and final logit soft-capping), ``Gemma3ForCausalLM`` and the
 language model of ``Gemma3ForConditionalGeneration`` (its ``text_config``; the
 vision tower is skipped with a log line) (the ``gemma3`` decoder).
 
 Field meanings follow transformers' configuration classes
 (``configuration_llama.py``, ``configuration_mistral.py``,
-``configuration_qwen3.py``, ``configuration_mixtral.py``,
+``configuration_qwen2.py``, ``configuration_qwen3.py``, ``configuration_phi3.py``,
+``configuration_gemma2.py``, ``configuration_mixtral.py``,
 ``configuration_qwen3_moe.py``, ``configuration_gemma3.py``). transformers
 writes a ``config.json`` sparsely in places (a nested ``text_config`` holds only
 what differs from ``Gemma3TextConfig``'s defaults; ``tie_word_embeddings`` is
@@ -18,13 +22,15 @@ back to are listed here (``_DEFAULTS``), with transformers' values.
 Both ways transformers has written RoPE are read: ``rope_theta`` +
 ``rope_scaling`` (v4, and every checkpoint on the hub before 2026), and
 ``rope_parameters`` (v5; per layer type for Gemma 3: ``{"full_attention": {...},
-"sliding_attention": {...}}``). Scaling types: ``llama3``, ``linear``, ``yarn``
-(``model.layers.rope_inv_freq``); any other is an error.
+"sliding_attention": {...}}``). Scaling types: ``llama3``, ``linear``, ``yarn``,
+``longrope`` (and its older name ``su``; Phi-3) (``model.layers.rope_inv_freq``);
+any other is an error.
 
 Per-layer sliding windows: Mistral / Mixtral ``sliding_window`` (every layer);
-Qwen3 / Qwen3-MoE ``use_sliding_window`` with ``sliding_window`` from layer
+Phi-3 ``sliding_window`` (every layer, when set); Qwen2 / Qwen3 / Qwen3-MoE ``use_sliding_window`` with ``sliding_window`` from layer
 ``max_window_layers`` on; Gemma 3 ``sliding_window`` on the layers its
-``sliding_window_pattern`` (every 6th global) marks; an explicit
+``sliding_window_pattern`` (every 6th global) marks; Gemma 2 on every other
+layer (0, 2, ...); an explicit
 ``layer_types`` list (v4.53+) wins over the rules above.
 """
 
@@ -44,9 +50,12 @@ log = logging.getLogger(__name__)
 HF_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
 )
@@ -60,6 +69,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
                                max_position_embeddings=4096 * 32, hidden_act="silu",
                                sliding_window=4096),
+    "Qwen2ForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
+                             max_position_embeddings=32768, hidden_act="silu",
+                             use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, rope_theta=10_000.0, tie_word_embeddings=False,
+                            max_position_embeddings=4096, original_max_position_embeddings=4096,
+                            hidden_act="silu", sliding_window=None, partial_rotary_factor=1.0),
+    # Gemma2Config (configuration_gemma2.py): Gemma 2 2B's widths.
+    "Gemma2ForCausalLM": dict(vocab_size=256_000, hidden_size=2304, intermediate_size=9216,
+                              num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                              head_dim=256, rms_norm_eps=1e-6, rope_theta=10_000.0,
+                              query_pre_attn_scalar=256, sliding_window=4096,
+                              max_position_embeddings=8192, final_logit_softcapping=30.0,
+                              attn_logit_softcapping=50.0, tie_word_embeddings=True,
+                              hidden_activation="gelu_pytorch_tanh"),
     "Qwen3ForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
                              max_position_embeddings=32768, hidden_act="silu",
                              use_sliding_window=False, sliding_window=4096, max_window_layers=28),
@@ -86,6 +109,8 @@ _DEFAULTS["Gemma3ForConditionalGeneration"] = _DEFAULTS["Gemma3ForCausalLM"]
 _MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_GEMMA = ("Gemma2ForCausalLM",) + _GEMMA3
+_USE_SLIDING_WINDOW = ("Qwen2ForCausalLM",) + _QK_NORM  # use_sliding_window + max_window_layers
 
 
 def read_hf_config(model_dir: str | os.PathLike, name: str | None = None) -> ModelConfig:
@@ -175,8 +200,8 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
         if d.get(flag):
             raise ValueError(f"{arch}: {flag}=true is not supported (this decoder is causal, "
                              "without biases)")
-    act_key = "hidden_activation" if arch in _GEMMA3 else "hidden_act"
-    want_act = "gelu_pytorch_tanh" if arch in _GEMMA3 else "silu"
+    act_key = "hidden_activation" if arch in _GEMMA else "hidden_act"
+    want_act = "gelu_pytorch_tanh" if arch in _GEMMA else "silu"
     act = d.get(act_key) or d.get("hidden_act") or defaults.get(act_key)
     if act != want_act:
         raise ValueError(f"{arch}: {act_key}={act!r} is not supported (only {want_act!r})")
@@ -197,6 +222,21 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
         max_position=int(get("max_position_embeddings")),
         tie_embeddings=bool(get("tie_word_embeddings")),
     )
+    if arch == "Gemma2ForCausalLM":
+        theta, scaling = _rope(d, defaults, arch, None)
+        sliding = _layer_types(d, num_layers) or [not i % 2 for i in range(num_layers)]
+        softcap, final_cap = (d.get(k, defaults[k]) for k in ("attn_logit_softcapping",
+                                                                "final_logit_softcapping"))
+        return ModelConfig(
+            architecture="gemma3", qk_norm=False,
+            mlp_dim=int(get("intermediate_size")),
+            rope_theta_global=theta, rope_theta_local=theta,
+            sliding_window=int(get("sliding_window")), sliding_window_pattern=2,
+            sliding_layers=tuple(sliding),
+            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+            attn_logit_softcap=float(softcap) if softcap is not None else None,
+            final_logit_softcap=float(final_cap) if final_cap is not None else None,
+            **_rope_fields(scaling, common["max_position"]), **common)
     if arch in _GEMMA3:
         theta, scaling = _rope(d, defaults, arch, "full_attention")
         per_type = d.get("rope_parameters")
@@ -224,6 +264,12 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
 
     theta, scaling = _rope(d, defaults, arch, None)
     window, sliding = _llama_windows(arch, d, defaults, num_layers)
+    extra: dict[str, Any] = {}
+    if arch == "Qwen2ForCausalLM":
+        extra["qkv_bias"] = True
+    elif arch == "Phi3ForCausalLM":
+        extra.update(_phi3_rope(d, defaults, scaling, head_dim, common["max_position"]))
+        scaling = None  # read by _phi3_rope
     moe: dict[str, Any] = dict(num_experts=0, num_experts_per_tok=0, expert_mlp_dim=0,
                                mlp_dim=int(get("intermediate_size")))
     if arch == "MixtralForCausalLM":
@@ -246,7 +292,43 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
         architecture="llama", qk_norm=arch in _QK_NORM,
         rope_theta_global=theta, rope_theta_local=theta,
         sliding_window=window, sliding_window_pattern=0, sliding_layers=tuple(sliding),
-        **moe, **_rope_fields(scaling, common["max_position"]), **common)
+        **moe, **extra, **_rope_fields(scaling, common["max_position"]), **common)
+
+
+def _phi3_rope(d: Mapping[str, Any], defaults: Mapping[str, Any], scaling: Mapping[str, Any] | None,
+               head_dim: int, max_position: int) -> dict[str, Any]:
+    """Phi-3's rotary width and LongRoPE fields (HF ``_compute_longrope_parameters``: the
+    scaling factor is ``factor`` if given, else ``max_position_embeddings /
+    original_max_position_embeddings``, the
+    attention factor ``sqrt(1 + ln(factor) / ln(original))`` unless the config gives one)."""
+    scaling = dict(scaling or {})
+    v5 = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), Mapping) else {}
+    partial = scaling.get("partial_rotary_factor", v5.get("partial_rotary_factor",
+                                                          d.get("partial_rotary_factor")))
+    partial = float(partial if partial is not None else defaults["partial_rotary_factor"])
+    rotary = int(head_dim * partial)
+    out: dict[str, Any] = {"rotary_dim": rotary if rotary != head_dim else 0}
+    scaling.pop("partial_rotary_factor", None)
+    if not scaling:
+        return out
+    kind = scaling["rope_type"]
+    if kind != "longrope":
+        raise ValueError(f"Phi3ForCausalLM: RoPE scaling {kind!r} is not supported "
+                         "(only longrope / su)")
+    # transformers gives the top-level original_max_position_embeddings priority (Phi-3's
+    # config.json keeps it there), and computes the factor from it unless one is given
+    original = d.get("original_max_position_embeddings") or scaling.get(
+        "original_max_position_embeddings") or defaults["original_max_position_embeddings"]
+    original = int(original)
+    factor = float(scaling.get("factor") or max_position / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    out.update(rope_scaling_type="longrope", rope_scaling_factor=float(factor),
+               rope_original_max_position=original, rope_attention_factor=float(attention),
+               rope_short_factors=tuple(float(x) for x in scaling["short_factor"]),
+               rope_long_factors=tuple(float(x) for x in scaling["long_factor"]))
+    return out
 
 
 def _layer_types(d: Mapping[str, Any], num_layers: int) -> list[bool] | None:
@@ -266,7 +348,10 @@ def _llama_windows(arch: str, d: Mapping[str, Any], defaults: Mapping[str, Any],
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         window = d["sliding_window"] if "sliding_window" in d else defaults.get("sliding_window")
         flags = [window is not None] * num_layers
-    elif arch in _QK_NORM:
+    elif arch == "Phi3ForCausalLM":
+        window = d.get("sliding_window", defaults["sliding_window"])
+        flags = [window is not None] * num_layers
+    elif arch in _USE_SLIDING_WINDOW:
         use = d.get("use_sliding_window", defaults["use_sliding_window"])
         window = d.get("sliding_window", defaults["sliding_window"]) if use else None
         first = int(d.get("max_window_layers", defaults["max_window_layers"]))
@@ -284,7 +369,7 @@ def _llama_windows(arch: str, d: Mapping[str, Any], defaults: Mapping[str, Any],
     return int(window), flags
 
 
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _rope(d: Mapping[str, Any], defaults: Mapping[str, Any], arch: str,
@@ -304,6 +389,11 @@ def _rope(d: Mapping[str, Any], defaults: Mapping[str, Any], arch: str,
         theta = defaults["rope_theta"]
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "su":  # Phi-3's first name for LongRoPE
+            kind = "longrope"
+        if kind == "longrope" and arch != "Phi3ForCausalLM":
+            raise ValueError(f"{arch}: RoPE scaling type 'longrope' is supported for "
+                             "Phi3ForCausalLM only")
         if kind not in _ROPE_TYPES:
             raise ValueError(f"{arch}: RoPE scaling type {kind!r} is not supported "
                              f"(supported: {', '.join(_ROPE_TYPES[1:])})")

@@ -9,12 +9,21 @@ one name pattern (``{i}`` = layer, ``{e}`` = expert) and a layout kind, as in
 ``model.gguf_tensor_map`` for GGUF names. HF's q/k rows are in rotate-half
 order already (what ``model.layers.apply_rope`` uses): nothing is permuted.
 
-Gemma 3's RMSNorm multiplies by ``1 + w`` (``Gemma3RMSNorm``); ours stores the
-full multiplier, so its norms load with ``offset=1``.
+Gemma 2's and 3's RMSNorm multiplies by ``1 + w`` (``Gemma3RMSNorm``); ours stores the
+full multiplier, so their norms load with ``offset=1``.
+
+Phi-3 fuses projections: ``self_attn.qkv_proj.weight`` ((N + 2K) * H, D) holds
+the q rows, then k, then v; ``mlp.gate_up_proj.weight`` (2F, D) the gate rows,
+then up (HF ``Phi3MLP``: ``gate, up = gate_up.chunk(2)``). Each of our
+parameters reads its row range of the fused tensor (kinds "qkv_q", "qkv_k",
+"qkv_v", "gate_up_gate", "gate_up_up"). Qwen2's q/k/v biases are kinds
+"bias_q" / "bias_kv" ((N * H,) -> [N, H]).
 
 :func:`read_block` turns one block of one of our parameters (the index a device
 holds) into the reads of only those bytes from the HF tensor (a ``get_slice``
-of ``safetensors``), so a device never reads another device's shard.
+of ``safetensors``), so a device never reads another device's shard;
+:func:`read_into` fills a preallocated block (in the serving dtype) a slab at a
+time, so the host never holds the block twice.
 """
 
 from __future__ import annotations
@@ -57,6 +66,18 @@ _ATTENTION = {
 _QK_NORM = {
     "q_norm": Source(_LAYER + "self_attn.q_norm.weight", "vector"),
     "k_norm": Source(_LAYER + "self_attn.k_norm.weight", "vector"),
+}
+_QKV_BIAS = {
+    "bq": Source(_LAYER + "self_attn.q_proj.bias", "bias_q"),
+    "bk": Source(_LAYER + "self_attn.k_proj.bias", "bias_kv"),
+    "bv": Source(_LAYER + "self_attn.v_proj.bias", "bias_kv"),
+}
+_PHI3_FUSED = {
+    "wq": Source(_LAYER + "self_attn.qkv_proj.weight", "qkv_q"),
+    "wk": Source(_LAYER + "self_attn.qkv_proj.weight", "qkv_k"),
+    "wv": Source(_LAYER + "self_attn.qkv_proj.weight", "qkv_v"),
+    "w_gate": Source(_LAYER + "mlp.gate_up_proj.weight", "gate_up_gate"),
+    "w_up": Source(_LAYER + "mlp.gate_up_proj.weight", "gate_up_up"),
 }
 _DENSE_MLP = {
     "w_gate": Source(_LAYER + "mlp.gate_proj.weight", "in"),
@@ -117,33 +138,37 @@ def sources(arch: str, cfg: ModelConfig, prefix: str = "model.",
     layer = {k: dataclasses.replace(v, pattern=prefix + v.pattern)
              for k, v in {**_ATTENTION, **extras}.items()}
     out.update(layer)
-    if arch.startswith("Gemma3"):
+    if arch.startswith(("Gemma2", "Gemma3")):
         out = {k: dataclasses.replace(v, offset=1.0) if v.kind == "vector" else v
                for k, v in out.items()}
     return out
 
 
 def _layer_extras(arch: str, cfg: ModelConfig) -> dict[str, Source]:
-    if arch.startswith("Gemma3"):
+    if arch.startswith(("Gemma2", "Gemma3")):
         norms = {
             "attn_norm": Source(_LAYER + "input_layernorm.weight", "vector"),
             "post_attn_norm": Source(_LAYER + "post_attention_layernorm.weight", "vector"),
             "ffw_norm": Source(_LAYER + "pre_feedforward_layernorm.weight", "vector"),
             "post_ffw_norm": Source(_LAYER + "post_feedforward_layernorm.weight", "vector"),
         }
-        return {**norms, **_QK_NORM, **_DENSE_MLP}
+        return {**norms, **(_QK_NORM if cfg.qk_norm else {}), **_DENSE_MLP}
     out = {
         "attn_norm": Source(_LAYER + "input_layernorm.weight", "vector"),
         "ffw_norm": Source(_LAYER + "post_attention_layernorm.weight", "vector"),
     }
     if cfg.qk_norm:
         out.update(_QK_NORM)
+    if cfg.qkv_bias:
+        out.update(_QKV_BIAS)
     if not cfg.is_moe:
         out.update(_DENSE_MLP)
     elif arch == "MixtralForCausalLM":
         out.update(_MIXTRAL_MOE)
     else:
         out.update(_QWEN3_MOE)
+    if arch == "Phi3ForCausalLM":
+        out.update(_PHI3_FUSED)
     return out
 
 
@@ -154,8 +179,13 @@ def tensor_names(src: Source, cfg: ModelConfig) -> list[str]:
     return [src.pattern.format(i=i, e=e) for i in layers for e in experts]
 
 
-def hf_shape(kind: str, ours: Sequence[int]) -> tuple[int, ...]:
+def hf_shape(kind: str, ours: Sequence[int], cfg: ModelConfig | None = None) -> tuple[int, ...]:
     """The HF tensor shape behind our per-tensor shape ``ours``.
+
+    Phi-3's fused kinds need ``cfg`` (the fused tensor's other parts):
+    "qkv_q" / "qkv_k" / "qkv_v" ours [D, N or K, H] -> ((N + 2K) * H, D);
+    "gate_up_gate" / "gate_up_up" ours [D, F] -> (2F, D). "bias_q" / "bias_kv"
+    [N, H] -> (N * H,).
 
     kinds: "vector" [n] and "embed" [V, D] as stored; "in" (out, in) -> ours
     [in, out] (also the router (E, D) -> [D, E], each expert's (F, D) -> [D, F]);
@@ -165,6 +195,14 @@ def hf_shape(kind: str, ours: Sequence[int]) -> tuple[int, ...]:
     """
     if kind in ("vector", "embed"):
         return tuple(ours)
+    if kind in ("bias_q", "bias_kv"):
+        return (ours[0] * ours[1],)
+    if kind in _QKV_OFFSET:
+        if cfg is None:
+            raise ValueError(f"layout kind {kind!r} needs the config")
+        return ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, ours[0])
+    if kind in ("gate_up_gate", "gate_up_up"):
+        return (2 * ours[1], ours[0])
     if kind == "in":
         return (ours[1], ours[0])
     if kind in ("q", "kv"):
@@ -176,6 +214,11 @@ def hf_shape(kind: str, ours: Sequence[int]) -> tuple[int, ...]:
     if kind == "fused_down":
         return (ours[0], ours[2], ours[1])
     raise ValueError(f"unknown tensor layout kind {kind!r}")
+
+
+_QKV_OFFSET = {"qkv_q": lambda cfg: 0, "qkv_k": lambda cfg: cfg.num_heads * cfg.head_dim,
+               "qkv_v": lambda cfg: (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim}
+"""The first row of each part of Phi-3's fused ``qkv_proj``."""
 
 
 def _ranges(index: Sequence[slice], shape: Sequence[int]) -> list[range]:
@@ -215,11 +258,20 @@ def read_block(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Seque
             arr = read(name, tuple(sl))
         elif src.kind == "in":
             arr = read(name, (sl[1], sl[0])).T
-        elif src.kind in ("q", "kv"):
+        elif src.kind in ("q", "kv") or src.kind in _QKV_OFFSET:
             d, n, h = inner
-            rows = slice(n.start * H, n.stop * H)
+            off = _QKV_OFFSET[src.kind](cfg) if src.kind in _QKV_OFFSET else 0
+            rows = slice(off + n.start * H, off + n.stop * H)
             arr = read(name, (rows, sl[0])).reshape(len(n), H, len(d))
             arr = arr[:, h.start:h.stop, :].transpose(2, 0, 1)
+        elif src.kind in ("bias_q", "bias_kv"):
+            n, h = inner
+            arr = read(name, (slice(n.start * H, n.stop * H),)).reshape(len(n), H)
+            arr = arr[:, h.start:h.stop]
+        elif src.kind in ("gate_up_gate", "gate_up_up"):
+            d, f = sl
+            off = cfg.mlp_dim if src.kind == "gate_up_up" else 0
+            arr = read(name, (slice(f.start + off, f.stop + off), d)).T
         elif src.kind == "out":
             n, h, d = inner
             cols = slice(n.start * H, n.stop * H)
@@ -241,6 +293,53 @@ def read_block(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Seque
     if n_stacked == 0:
         return one(src.pattern)
     if n_stacked == 1:
+        if len(stacked[0]) == 1:  # one layer (a slab of read_into): no stacked copy
+            return one(src.pattern.format(i=stacked[0][0]))[None]
         return np.stack([one(src.pattern.format(i=i)) for i in stacked[0]])
     return np.stack([np.stack([one(src.pattern.format(i=i, e=e)) for e in stacked[1]])
                      for i in stacked[0]])
+
+
+SLAB_BYTES = 16 << 20
+"""How much of a block :func:`read_into` reads at a time (at least one index of its axis 0:
+one layer of a stacked parameter)."""
+
+
+def read_into(src: Source, cfg: ModelConfig, shape: Sequence[int], index: Sequence[slice],
+              read: Callable[[str, tuple[slice, ...]], np.ndarray], out: np.ndarray,
+              slab_bytes: int = SLAB_BYTES) -> np.ndarray:
+    """Fills ``out`` with the block ``index`` of our parameter, slab by slab along axis 0.
+
+    Each slab (a run of rows of axis 0, e.g. one layer of a stacked parameter, holding
+    about ``slab_bytes`` of ``out``) is read by :func:`read_block` and cast into
+    ``out``'s dtype as it is copied, so the host holds ``out`` plus one slab, never the
+    block twice (nor the block in the stored dtype beside the serving one).
+
+    Args:
+      src, cfg, shape, index, read: as for :func:`read_block`.
+      out: the block's array ([the block's shape], the serving dtype), written in place.
+      slab_bytes: bytes of ``out`` per read (at least one row of axis 0).
+
+    Returns:
+      ``out``.
+
+    Raises:
+      ValueError: ``out``'s shape is not the block's, or a strided block.
+    """
+    ranges = _ranges(index, shape)
+    if any(r.step != 1 for r in ranges):
+        raise ValueError(f"{src.pattern}: strided blocks are not supported ({index})")
+    block = tuple(len(r) for r in ranges)
+    if tuple(out.shape) != block:
+        raise ValueError(f"{src.pattern}: out has shape {tuple(out.shape)}, the block {block}")
+    if not block:
+        out[...] = read_block(src, cfg, shape, index, read)
+        return out
+    row_bytes = max(1, out.nbytes // max(1, block[0]))
+    step = max(1, slab_bytes // row_bytes)
+    rows = ranges[0]
+    for k in range(0, len(rows), step):
+        sub = rows[k:k + step]
+        sub_index = (slice(sub.start, sub.stop), *(slice(r.start, r.stop) for r in ranges[1:]))
+        out[k:k + len(sub)] = read_block(src, cfg, shape, sub_index, read)
+    return out

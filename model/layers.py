@@ -1,7 +1,7 @@
 """Building blocks shared by the decoders: RMSNorm, RoPE, parameters and the paged attention block.
 
-``attention_block`` is the whole attention sub-layer of Gemma 3, Llama 3 and
-Qwen3-MoE over the paged KV cache: QKV projections, optional per-head QK-norm
+``attention_block`` is the whole attention sub-layer of Gemma 2 and 3, Llama 3, Qwen2, Phi-3 and
+Qwen3(-MoE) over the paged KV cache: QKV projections (optional biases), optional per-head QK-norm
 (Gemma 3, Qwen3), RoPE, the KV write, paged attention and the output
 projection. Decoders differ around it (norm placement, MLP, embeddings).
 """
@@ -40,7 +40,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, compute: Compute = REFE
     return x * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
 
 
-def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None, scaled=True) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None, scaled=True,
+                  long: bool = False) -> jax.Array:
     """[head_dim / 2] f32 inverse frequencies ``theta ** (-2i / head_dim)``, scaled as
     ``cfg.rope_scaling_type`` says when ``cfg.rope_scaling_factor`` is set:
 
@@ -60,6 +61,12 @@ def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None, scaled=T
         ``ramp_i = clip((i - low) / (high - low), 0, 1)``, frequency i is
         ``inv_freq_i * (1 - ramp_i) + inv_freq_i / factor * ramp_i``; the
         cos/sin attention factor is :func:`rope_attention_factor`.
+      * "longrope" (Phi-3's LongRoPE, Ding et al. 2024, "LongRoPE: Extending LLM
+        Context Window Beyond 2 Million Tokens"; HF ``_compute_longrope_parameters``):
+        frequency i is ``inv_freq_i / short_factors_i`` (this function) for
+        positions below ``rope_original_max_position`` and ``inv_freq_i /
+        long_factors_i`` from there on (:func:`apply_rope` picks per position;
+        ``long=True`` returns these).
 
     Args:
       head_dim: the rotated width.
@@ -77,6 +84,9 @@ def rope_inv_freq(head_dim: int, theta, cfg: ModelConfig | None = None, scaled=T
     kind = cfg.rope_scaling_type
     if kind == "linear":
         out = inv_freq / factor
+    elif kind == "longrope":
+        ext = cfg.rope_long_factors if long else cfg.rope_short_factors
+        out = inv_freq / jnp.asarray(ext, jnp.float32)
     elif kind == "yarn":
         out = _yarn_inv_freq(inv_freq, head_dim, theta, cfg)
     else:
@@ -109,31 +119,55 @@ def _yarn_inv_freq(inv_freq: jax.Array, head_dim: int, theta, cfg: ModelConfig) 
 
 
 def rope_attention_factor(cfg: ModelConfig | None) -> float:
-    """The factor YaRN multiplies cos and sin by (1.0 for every other RoPE):
-    ``cfg.rope_attention_factor``, else the paper's ``0.1 ln(factor) + 1`` (YaRN
-    sec. 3.4, "sqrt(1/t) = 0.1 ln(s) + 1"; HF ``get_mscale``)."""
-    if cfg is None or cfg.rope_scaling_factor is None or cfg.rope_scaling_type != "yarn":
+    """The factor YaRN and LongRoPE multiply cos and sin by (1.0 for every other RoPE):
+    ``cfg.rope_attention_factor``, else for YaRN the paper's ``0.1 ln(factor) + 1``
+    (YaRN sec. 3.4, "sqrt(1/t) = 0.1 ln(s) + 1"; HF ``get_mscale``), for LongRoPE
+    ``sqrt(1 + ln(factor) / ln(original_max_position))`` (HF
+    ``_compute_longrope_parameters``, llama.cpp's ``rope.scaling.attn_factor``)."""
+    if cfg is None or cfg.rope_scaling_factor is None or cfg.rope_scaling_type not in (
+            "yarn", "longrope"):
         return 1.0
     if cfg.rope_attention_factor is not None:
         return float(cfg.rope_attention_factor)
-    return 0.1 * math.log(cfg.rope_scaling_factor) + 1.0 if cfg.rope_scaling_factor > 1 else 1.0
+    s = cfg.rope_scaling_factor
+    if s <= 1:
+        return 1.0
+    if cfg.rope_scaling_type == "longrope":
+        return math.sqrt(1 + math.log(s) / math.log(cfg.rope_original_max_position))
+    return 0.1 * math.log(s) + 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta, cfg: ModelConfig | None = None,
                scaled=True) -> jax.Array:
-    """Rotary embedding, rotate-half (NeoX) pairing: element d pairs with d + head_dim/2.
+    """Rotary embedding, rotate-half (NeoX) pairing: element d pairs with d + rot/2, where
+    rot is ``cfg.rope_dim`` (the whole head unless ``cfg.rotary_dim`` says otherwise;
+    elements from rot on pass unrotated, as HF's partial rotary).
 
     Args:
       x: [T, heads, head_dim] float32.
       positions: [T] int32 absolute positions.
       theta: RoPE base (python float or traced scalar).
-      cfg: only for RoPE scaling (see :func:`rope_inv_freq`); None: unscaled.
+      cfg: RoPE scaling (see :func:`rope_inv_freq`) and the rotated width; None: unscaled, whole head.
       scaled: whether this layer's RoPE is scaled (bool or traced bool; Gemma 3
         scales its global layers only).
+
+    LongRoPE picks its long factors for positions from ``rope_original_max_position``
+    on, per token (the KV cache keeps what earlier positions were written with). HF
+    instead recomputes the whole sequence with the long factors once it is longer
+    than the original context; the two agree on every sequence within it.
     """
+    rot = cfg.rope_dim if cfg is not None else x.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, theta, cfg, scaled),
+                                x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     inv_freq = rope_inv_freq(x.shape[-1], theta, cfg, scaled)  # [half]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
+    if (cfg is not None and cfg.rope_scaling_type == "longrope"
+            and cfg.rope_scaling_factor is not None and scaled is not False):
+        long = positions.astype(jnp.float32)[:, None] * rope_inv_freq(
+            x.shape[-1], theta, cfg, scaled, long=True)[None, :]
+        angles = jnp.where((positions >= cfg.rope_original_max_position)[:, None], long, angles)
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     factor = rope_attention_factor(cfg) if scaled is not False else 1.0
@@ -245,7 +279,8 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     Args:
       h: [T, D] f32, the normed residual stream.
       p: this layer's weights: wq [D, N, H], wk, wv [D, K, H], wo [N, H, D];
-        with ``cfg.qk_norm`` also q_norm, k_norm [H].
+        with ``cfg.qk_norm`` also q_norm, k_norm [H]; with ``cfg.qkv_bias`` also
+        bq [N, H], bk, bv [K, H] (added after the projections).
       positions: [T] int32.
       k_cache, v_cache: the stacked cache [layers, K, pages, page_size, H].
       md: the step's attention metadata.
@@ -264,6 +299,10 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     q = compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
     k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
     v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
+    if cfg.qkv_bias:
+        q = q + p["bq"].astype(jnp.float32)
+        k = k + p["bk"].astype(jnp.float32)
+        v = v + p["bv"].astype(jnp.float32)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], eps, compute), rms_norm(k, p["k_norm"], eps, compute)
     q = apply_rope(q, positions, theta, cfg, rope_scaled)

@@ -1,4 +1,5 @@
-"""Llama-family decoder in Flax NNX over the paged KV cache: Llama 3 and MoE (Mixtral, Qwen3-MoE).
+"""Llama-family decoder in Flax NNX over the paged KV cache: Llama 3, Mistral, Qwen2, Qwen3,
+Phi-3, and MoE (Mixtral, Qwen3-MoE).
 
 Architecture (Llama 3: Grattafiori et al. 2024; HF ``modeling_llama.py``)::
 
@@ -11,8 +12,11 @@ Architecture (Llama 3: Grattafiori et al. 2024; HF ``modeling_llama.py``)::
 ``cfg.num_experts > 0`` the mixture of experts of ``model.moe`` (Mixtral:
 8 experts, top-2; Qwen3-30B-A3B: 128 experts, top-8, with QK-norm). The
 attention sub-layer is Gemma 3's (``model.layers.attention_block``) without
-soft-caps; layers that ``cfg`` marks sliding (Mistral's ``sliding_window``,
-Qwen3's ``use_sliding_window``) attend through the window.
+soft-caps, with q/k/v biases for Qwen2 (``cfg.qkv_bias``) and Phi-3's
+LongRoPE and partial rotary width (``model.layers.apply_rope``; Phi-3's fused
+``qkv_proj`` / ``gate_up_proj`` are split at load); layers that ``cfg`` marks
+sliding (Mistral's and Phi-3's ``sliding_window``, Qwen2's and Qwen3's
+``use_sliding_window``) attend through the window.
 
 Layer weights are stacked on a leading ``layers`` axis and the decoder runs
 as one ``lax.scan``; stacked weights in a storage representation are turned
@@ -67,6 +71,10 @@ def param_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str
     }
     if not cfg.tie_embeddings:
         out["lm_head"] = ((D, V), ("embed", "vocab"))
+    if cfg.qkv_bias:  # Qwen2
+        out["bq"] = ((L, N, H), ("layers", "heads", "head_dim"))
+        out["bk"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+        out["bv"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
     if cfg.qk_norm:
         out["q_norm"] = ((L, H), ("layers", "head_dim"))
         out["k_norm"] = ((L, H), ("layers", "head_dim"))
@@ -84,8 +92,8 @@ def param_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str
     return out
 
 
-_LAYER_PARAMS = ("attn_norm", "ffw_norm", "q_norm", "k_norm", "wq", "wk", "wv", "wo", "router",
-                 "w_gate", "w_up", "w_down")
+_LAYER_PARAMS = ("attn_norm", "ffw_norm", "q_norm", "k_norm", "wq", "wk", "wv", "wo", "bq", "bk",
+                 "bv", "router", "w_gate", "w_up", "w_down")
 
 
 class Llama(nnx.Module):

@@ -183,8 +183,9 @@ def gguf_blocks(raw: np.ndarray, dequantized: np.ndarray, type_size: int) -> tup
     """The int8 integers and float32 block scales of a GGUF Q8_0 / Q4_0 / Q5_0 tensor.
 
     Each 32-value block of these types starts with its scale ``d`` (float16) and
-    holds ``d * q`` for integers q in [-127, 127] (Q8_0), [-8, 7] (Q4_0) or
-    [-16, 15] (Q5_0), so ``q = dequantized / d`` exactly.
+    holds ``d * q`` for integers q in [-128, 127] (Q8_0), [-8, 7] (Q4_0) or
+    [-16, 15] (Q5_0), so ``q = dequantized / d`` exactly, and ``values * scales``
+    in float32 equals ``dequantized`` bit for bit (signed zeros included).
 
     Args:
       raw: the tensor's bytes (uint8, ``type_size`` bytes per block, row-major blocks).
@@ -199,7 +200,10 @@ def gguf_blocks(raw: np.ndarray, dequantized: np.ndarray, type_size: int) -> tup
     d = d.reshape(rows, cols // GGUF_BLOCK)
     blocks = dequantized.reshape(rows, cols // GGUF_BLOCK, GGUF_BLOCK)
     safe = np.where(d == 0, np.float32(1), d)
-    q = np.where(d[..., None] == 0, 0, np.rint(blocks / safe[..., None]))
+    # A zero scale gives +-0 (``d * q``'s sign): q = -1 where that sign differs from d's, so
+    # that ``values * scales`` keeps the sign bit too (bit-exact, not only equal).
+    zero_q = np.where(np.signbit(blocks) != np.signbit(d)[..., None], -1, 0)
+    q = np.where(d[..., None] == 0, zero_q, np.rint(blocks / safe[..., None]))
     return q.astype(np.int8).reshape(rows, cols), d
 
 

@@ -4,9 +4,19 @@ Entry point: :func:`load_hf_checkpoint` (the config from ``model.hf_config``,
 the tensors named by ``model.hf_tensor_map``).
 
 Reading. The checkpoint is one ``model.safetensors`` or several files listed
-by ``model.safetensors.index.json`` (``weight_map``: tensor -> file). Each file
-is opened once with ``safetensors.safe_open`` (memory-mapped) and read tensor
-by tensor through ``get_slice``, which copies only the requested block.
+by ``model.safetensors.index.json`` (``weight_map``: tensor -> file). A file is
+opened with ``safetensors.safe_open`` (memory-mapped) and read tensor by tensor
+through ``get_slice``, which copies only the requested block; it is unmapped
+after each read, since the pages a read touches stay resident (and counted in
+the process's memory) while the file is mapped.
+
+Host memory. Each parameter's block is allocated once, in the serving dtype,
+and filled a slab at a time (``model.hf_tensor_map.read_into``: one layer of a
+stacked parameter), then handed to JAX: the host holds the placed parameters
+plus one block in flight, never two copies of the weights
+(``benchmarks.real_size`` measures the peak; tests/model/test_load_memory.py
+holds it). The block is 64-byte aligned, so JAX's CPU client can adopt it
+rather than copy it.
 
 Placement. Every parameter is created with ``jax.make_array_from_callback``
 in its target sharding: the callback receives the block one device holds and
@@ -120,14 +130,35 @@ class SafetensorsCheckpoint:
         return str(self._slice(name).get_dtype())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """Only the block ``index`` of tensor ``name`` (BF16 as ``ml_dtypes.bfloat16``)."""
-        return np.asarray(self._slice(name)[index])
+        """Only the block ``index`` of tensor ``name`` (BF16 as ``ml_dtypes.bfloat16``), copied
+        out of the mapping by ``safetensors``.
+
+        The file is unmapped after the read (a later one maps it again): pages a read
+        touched stay resident in this process while its file is mapped, so a mapping
+        kept open would hold a second copy of every tensor read.
+        """
+        arr = np.asarray(self._slice(name)[index])
+        self._handles.pop(self.files[name], None)
+        return arr
 
     def close(self) -> None:
         self._handles.clear()
 
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+HOST_ALIGNMENT = 64
+"""Bytes a host block is aligned to: what XLA's CPU client needs to use a NumPy buffer in
+place (a large ``np.empty`` is only 16-byte aligned, which makes ``device_put`` copy it)."""
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = HOST_ALIGNMENT) -> np.ndarray:
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` whose data starts at a
+    multiple of ``alignment`` bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: Any = "float32", mesh=None,
@@ -207,7 +238,8 @@ def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: Any = "float32", mes
             src = srcs[pname]
 
             def callback(index, src=src, shape=shape, target=target):
-                return hmap.read_block(src, cfg, shape, index, read).astype(target, copy=False)
+                block = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+                return hmap.read_into(src, cfg, shape, index, read, aligned_empty(block, target))
 
             if shardings[pname] is None:
                 params[pname] = jax.device_put(callback(tuple(slice(None) for _ in shape)))
@@ -248,7 +280,7 @@ def _check_tensors(ckpt: SafetensorsCheckpoint, srcs: Mapping[str, hmap.Source],
     for pname, src in srcs.items():
         inner = layout[pname][0][src.stacked_axes:]
         for tname in hmap.tensor_names(src, cfg):
-            wanted[tname] = hmap.hf_shape(src.kind, inner)
+            wanted[tname] = hmap.hf_shape(src.kind, inner, cfg)
     where = ckpt.directory.name
     missing = sorted(set(wanted) - set(ckpt.files))
     if missing:

@@ -81,8 +81,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         try:
             gtok = gguf_tokenizer(path)
         except ValueError as e:
-            # A vocabulary xlaserve cannot rebuild (a Llama 2 / Mixtral SentencePiece one without
-            # Gemma's chat pieces, an unknown tokenizer.ggml.pre) is not converted.
+            # A vocabulary xlaserve cannot rebuild (an unknown tokenizer.ggml.model or
+            # tokenizer.ggml.pre) is not converted.
             log.warning("tokenizer not converted: the checkpoint holds weights only, and "
                         "serve/generate will refuse it: %s", e)
             gtok = None

@@ -55,6 +55,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kernels_pallas.attention import AttentionConfig, select_attention
@@ -197,9 +198,25 @@ class BackendPolicy:
             value = v.get_value()
             stored = self.storage_dtype(value.dtype)
             if axes[:1] == ("layers",) and stored != value.dtype:
-                v = v.replace(to_storage(value, stored))
+                v = v.replace(_stored_weight(value, stored))
             out.append((path, v))
         return nnx.from_flat_state(out)
+
+
+def _stored_weight(value: jax.Array, stored) -> jax.Array:
+    """``value`` in the storage dtype ``stored`` (``kernels_pallas.kv_storage.to_storage``).
+
+    A bfloat16 weight on one CPU device becomes its uint16 bits without a copy: the same
+    buffer seen through NumPy (XLA's CPU client lends its buffers to NumPy and adopts an
+    aligned NumPy buffer in place). The model built by the loader still holds the bfloat16
+    arrays, so a converted copy would hold every stacked weight twice: twice the weights'
+    bytes of host memory at start-up (``benchmarks.real_size``).
+    """
+    if (value.dtype == jnp.bfloat16 and jnp.dtype(stored) == jnp.uint16
+            and isinstance(value, jax.Array) and len(value.devices()) == 1
+            and next(iter(value.devices())).platform == "cpu"):
+        return jax.device_put(np.asarray(value).view(np.uint16), value.sharding)
+    return to_storage(value, stored)
 
 
 def _requantize_blocks(flat: list) -> list:

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
-from model.bpe_convert import NotByteLevelBPE
+from model.gguf_vocab import VOCAB_TYPES
 from model.bpe_tokenizer import BPETokenizer
 from model.config import ModelConfig
 from model.factory import build_model
@@ -30,14 +30,15 @@ def known_models() -> dict:
 
 def gguf_tokenizer(path: str | Path) -> TextTokenizer:
     """The tokenizer a GGUF file carries: Gemma's SentencePiece vocabulary
-    (``model.tokenizer.Tokenizer``, as ever) or a byte-level BPE ("gpt2") one
-    (``model.bpe_tokenizer.BPETokenizer``: Llama 3, Qwen2/3), each cached under
+    (``model.tokenizer.Tokenizer``, as ever) or any other vocabulary llama.cpp
+    tokenizes (``model.bpe_tokenizer.BPETokenizer`` over ``model.gguf_vocab``:
+    byte-level BPE with every ``tokenizer.ggml.pre`` split, Llama 2 / Mistral /
+    Mixtral / Phi-3 SentencePiece, BERT WordPiece, Gemma 4), each cached under
     ``cache_dir("tokenizer")``.
 
     Raises:
-      ValueError: neither (e.g. a Llama 2 / Mixtral SentencePiece vocabulary
-        without Gemma's chat pieces, or an unknown ``tokenizer.ggml.pre``), naming
-        the file and the reason.
+      ValueError: neither (an unknown ``tokenizer.ggml.pre`` or
+        ``tokenizer.ggml.model``), naming the file and the reason.
     """
     cache = cache_dir("tokenizer")
     bpe = BPETokenizer.cached_gguf(path, cache)  # a stat; keeps the Gemma path below as it was
@@ -45,17 +46,15 @@ def gguf_tokenizer(path: str | Path) -> TextTokenizer:
         return bpe
     try:
         return Tokenizer.from_gguf(path, cache_dir=cache)
-    except (ValueError, KeyError, RuntimeError) as e:
-        spm_error = e
+    except (ValueError, KeyError, RuntimeError):
+        pass  # not Gemma's recipe: model.gguf_vocab reads every other vocabulary type
     try:
         return BPETokenizer.from_gguf(path, cache_dir=cache)
-    except NotByteLevelBPE:
-        reason = spm_error
-    except ValueError as e:
+    except ValueError as e:  # gguf_vocab.UnsupportedVocab, an unknown tokenizer.ggml.pre, ...
         reason = e
     raise ValueError(f"{Path(path).name} carries no tokenizer xlaserve can use, so its text cannot "
-                     f"be served ({reason}); the loader rebuilds Gemma-style SentencePiece "
-                     f"vocabularies and byte-level BPE ('gpt2') ones") from None
+                     f"be served ({reason}); the loader reads the vocabulary types "
+                     f"{', '.join(VOCAB_TYPES)} ('gpt2' with llama.cpp's tokenizer.ggml.pre names)") from None
 
 
 def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh=None,

@@ -141,3 +141,29 @@ def test_service_tiers_benchmark_runs_on_the_tiny_model(tmp_path):
     assert flex["shed_rows"] == {"rows": flex["status_429"], "cost_usd": 0.0, "tokens": 0}
     assert out["batch"]["seconds"] > 0 and out["batch"]["bound_s"] > 2
     assert json.loads((tmp_path / "out.json").read_text())["args"]["lines"] == 2
+
+
+def test_real_size_benchmark_runs_on_the_tiny_shape(tmp_path, monkeypatch):
+    """It writes the checkpoint (Llama 3's vocabulary on two tiny layers) under the data dir,
+    loads it in a child process as ``generate`` does, reports its numbers and removes it."""
+    from benchmarks import real_size
+    from serving.config.server_config import data_dir
+
+    written = []
+    real_write = real_size.write_checkpoint
+
+    def recording_write(directory, *args, **kw):
+        written.append(directory)
+        return real_write(directory, *args, **kw)
+
+    monkeypatch.setattr(real_size, "write_checkpoint", recording_write)
+    out = real_size.main(["--shape", "tiny", "--decode-tokens", "2", "--max-model-len", "64",
+                          "--json", str(tmp_path / "out.json")])
+    (directory,) = written
+    assert directory.parent == data_dir() and not directory.exists()  # written there, then removed
+    assert out["weights_bytes"] == real_size.checkpoint_bytes(real_size.SHAPES["tiny"])
+    assert out["load_s"] > 0 and out["ttft_cold_s"] > 0 and out["ttft_s"] > 0
+    assert len(out["decode_token_s"]) == 2 and out["prompt_tokens"] > 2
+    assert out["rss_before_load"] > 0 and out["peak_rss_after_load"] >= out["rss_after_load"]
+    assert out["peak_rss_end"] >= out["peak_rss_after_load"]
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["shape"] == "tiny"

@@ -351,8 +351,8 @@ def test_gguf_unknown_pre_tokenizer_is_named(tok, tmp_path, monkeypatch):
     from serving.loading.model_registry import load_model
 
     monkeypatch.setenv("XLASERVE_DATA_DIR", str(tmp_path / "data"))
-    path = _bpe_gguf(tmp_path, tok, "deepseek-coder")
-    with pytest.raises(ValueError, match="unknown tokenizer.ggml.pre 'deepseek-coder'; xlaserve reads"):
+    path = _bpe_gguf(tmp_path, tok, "no-such-pre")
+    with pytest.raises(ValueError, match="unknown tokenizer.ggml.pre 'no-such-pre'; xlaserve reads"):
         BPETokenizer.from_gguf(path)
-    with pytest.raises(ValueError, match="carries no tokenizer xlaserve can use.*'deepseek-coder'"):
+    with pytest.raises(ValueError, match="carries no tokenizer xlaserve can use.*'no-such-pre'"):
         load_model(str(path), progress=False)

@@ -189,7 +189,8 @@ def test_unsupported_architecture_missing_and_extra_tensors(tmp_path):
 
 def test_convert_then_restore_checkpoint(tmp_path, caplog):
     """``xlaserve convert tiny.gguf OUT`` writes an orbax checkpoint that restores to the same logits
-    (the llama.cpp-style test vocabulary has no Gemma chat pieces, so no tokenizer is stored)."""
+    (the llama.cpp-style SentencePiece test vocabulary has no Gemma chat pieces, so it is stored
+    as ``tokenizers`` files, not as a ``tokenizer.model``)."""
     from model.checkpoint import load_config, restore_params, tokenizer_model
     from model.factory import abstract_params
     from serving.cli.convert import cmd_convert
@@ -203,7 +204,7 @@ def test_convert_then_restore_checkpoint(tmp_path, caplog):
     restored = restore_params(tmp_path / "ckpt",
                               abstract_targets(abstract_params(cfg), None, ShardingRules.default()))
     np.testing.assert_array_equal(logits(cfg, restored), logits(cfg, params))
-    assert tokenizer_model(tmp_path / "ckpt") is None
+    assert tokenizer_model(tmp_path / "ckpt") is None and (tmp_path / "ckpt" / "tokenizer.json").is_file()
 
 
 def test_serve_and_generate_refuse_what_has_no_usable_tokenizer(tmp_path, capsys):
@@ -214,9 +215,13 @@ def test_serve_and_generate_refuse_what_has_no_usable_tokenizer(tmp_path, capsys
     from serving.loading.mesh_loader import load_for_serving
     from serving.loading.model_registry import load_model
 
-    _load(tmp_path, "llama", MIXTRAL)
+    def rwkv_vocab(w):  # a vocabulary type llama.cpp has and xlaserve does not read
+        w.add_tokenizer_model("rwkv")
+        w.add_token_list([f"t{i}" for i in range(MIXTRAL["vocab"])])
+
+    _load(tmp_path, "llama", MIXTRAL, add_vocab=rwkv_vocab)
     gguf_path = str(tmp_path / "llama.gguf")
-    with pytest.raises(ValueError, match="carries no tokenizer xlaserve can use"):
+    with pytest.raises(ValueError, match="carries no tokenizer xlaserve can use.*'rwkv'"):
         load_model(gguf_path, progress=False)
     assert main(["convert", gguf_path, str(tmp_path / "ckpt")]) == 0  # weights only, with a warning
     with pytest.raises(ValueError, match="has no tokenizer"):

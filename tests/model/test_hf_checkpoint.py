@@ -1,6 +1,7 @@
 """Hugging Face checkpoints through ``model.safetensors_loader`` against transformers' own outputs.
 
-The tiny random checkpoints in tests/data/hf_tiny (one per architecture, float32,
+The tiny random checkpoints in tests/data/hf_tiny (one per architecture: Llama, Mistral,
+Qwen3, Gemma 3 text and multimodal, Qwen2, Phi-3, Gemma 2, Mixtral, Qwen3-MoE; float32,
 "llama" in shards with an index) and transformers' logits and greedy ids for them
 were recorded once by tests/data/hf_tiny/make_fixtures.py; no torch here. Each
 checkpoint is loaded, run over the prompt (one prefill over the paged KV cache)
@@ -11,84 +12,21 @@ first step whose top-1/top-2 margin is below the recorded cutoff.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from model.attention_metadata import AttentionMetadata
 from model.factory import build_model
 from model.hf_config import read_hf_config
-from model.kv_cache import KVCache
 from model.safetensors_loader import is_hf_checkpoint, load_hf_checkpoint
-from tests.support.paths import TEST_DATA
+from tests.support.hf_tiny_parity import ATOL, DATA, agree_until_near_tie, golden, prefill_then_greedy
 
-DATA = TEST_DATA / "hf_tiny"
-PAGE = 8
-ATOL = 1e-4
-DENSE = ["llama", "mistral", "qwen3", "gemma3_text", "gemma3_mm"]
+DENSE = ["llama", "mistral", "qwen3", "gemma3_text", "gemma3_mm", "qwen2", "phi3", "gemma2"]
 MOE = ["mixtral", "qwen3_moe"]
-
-
-def golden(case: str) -> dict:
-    return json.loads((DATA / case / "golden.json").read_text())
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _step(graphdef, state, tokens, positions, cache, md, logits_indices):
-    model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache, md, logits_indices)
-
-
-def prefill_then_greedy(model, prompt: list[int], new: int
-                        ) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """(logits [T, V] at every prompt position, ``new`` greedy ids decoded through the cache,
-    the logits [new, V] each id was chosen from)."""
-    cfg = model.cfg
-    graphdef, state = nnx.split(model)
-    T = len(prompt)
-    pages = -(-(T + new) // PAGE)
-    table = np.arange(pages, 0, -1, dtype=np.int32)  # reversed: the page table is not the identity
-    cache = KVCache.zeros(cfg, pages + 1, PAGE, jnp.float32)
-    pos = np.arange(T, dtype=np.int32)
-    md = AttentionMetadata(slot_mapping=jnp.asarray(table[pos // PAGE] * PAGE + pos % PAGE),
-                           page_table=jnp.asarray(table[None]), kv_lens=jnp.asarray([T], jnp.int32),
-                           cu_q_lens=jnp.asarray([0, T], jnp.int32),
-                           num_seqs=jnp.asarray(1, jnp.int32), mode="prefill")
-    with jax.default_matmul_precision("highest"):
-        logits, cache = _step(graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos),
-                              cache, md, jnp.asarray(pos))
-        logits = np.asarray(logits)
-        rows = [logits[-1]]
-        ids = [int(np.argmax(logits[-1]))]
-        for p in range(T, T + new - 1):
-            md = AttentionMetadata(
-                slot_mapping=jnp.asarray([table[p // PAGE] * PAGE + p % PAGE], jnp.int32),
-                page_table=jnp.asarray(table[None]), kv_lens=jnp.asarray([p + 1], jnp.int32),
-                cu_q_lens=jnp.asarray([0, 1], jnp.int32), num_seqs=jnp.asarray(1, jnp.int32),
-                mode="decode")
-            step, cache = _step(graphdef, state, jnp.asarray([ids[-1]], jnp.int32),
-                                jnp.asarray([p], jnp.int32), cache, md, jnp.asarray([0], jnp.int32))
-            rows.append(np.asarray(step)[0])
-            ids.append(int(np.argmax(rows[-1])))
-    return logits, ids, np.stack(rows)
-
-
-def agree_until_near_tie(ours: list[int], ref: dict, what: str) -> int:
-    """Greedy ids equal up to the first step whose margin < cutoff; returns the steps compared."""
-    ids, margins = ref["greedy"]["ids"], ref["greedy"]["step_top1_top2_margin"]
-    for step, (a, b) in enumerate(zip(ours, ids)):
-        if margins[step] < ref["cutoff"]:
-            return step
-        assert a == b, f"{what}: step {step} gave {a}, transformers {b} (margin {margins[step]:.4f})"
-    assert len(ours) == len(ids)
-    return len(ids)
 
 
 @pytest.mark.parametrize("case", DENSE + MOE)

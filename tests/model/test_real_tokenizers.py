@@ -148,10 +148,11 @@ def test_tekken_ids_equal_mistral_commons(tekken, mistral_tekken):
 
 def test_tekken_split_expression_is_the_ggufs(mistral_tekken):
     """A Mistral Nemo GGUF ("tekken" pre) splits text as the Tekken file says."""
-    from model import bpe_convert
+    from model import gguf_pretokenizers
 
     config = json.loads(mistral_tekken[1].read_text(encoding="utf-8"))["config"]
-    assert bpe_convert.GGUF_PRE_TOKENIZERS["tekken"] == (config["pattern"], False)
+    fam = gguf_pretokenizers.family("tekken")
+    assert fam.patterns == (config["pattern"],) and fam.ignore_merges and not fam.nfc
 
 
 def test_tekken_special_tokens(tekken, mistral_tekken):

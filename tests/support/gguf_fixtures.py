@@ -121,13 +121,21 @@ def llama3_freq_factors(head_dim: int, theta: float, factor: float, low: float, 
 def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtype=None,
                permute: bool | None = None, rope_scaling: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, drop: frozenset = frozenset(),
-               per_expert: bool = False, add_vocab=None) -> Path:
+               per_expert: bool = False, add_vocab=None,
+               typed_tensors: dict[str, np.ndarray | tuple] | None = None,
+               rope_metadata: dict | None = None) -> Path:
     """Writes ``p`` (HF layout) as a GGUF of ``arch`` ("llama", "qwen3", "qwen3moe").
 
     permute: apply llama.cpp's Q/K permutation (default: for "llama", as the converter does).
     rope_scaling: {"factor", "low", "high", "old"} -> a ``rope_freqs`` tensor (Llama 3.1).
+    rope_metadata: {"type": "linear" / "yarn", "factor", "original_context_length"?} ->
+      ``{arch}.rope.scaling.*`` keys, as the converter writes HF's linear / yarn ``rope_scaling``.
+    spec: shapes as ``hf_params`` reads them, ``theta``, and optionally ``context``
+      (default 4096) and ``eps`` (RMSNorm epsilon, default 1e-5).
     qtype: storage type of 2-D/3-D weights (F32, F16, Q8_0; norms and router stay F32).
-    extra_tensors: more F32 tensors to write; drop: GGUF tensor names not to write.
+    extra_tensors: more F32 tensors to write; drop: GGUF tensor names not to write;
+    typed_tensors: more tensors written in their numpy dtype's GGML type (int32 -> I32, ...),
+      or given as ``(uint8 bytes, GGMLQuantizationType)``.
     per_expert: write experts one tensor each (``blk.{i}.ffn_gate.{e}.weight``, older
       Mixtral GGUFs) instead of stacked ``ffn_gate_exps``.
     add_vocab: ``writer -> None`` writing the tokenizer fields (default: a llama.cpp-style
@@ -144,8 +152,13 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
     w.add_embedding_length(spec["hidden"])
     w.add_head_count(N)
     w.add_head_count_kv(K)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(spec.get("eps", 1e-5))
     w.add_rope_freq_base(spec["theta"])
+    if rope_metadata:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_metadata["type"]))
+        w.add_rope_scaling_factor(rope_metadata["factor"])
+        if "original_context_length" in rope_metadata:
+            w.add_rope_scaling_orig_ctx_len(rope_metadata["original_context_length"])
     if arch == "llama":
         w.add_rope_dimension_count(H)
     else:
@@ -219,6 +232,11 @@ def write_gguf(path: Path, arch: str, spec: dict, p: dict[str, np.ndarray], qtyp
             put(b + "ffn_down.weight", p[s + "down_proj"])
     for name, arr in (extra_tensors or {}).items():
         put(name, arr, keep_f32=True)
+    for name, arr in (typed_tensors or {}).items():
+        if isinstance(arr, tuple):  # (uint8 bytes, GGMLQuantizationType)
+            w.add_tensor(name, arr[0], raw_dtype=arr[1])
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,7 +11,10 @@ installs the baselines), from the repository root::
     python -m venv .venv-fixtures
     .venv-fixtures/bin/pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
     .venv-fixtures/bin/pip install transformers==5.24.0 safetensors
-    .venv-fixtures/bin/python tests/data/hf_tiny/make_fixtures.py
+    .venv-fixtures/bin/python tests/data/hf_tiny/make_fixtures.py [CASE ...]
+
+With case names (e.g. ``qwen2 phi3 gemma2``, the cases added later) it writes
+only those, leaving the other folders and ``rope.json`` as they are.
 
 For each case (``CASES``) it builds the model class with random weights (seeded;
 every weight, norms included, drawn so that a mis-mapped tensor shows in the
@@ -98,7 +101,21 @@ CASES = {
         BASE, head_dim=16, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         tie_word_embeddings=False), {}, False),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(
+        BASE, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False), {}, True),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
+        BASE, rope_theta=10000.0, partial_rotary_factor=0.5,
+        max_position_embeddings=256, original_max_position_embeddings=64, sliding_window=7,
+        tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.7, 3.1],
+                          long_factor=[1.3, 4.2, 11.5])), {}, True),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        BASE, head_dim=16, num_key_value_heads=1, rope_theta=10000.0, query_pre_attn_scalar=24,
+        sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
+        tie_word_embeddings=True), {}, True),
 }
+NEW_CASES = ("qwen2", "phi3", "gemma2")
+"""Added after the first seven (issue 30); ``main(NEW_CASES)`` writes only these."""
 
 
 def randomize(model: torch.nn.Module, seed: int, gemma: bool) -> None:
@@ -160,6 +177,11 @@ def to_v4_config(d: dict) -> dict:
             params = params["full_attention"]
         params = dict(params)
         d["rope_theta"] = params.pop("rope_theta")
+        if "partial_rotary_factor" in params:  # Phi-3 / Phi-4-mini keep it at the top level
+            d["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+        if params.get("rope_type") == "longrope":  # Phi-3: the top level's, not repeated
+            if params.get("original_max_position_embeddings") == d.get("original_max_position_embeddings"):
+                params.pop("original_max_position_embeddings")
         d["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
     d.pop("layer_types", None)
     return d
@@ -194,13 +216,25 @@ def check_fused_experts(model, out: Path) -> None:
         assert np.array_equal(fused[p + "mlp.experts.down_proj"], stack(down))
 
 
+def longrope_tables(model) -> dict:
+    """Phi-3: the long-factor inverse frequencies transformers switches to past the original
+    context, and the attention factor (``ROPE_INIT_FUNCTIONS["longrope"]``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = model.config
+    original = cfg.original_max_position_embeddings
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=original + 1)
+    return {"long_inv_freq": inv_freq.float().tolist(), "attention_factor": float(attention),
+            "original_max_position_embeddings": original}
+
+
 def make_case(name: str, seed: int) -> None:
     cls_name, cfg_name, cfg_kw, save_kw, v4 = CASES[name]
     cfg = getattr(transformers, cfg_name)(**cfg_kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg).eval()
-    randomize(model, seed, gemma=cls_name.startswith("Gemma3"))
+    randomize(model, seed, gemma=cls_name.startswith("Gemma"))
     out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True, **save_kw)
@@ -225,6 +259,7 @@ def make_case(name: str, seed: int) -> None:
         "greedy": {"ids": ids, "step_top1_top2_margin": margins},
         "cutoff": CUTOFF,
         "rope": rope_tables(model),
+        **({"longrope": longrope_tables(model)} if name == "phi3" else {}),
         "logits_abs_max": float(np.abs(logits).max()),
         "source": f"transformers {transformers.__version__}, torch {torch.__version__}, "
                   f"safetensors {safetensors.__version__}; tests/data/hf_tiny/make_fixtures.py",
@@ -270,12 +305,20 @@ def make_rope_json() -> None:
         "cases": out}, indent=1) + "\n")
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Writes the cases named (all, and rope.json, when none is)."""
     torch.set_num_threads(2)
     for seed, name in enumerate(CASES):
-        make_case(name, seed)
-    make_rope_json()
+        if not names or name in names:
+            make_case(name, seed)
+    if not names:
+        make_rope_json()
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    unknown = set(sys.argv[1:]) - set(CASES)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    main(sys.argv[1:])

@@ -53,7 +53,8 @@ class _CountingHandle:
         return self._inner.keys()
 
 
-@pytest.mark.parametrize("case, mesh_shape", [("llama", (2, 4, 1)), ("qwen3_moe", (1, 2, 4))])
+@pytest.mark.parametrize("case, mesh_shape", [("llama", (2, 4, 1)), ("qwen3_moe", (1, 2, 4)),
+                                              ("phi3", (2, 4, 1)), ("qwen2", (2, 4, 1))])
 def test_each_device_reads_only_its_shard(monkeypatch, case, mesh_shape):
     groups: list[dict] = []  # one per make_array_from_callback call (one parameter)
     blocks: list[dict] = []  # one per callback (one device block); reads count into the last
