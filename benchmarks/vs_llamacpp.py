@@ -1,6 +1,7 @@
 """Head to head through HTTP: ``xlaserve serve`` variants against llama.cpp's batched decode, one command.
 
     python -m benchmarks.vs_llamacpp                      # base server, 32 and 1 streams
+    python -m benchmarks.vs_llamacpp --closed-loop --streams 32 1   # 2N+ requests, 20-400 token prompts
     python -m benchmarks.vs_llamacpp --variant base="" --variant int8="--quantization int8" \\
         --variant spec="--speculative ngram --num-speculative-tokens 4"
     xlaserve bench vs-llamacpp ...                        # the same
@@ -33,6 +34,16 @@ measured prompt repeats an earlier one (the prefix cache holds nothing they
 can reuse) unless the file runs out (40 prompts: one round of 32 and 1
 streams; a note says when they repeat).
 
+``--closed-loop`` (``benchmarks.closed_loop``): each run sends ``max(2N,
+--min-requests)`` requests through its N streams, so requests keep arriving
+while others decode, with prompts of mixed length (``--prompt-tokens``, 20 to
+400 tokens by default) built from the prompts file's sentences, none sharing a
+prefix; after the tables it prints each variant's step profile per stream
+count (the median run's engine-loop turns, read off ``/metrics``: per-turn
+milliseconds of planning, prefill and decode dispatch, readback wait and
+per-token host work; turns that mixed prefill and decode rows; prefill tokens
+and decode rows per turn). llama.cpp decodes the same prompts in batches of N.
+
 ``--rounds R`` runs each stream count R times on each server and on
 llama.cpp; the table shows, per side, the run with the median tokens/s
 (output tokens/s for ours, decode tokens/s for llama.cpp).
@@ -44,7 +55,8 @@ Columns (tokens/s aggregate over the streams; milliseconds for latencies):
   tokenization, queueing and prefill included);
 * ``decode tok/s``: tokens after each stream's first, over the time covered
   by the streams' [first token, end] intervals (their union);
-* ``TTFT p50``, ``ITL p50``: ``benchmarks.load``'s nearest-rank percentiles;
+* ``TTFT p50``, ``ITL p50``: ``benchmarks.load``'s nearest-rank percentiles
+  (p90 and p99 in the latency table below the main one);
 * ``llama.cpp decode`` / ``llama.cpp e2e``: ``LlamaCppBatched``'s decode
   tokens/s (after the batched prefill) and end-to-end tokens/s (prefill
   included), summed over its batches;
@@ -77,6 +89,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.closed_loop import format_profile, mixed_prompts, profile_delta, scrape_profile
 from benchmarks.common import cli_module
 from benchmarks.load import LoadConfig, RequestResult, _run_one, send_request, summarize
 
@@ -230,8 +243,10 @@ class Server:
 
 
 async def _drive(url: str, texts: list[str], warmup: str, runs: list[tuple[int, list[int]]],
-                 output_len: int, timeout_s: float) -> tuple[str, list[list[int]], list[list[RequestResult]], str]:
-    """Against one healthy server: (model id, token ids of texts, results per run, /metrics text)."""
+                 output_len: int, timeout_s: float
+                 ) -> tuple[str, list[list[int]], list[list[RequestResult]], str, list[dict[str, float]]]:
+    """Against one healthy server: (model id, token ids of texts, results per run, /metrics text,
+    the step profile of each run: ``closed_loop.profile_delta`` of /metrics around it)."""
     import httpx
 
     max_conn = max(n for n, _ in runs)
@@ -251,12 +266,15 @@ async def _drive(url: str, texts: list[str], warmup: str, runs: list[tuple[int, 
         w = await send_request(client, f"{url}/v1/completions", body)
         if not w.ok:
             raise RuntimeError(f"warm-up request failed: {w.error}")
-        results = []
+        results, profiles = [], []
+        metrics = (await client.get("/metrics")).text
         for n, idx in runs:
+            before = scrape_profile(metrics)
             results.append(await _run_one(cfg, client, f"{url}/v1/completions", "concurrency", n,
                                           [(texts[i], output_len) for i in idx]))
-        metrics = (await client.get("/metrics")).text
-    return model, ids, results, metrics
+            metrics = (await client.get("/metrics")).text
+            profiles.append(profile_delta(before, scrape_profile(metrics)))
+    return model, ids, results, metrics, profiles
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -357,6 +375,9 @@ class Row:
     itl_p50: float | None  # seconds
     same_text: int | None = None
     llama: dict[str, float] = field(default_factory=dict)
+    ttft: dict[str, float | None] = field(default_factory=dict)  # benchmarks.load.distribution, seconds
+    itl: dict[str, float | None] = field(default_factory=dict)
+    profile: dict[str, float] = field(default_factory=dict)  # closed_loop.profile_delta of the run
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -382,6 +403,17 @@ def format_table(rows: Sequence[Row], base_variant: str) -> str:
     return "\n".join(lines)
 
 
+def format_latency_table(rows: Sequence[Row]) -> str:
+    """TTFT and ITL p50 / p90 / p99 per row, in milliseconds, as a Markdown table."""
+    head = ["streams", "variant", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [_f(None if d.get(q) is None else d[q] * 1e3, ".1f") for d in (r.ttft, r.itl)
+                 for q in ("p50", "p90", "p99")]
+        lines.append("| " + " | ".join([str(r.streams), r.variant, *cells]) + " |")
+    return "\n".join(lines)
+
+
 def _loadavg() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -400,7 +432,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          '(default: base="")')
     ap.add_argument("--streams", type=int, nargs="+", default=[32, 1], help="concurrent streams per run (default: 32 1)")
     ap.add_argument("--min-requests", type=int, default=4,
-                    help="requests per run: max(streams, this) (default: 4)")
+                    help="requests per run: max(streams, this), or max(2 x streams, this) with "
+                         "--closed-loop (default: 4)")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="2N+ requests per N streams, prompts of mixed length (--prompt-tokens), "
+                         "and each run's step profile (benchmarks.closed_loop)")
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[20, 400], metavar=("MIN", "MAX"),
+                    help="with --closed-loop: prompt lengths, about MIN to MAX tokens (default: 20 400)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per stream count on each server and on llama.cpp; the table shows the "
                          "median run (default: 1)")
@@ -424,6 +462,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--variant flags may not set --port (each server gets a free one)")
     if any(s < 1 for s in a.streams) or min(a.min_requests, a.rounds) < 1 or a.output_len < 2:
         ap.error("--streams, --min-requests and --rounds must be at least 1, --output-len at least 2")
+    if not 1 <= a.prompt_tokens[0] <= a.prompt_tokens[1]:
+        ap.error("--prompt-tokens MIN MAX: 1 <= MIN <= MAX")
     return a
 
 
@@ -437,9 +477,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     texts = load_prompts(a.prompts_file)
     plan = [n for n in a.streams for _ in range(a.rounds)]  # the runs against each server, in order
-    warm, groups, repeats = assign_prompts(len(texts), [max(n, a.min_requests) for n in plan])
+    per_run = [max(2 * n if a.closed_loop else n, a.min_requests) for n in plan]
+    source = a.prompts_file
+    if a.closed_loop:
+        texts = mixed_prompts(texts, sum(per_run) + 1, *a.prompt_tokens)
+        source = f"{a.prompts_file}'s sentences, about {a.prompt_tokens[0]}-{a.prompt_tokens[1]} tokens each"
+    warm, groups, repeats = assign_prompts(len(texts), per_run)
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | load average at the start: {_loadavg()} | {len(texts)} prompts "
-          f"from {a.prompts_file}, {a.output_len} new tokens, greedy, ignore_eos", flush=True)
+          f"from {source}, {a.output_len} new tokens, greedy, ignore_eos", flush=True)
     if repeats:
         print("note: more requests than prompts: some prompts repeat (the prefix cache may serve them)")
     rows: list[Row] = []
@@ -454,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server = Server(flags, Path(tmp), a.server_dir, a.timeout)
             print(f"   healthy after {time.perf_counter() - t0:.0f} s", flush=True)
             try:
-                model, v_ids, results, metrics = asyncio.run(_drive(
+                model, v_ids, results, metrics, profiles = asyncio.run(_drive(
                     server.url, texts, texts[warm], list(zip(plan, groups)), a.output_len, a.timeout))
             finally:
                 server.stop()
@@ -481,7 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             same = None if v is a.variant[0] else sum(
                 r.ok and base_texts.get((k, j)) == r.text for j, r in enumerate(res))
             rows.append(Row(n, v.name, s["completed"], s["requests"], s["output_throughput"],
-                            decode_throughput(res), s["ttft"]["p50"], s["itl"]["p50"], same))
+                            decode_throughput(res), s["ttft"]["p50"], s["itl"]["p50"], same,
+                            ttft=s["ttft"], itl=s["itl"], profile=profiles[k]))
     llama: dict[int, dict[str, float]] = {}
     version = None
     if a.llamacpp:
@@ -500,6 +546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         r.llama = llama.get(r.streams, {})
     rows.sort(key=lambda r: (-r.streams, [v.name for v in a.variant].index(r.variant)))
     print("\n" + format_table(rows, a.variant[0].name))
+    print("\nLatency (ms):\n" + format_latency_table(rows))
+    if a.closed_loop:
+        for r in rows:
+            print(f"\nstep profile, {r.variant}, {r.streams} streams:\n  "
+                  + format_profile(r.profile).replace("\n", "\n  "))
     for name, lines in spec.items():
         if lines:
             print(f"\n{name} /metrics (speculation):\n  " + "\n  ".join(lines))

@@ -14,7 +14,7 @@ caller's business; a caller that sees a stop string calls :meth:`cancel`.
 from __future__ import annotations
 
 import dataclasses
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Mapping, Protocol, Sequence
 
 MAX_LOGPROBS = 20
 """The most alternatives per position ``logprobs`` / ``prompt_logprobs`` may ask for."""
@@ -299,6 +299,9 @@ class EngineStats:
       host_kv_hits, host_kv_stores, host_kv_evictions: the host KV tier's pages reloaded,
         stored and dropped (lifetime; all 0 without one).
       host_kv_usage_bytes, host_kv_capacity_bytes: its bytes held and its bound.
+      turn_profile: where the engine loop's time went (lifetime): ``seconds.<part>``,
+        ``turns.<kind>``, ``prefill_tokens``, ``decode_rows``
+        (``serving.runtime.turn_profile``); empty for an engine that keeps none.
     """
 
     num_running: int = 0
@@ -318,6 +321,7 @@ class EngineStats:
     host_kv_evictions: int = 0
     host_kv_usage_bytes: int = 0
     host_kv_capacity_bytes: int = 0
+    turn_profile: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class EngineOverloadedError(RuntimeError):

@@ -103,6 +103,7 @@ from serving.runtime import sampling_request
 from serving.runtime.host_tier_steps import HostTier, host_kv_stats
 from serving.runtime.speculative_steps import SpecCounters, dispatch_verify, process_verify
 from serving.runtime.structured_steps import request_matcher, step_mask
+from serving.runtime.turn_profile import TurnProfile
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ class EngineLoop:
         self._stats = EngineStats()  # replaced (not mutated) by the loop thread each turn
         self._pings: list[asyncio.Future] = []  # taken in this turn, resolved after its stats
         self._num_preemptions = 0
+        self.profile = TurnProfile()  # where the loop's turns spend their time (loop thread only)
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._draining = threading.Event()
@@ -456,9 +458,11 @@ class EngineLoop:
 
         Returns the steps dispatched this turn (read back next turn).
         """
-        sched = self.scheduler
+        sched, prof = self.scheduler, self.profile
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
+        prof.start_turn()
+        had_pending = bool(pending)
         if self.host_tier is not None:  # evicted pages out before the connector writes any
             self.host_tier.save_evicted()
         for got in self.connector.get_finished()[1] if self.connector is not None else ():
@@ -486,12 +490,17 @@ class EngineLoop:
             pending = []
             if burst:
                 self._drain_inbox(block=False)
+        t = time.perf_counter()
         plan = sched.schedule()
+        prof.add("plan", time.perf_counter() - t)
         if plan.needs_sync:  # preemption needs every token id: read back first
             for step in pending:
                 self._process(*step)
             pending = []
+            t = time.perf_counter()
             plan = sched.schedule()
+            prof.add("plan", time.perf_counter() - t)
+        t = time.perf_counter()
         now = time.time()
         for row in plan.prefill:
             seq = self._by_id[row.request_id]
@@ -510,17 +519,23 @@ class EngineLoop:
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
-            **host_kv_stats(self.host_kv))
+            **host_kv_stats(self.host_kv), turn_profile=self.profile.snapshot())
         for fut in self._pings:
             fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
         self._pings.clear()
+        prof.add("plan", time.perf_counter() - t)
         if self.on_step is not None:
             self.on_step(plan)
         failed: list[tuple[_Sequence, str]] = []  # matchers that failed while filling masks
         if self.host_tier is not None:
             self.host_tier.before_dispatch()
-        dispatched = [d for d in (self._dispatch_prefill(plan, failed), self._dispatch_decode(plan, failed),
-                                  dispatch_verify(self, plan)) if d]
+        t0 = time.perf_counter()
+        prefill = self._dispatch_prefill(plan, failed)
+        t1 = time.perf_counter()
+        decode = self._dispatch_decode(plan, failed)
+        prof.add("dispatch_prefill", t1 - t0)
+        prof.add("dispatch_decode", time.perf_counter() - t1)
+        dispatched = [d for d in (prefill, decode, dispatch_verify(self, plan)) if d]
         for seq, error in failed:  # after dispatch: the step already holds their rows
             self._finish(seq, "error", error)
         # Read back the previous turn's tokens while this turn's steps run.
@@ -528,6 +543,8 @@ class EngineLoop:
             self._process(*step)
         if self.host_tier is not None:  # and the evicted pages' copies into host memory
             self.host_tier.after_dispatch()
+        if dispatched or had_pending:  # (an idle turn is not counted)
+            prof.end_turn(sum(len(row.token_ids) for row in plan.prefill), len(plan.decode))
         return dispatched
 
     def _token_mask(self, seqs: list[_Sequence], samples: list[bool], failed: list):
@@ -585,7 +602,10 @@ class EngineLoop:
             prompt_out = None
             if isinstance(out, tuple):
                 out, prompt_out = out
+            t = time.perf_counter()
             tokens = np.asarray(out.tokens)
+            t_host = time.perf_counter()
+            self.profile.add("readback_wait", t_host - t)
             wanted = [seq.sched.sampling.logprobs >= 0 for seq, _ in owners]
             lp = HostLogprobs(out) if any(wanted) else None
             if scored:
@@ -618,6 +638,7 @@ class EngineLoop:
                 self._emit(seq, (tok,), logprobs=entry)
             else:
                 self._finish(seq, reason, ids=(tok,), logprobs=entry)
+        self.profile.add("readback_host", time.perf_counter() - t_host)
 
     @staticmethod
     def _collect_prompt_logprobs(prompt_out: PromptLogprobs, scored) -> None:

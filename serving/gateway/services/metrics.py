@@ -12,7 +12,10 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:spec_decode_num_drafts_total, xlaserve:spec_decode_num_draft_tokens_total,
               xlaserve:spec_decode_num_accepted_tokens_total (speculative decoding, as vLLM's),
               xlaserve:host_kv_cache_hits_total, xlaserve:host_kv_cache_stores_total,
-              xlaserve:host_kv_cache_evictions_total (host KV tier, in pages)
+              xlaserve:host_kv_cache_evictions_total (host KV tier, in pages),
+              xlaserve:engine_turn_seconds_total{part}, xlaserve:engine_turns_total{kind},
+              xlaserve:engine_step_tokens_total{kind} (where the engine loop's time goes:
+              serving.runtime.turn_profile; in-process engines only)
   gauges      xlaserve:num_requests_running, xlaserve:num_requests_waiting,
               xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
               xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
@@ -99,10 +102,26 @@ class EngineStatsCollector(Collector):
                                                         "Host KV tier: its bound in bytes (0: off).",
                                                         labels=["model_name"]),
         }
+        turn_seconds = CounterMetricFamily("xlaserve:engine_turn_seconds",
+                                           "Engine loop: seconds of its turns by part (plan, dispatch_prefill, "
+                                           "dispatch_decode, readback_wait, readback_host, other).",
+                                           labels=["model_name", "part"])
+        turns = CounterMetricFamily("xlaserve:engine_turns", "Engine loop: turns by what they dispatched "
+                                    "(mixed, prefill, decode, other).", labels=["model_name", "kind"])
+        step_tokens = CounterMetricFamily("xlaserve:engine_step_tokens", "Engine loop: prefill tokens and "
+                                          "decode rows its turns dispatched.", labels=["model_name", "kind"])
         for name, stats_fn in self.engines().items():
             if stats_fn is None:
                 continue
             s = stats_fn()
+            for key, value in (getattr(s, "turn_profile", None) or {}).items():
+                group, _, label = key.partition(".")
+                if group == "seconds":
+                    turn_seconds.add_metric([name, label], value)
+                elif group == "turns":
+                    turns.add_metric([name, label], value)
+                else:
+                    step_tokens.add_metric([name, "prefill" if key == "prefill_tokens" else "decode"], value)
             for field, family in host.items():
                 family.add_metric([name], getattr(s, field, 0))
             running.add_metric([name], s.num_running)
@@ -120,7 +139,7 @@ class EngineStatsCollector(Collector):
             acceptance.add_metric([name], ok / proposed if proposed else 0.0)
             per_step.add_metric([name], 1 + ok / rows if rows else 0.0)
         return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
-                per_step, *host.values()]
+                per_step, *host.values(), turn_seconds, turns, step_tokens]
 
 
 class _ReplayedCollector(Collector):

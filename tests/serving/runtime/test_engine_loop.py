@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from serving.contract.engine_client import EngineOverloadedError, EngineRequest, RequestRejectedError, SamplingParams
+from serving.runtime.turn_profile import PARTS
 from tests.support.engine_helpers import collect, generate, request
 from tests.support.tiny_engine import TINY, all_pages_free, make_loop, prompt
 
@@ -344,3 +345,29 @@ def test_n_choices_under_pool_pressure_match_running_alone(jax_cache):
     finally:
         lp.stop()
     assert crowded == alone
+
+
+def test_turn_profile_counts_each_dispatched_turn_and_what_it_carried(loop):
+    """The loop's turn profile (what benchmarks.closed_loop reads off /metrics) agrees with its plans."""
+    async def ping():
+        await loop.ping()
+
+    before = loop.profile.snapshot()
+    plans = []
+    loop.on_step = plans.append
+    try:
+        generate(loop, [request(prompt(4 + 3 * i, 300 + i), max_tokens=6, ignore_eos=True) for i in range(5)])
+        asyncio.run(ping())  # the turn that read back the last tokens has ended
+    finally:
+        loop.on_step = None
+    d = {k: v - before[k] for k, v in loop.profile.snapshot().items()}
+    assert d["prefill_tokens"] == sum(len(r.token_ids) for p in plans for r in p.prefill) == sum(
+        4 + 3 * i for i in range(5))
+    assert d["decode_rows"] == sum(len(p.decode) for p in plans) == 5 * 5  # the first token comes from prefill
+    assert d["turns.mixed"] == sum(bool(p.prefill and p.decode) for p in plans)
+    assert d["turns.prefill"] == sum(bool(p.prefill and not p.decode) for p in plans) >= 1
+    assert d["turns.decode"] == sum(bool(p.decode and not p.prefill) for p in plans) >= 1
+    assert d["turns.other"] >= 1  # the last read-back, with nothing left to dispatch
+    assert all(d[f"seconds.{part}"] >= 0 for part in PARTS)
+    assert d["seconds.dispatch_decode"] > 0 and d["seconds.readback_wait"] > 0 and d["seconds.plan"] > 0
+    assert loop.stats().turn_profile["decode_rows"] >= before["decode_rows"]
