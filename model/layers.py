@@ -332,7 +332,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     if not cfg.causal:
         raise ValueError(f"{cfg.name} attends bidirectionally (an embedding model): it has no paged, "
                          "causal prefill or decode; serve it with --task embed")
-    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     T = h.shape[0]
     q, k, v = project_qkv(h, p, positions, cfg=cfg, theta=theta, dtype=dtype, compute=compute,
                           rope_scaled=rope_scaled)
