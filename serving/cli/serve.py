@@ -47,6 +47,10 @@ def register(sub) -> None:
     serve.add_argument("--task", default=None, choices=("auto", "generate", "embed"),
                        help="generate (completions, chat, responses) | embed (a sentence-transformers model on "
                        "/v1/embeddings) | auto (default): embed when the model's directory has modules.json")
+    serve.add_argument("--embed-max-batch", type=int, default=None,
+                       help="--task embed: most inputs in one step, a power of two (default 32)")
+    serve.add_argument("--embed-max-batch-tokens", type=int, default=None,
+                       help="--task embed: most padded tokens (inputs x length bucket) in one step (default 16384)")
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -177,7 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
     from serving.loading.model_source import resolve_task
 
-    overrides = _overrides(args, ("task", "host", "port", "enable_prefix_caching", "allow_unauthenticated",
+    overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port", "enable_prefix_caching", "allow_unauthenticated",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
