@@ -164,3 +164,21 @@ async def test_batch_api_runs_embedding_lines_and_a_bad_line_fails_alone(app_ser
         assert float(vec @ want[i]) >= 0.9999
     bad = errors["bad"]["response"]
     assert bad["status_code"] == 400 and "token id 999" in json.dumps(bad["body"])
+
+
+async def test_input_policy_applies_and_is_metered(tmp_path):
+    services = GatewayServices.open_server(database_url=f"sqlite:///{tmp_path / 'p.db'}", blocklist=["fox"])
+    loop = EmbeddingLoop(embedding_engine("gemma3_embed"))
+    loop.start(warmup=False)
+    try:
+        app = create_app({GEMMA: _served(GEMMA, "gemma3_embed", loop)}, services)
+        async with http(app) as c:
+            r = await c.post("/v1/embeddings", json={"model": GEMMA, "input": ["the cat", "a quick brown fox"]},
+                             headers={"X-Request-ID": "emb-pol"})
+            assert_openai_error(r, 400, param="input", code="content_policy_violation")
+            assert (await c.post("/v1/embeddings", json={"model": GEMMA, "input": "the cat"})).status_code == 200
+        row = services.ledger.get("emb-pol")
+        assert row["status"] == "error" and row["prompt_tokens"] == 0
+    finally:
+        loop.stop()
+        services.close()

@@ -6,7 +6,8 @@ only one of its trained sizes (else 400 naming them) -> tokenize each string inp
 tokenizer frames it alone (``encode_input``: BOS / EOS as sentence-transformers adds them), in a
 worker thread; token-id inputs are used as they are -> every input within the model's length and
 its ids inside the vocabulary (400 naming the input) -> rate limits and metering (one ledger row,
-``prompt_tokens`` = all inputs' tokens, no completion) -> the embedding engine
+``prompt_tokens`` = all inputs' tokens, no completion) -> the input policies (string inputs; a
+rejection is a metered 400 ``content_policy_violation``) -> the embedding engine
 (``EmbeddingClient.embed``, batched with other requests' inputs) -> truncation to ``dimensions``
 and re-normalization (the L2 norm of the kept prefix, as OpenAI's ``text-embedding-3`` returns
 unit vectors of any size) -> floats, or base64 of little-endian float32.
@@ -33,6 +34,7 @@ from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, req
 from serving.gateway.openai.openai_serving import OpenAIServing, read_json
 from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.schema.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from serving.gateway.services.policy import PolicyViolation
 
 logger = logging.getLogger("xlaserve.gateway")
 
@@ -152,6 +154,12 @@ class EmbeddingServing:
             raise rate_limited(e) from None
         request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
         try:
+            services.policies.check_input([item for item in req.inputs if isinstance(item, str)])
+        except PolicyViolation as e:
+            meter.note("input_policy", policy=e.policy)
+            await meter.finish("error", error=f"content_policy_violation ({e.policy})")
+            raise OpenAIError(str(e), code="content_policy_violation", param="input") from None
+        try:
             vectors = await until_disconnect(request, served.engine.embed(
                 inputs, priority="batch" if priority == "batch" else "default"))
         except ClientDisconnected:
@@ -161,7 +169,6 @@ class EmbeddingServing:
             await meter.finish("error", error=f"{type(e).__name__}: {e}")
             raise
         meter.prefilled = True
-        meter.scheduled_time = meter.scheduled_time or arrival
         meter.note("embedded", inputs=len(inputs))
         await meter.finish("ok", "stop")
         vectors = truncate(np.asarray(vectors, np.float32), req.dimensions)
