@@ -325,6 +325,19 @@ class BPETokenizer:
         ids = self._text.encode(text, add_special_tokens=False).ids if text else []
         return [self.bos_id, *ids] if add_bos and self.add_bos else list(ids)
 
+    def encode_input(self, text: str) -> list[int]:
+        """Encode a whole input as the model sees it alone: user text (special-token spellings
+        stay plain text) framed by ``tokenizer.json``'s post-processor (its BOS, and the EOS
+        an embedding model's tokenizer appends: EmbeddingGemma's, Qwen3-Embedding's), as
+        sentence-transformers tokenizes an input for an embedding.
+
+        Raises:
+          TypeError: ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode_input expects str, got {type(text).__name__}")
+        return list(self._text.encode(text, add_special_tokens=True).ids)
+
     def encode_markup(self, text: str) -> list[int]:
         """Encode a chat template's own markup: special-token spellings become their ids.
 

@@ -71,6 +71,10 @@ class ModelConfig:
       num_experts: MoE experts per layer (0: a dense MLP).
       num_experts_per_tok: experts each token is routed to (top-k).
       expert_mlp_dim: each expert's SwiGLU hidden width.
+      causal: attention is causal (every decoder). False: bidirectional (EmbeddingGemma's
+        ``use_bidirectional_attention``; a sliding layer then sees keys within
+        ``sliding_window // 2`` on each side): the model only encodes (``encode``,
+        embeddings); its paged prefill and decode raise ValueError.
     """
 
     name: str
@@ -110,6 +114,7 @@ class ModelConfig:
     rotary_dim: int = 0
     rope_short_factors: tuple[float, ...] = ()
     rope_long_factors: tuple[float, ...] = ()
+    causal: bool = True
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:

@@ -23,7 +23,10 @@ the GGUF stores them: ``y = x * rsqrt(mean(x^2) + eps) * scale``.
 The layer weights are stacked on a leading ``layers`` axis and the decoder
 runs as one ``lax.scan``, so a step compiles one layer body instead of 18.
 The model knows nothing of serving or of the platform: it maps (tokens,
-positions, kv_cache, attention metadata, logits_indices) to (logits, kv_cache),
+positions, kv_cache, attention metadata, logits_indices) to (logits, kv_cache)
+(``__call__``), or a padded batch (tokens, lengths) to its final-norm hidden
+states without the LM head (``encode``: embedding models such as EmbeddingGemma,
+bidirectional when ``cfg.causal`` is False; ``__call__`` refuses those),
 and takes what depends on the platform (the dot, the attention
 implementation) as one static ``compute`` argument (``model.compute``).
 Stacked layer weights may arrive in a storage representation (the engine's
@@ -50,6 +53,7 @@ from model.layers import (
     apply_rope,
     attention_block,
     check_params,
+    encode_attention_block,
     embed_lookup_param,
     embed_tokens,
     rms_norm,
@@ -139,6 +143,59 @@ class Gemma3(nnx.Module):
 
         Returns:
           (logits [S, vocab] float32, updated kv_cache).
+
+        Raises:
+          ValueError: a bidirectional model (``cfg.causal`` False), which only encodes.
+        """
+        cfg = self.cfg
+        dtype = self.dtype
+
+        def attend(h, p, l, window, theta, rope_scaled, cache):
+            o, k_cache, v_cache = attention_block(
+                h, p, positions, cache[0], cache[1], md, l, cfg=cfg, theta=theta, window=window,
+                dtype=dtype, compute=compute, rope_scaled=rope_scaled)
+            return o, (k_cache, v_cache)
+
+        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute)
+        x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
+        logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
+        if cfg.final_logit_softcap is not None:
+            c = cfg.final_logit_softcap
+            logits = c * jnp.tanh(logits / c)
+        return logits, KVCache(k_cache, v_cache)
+
+    def encode(self, tokens: jax.Array, lengths: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
+        """The final-norm hidden states of a padded batch, without the LM head (embedding models).
+
+        Attention is causal, or bidirectional when ``cfg.causal`` is False (EmbeddingGemma);
+        no KV cache is read or kept.
+
+        Args:
+          tokens: [B, S] int32, row b's tokens at 0 .. lengths[b] - 1, then padding (any id).
+          lengths: [B] int32, 1 <= lengths[b] <= S.
+          compute: platform-dependent choices (static; the dot).
+
+        Returns:
+          [B, S, hidden] float32; positions past a row's length hold garbage.
+        """
+        cfg = self.cfg
+        B, S = tokens.shape
+        positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
+
+        def attend(h, p, l, window, theta, rope_scaled, state):
+            o = encode_attention_block(h, p, positions, lengths, cfg=cfg, theta=theta, window=window,
+                                       dtype=self.dtype, compute=compute, rope_scaled=rope_scaled)
+            return o, state
+
+        x, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute).reshape(B, S, -1)
+
+    def _layers(self, tokens: jax.Array, attend, state, compute: Compute):
+        """The embedding and the layer stack (one ``lax.scan``), attention by ``attend``.
+
+        ``attend(h [T, D], layer weights, layer id, window, theta, rope_scaled, state) ->
+        (o [T, D], state)``: the paged cache threaded as ``state`` (``__call__``), or
+        nothing (``encode``). Returns (x [T, D] f32 before the final norm, state).
         """
         cfg = self.cfg
         dtype = self.dtype
@@ -158,34 +215,26 @@ class Gemma3(nnx.Module):
         scaled_rope = cfg.rope_scaling_factor is not None
 
         def layer(carry, xs):
-            x, k_cache, v_cache = carry
+            x, state = carry
             p, l, window, theta = xs[:4]
             rope_scaled = xs[4] if scaled_rope else True
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             h = rms_norm(x, p["attn_norm"], eps, compute)
-            o, k_cache, v_cache = attention_block(
-                h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,
-                window=window if use_window else None, dtype=dtype, compute=compute,
-                rope_scaled=rope_scaled)
+            o, state = attend(h, p, l, window if use_window else None, theta, rope_scaled, state)
             x = x + rms_norm(o, p["post_attn_norm"], eps, compute)
             h = rms_norm(x, p["ffw_norm"], eps, compute)
             gate = compute.dot("td,df->tf", h, p["w_gate"], dtype)
             up = compute.dot("td,df->tf", h, p["w_up"], dtype)
             mlp = compute.dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
             x = x + rms_norm(mlp, p["post_ffw_norm"], eps, compute)
-            return (x, k_cache, v_cache), None
+            return (x, state), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         xs = (layer_params, layer_ids, windows, thetas)
         if scaled_rope:
             xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)
-        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
-        x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
-        logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
-        if cfg.final_logit_softcap is not None:
-            c = cfg.final_logit_softcap
-            logits = c * jnp.tanh(logits / c)
-        return logits, KVCache(k_cache, v_cache)
+        (x, state), _ = jax.lax.scan(layer, (x, state), xs)
+        return x, state
 
 
 def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:

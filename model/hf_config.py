@@ -7,7 +7,11 @@ Supported (``HF_ARCHITECTURES``): ``LlamaForCausalLM``, ``MistralForCausalLM``,
 MoE, QK-norm for Qwen3), ``Gemma2ForCausalLM`` (the ``gemma3`` decoder without
 QK-norm, with attention and final logit soft-capping), ``Gemma3ForCausalLM`` and the
 language model of ``Gemma3ForConditionalGeneration`` (its ``text_config``; the
-vision tower is skipped with a log line) (the ``gemma3`` decoder).
+vision tower is skipped with a log line) (the ``gemma3`` decoder). The base models of
+those classes (``BASE_MODELS``: ``Gemma3TextModel``, ``Qwen3Model``, ``LlamaModel``, ...), as
+sentence-transformers saves an embedding model, read as their causal-LM class without a head;
+``use_bidirectional_attention`` (EmbeddingGemma) makes a Gemma 3 config bidirectional
+(``ModelConfig.causal`` False).
 
 Field meanings follow transformers' configuration classes
 (``configuration_llama.py``, ``configuration_mistral.py``,
@@ -59,7 +63,27 @@ HF_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
 )
-"""``config.json`` ``architectures`` values :func:`config_from_hf` reads."""
+"""``config.json`` ``architectures`` values :func:`config_from_hf` reads (and the base models
+of :data:`BASE_MODELS`)."""
+
+BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",
+}
+"""Base models (no LM head; tensors without the ``model.`` prefix), as sentence-transformers
+saves an embedding model's transformer (EmbeddingGemma: ``Gemma3TextModel``; Qwen3-Embedding:
+``Qwen3Model``), and the causal-LM class whose config fields they share. Their configs say
+``tie_embeddings`` (nothing to read for a head); they serve embeddings only."""
+
+
+def causal_lm_architecture(arch: str) -> str:
+    """The causal-LM class whose fields and tensor names ``arch`` shares (itself, or a base
+    model's, see :data:`BASE_MODELS`)."""
+    return BASE_MODELS.get(arch, arch)
 
 # Class defaults of the fields read here, where config.json may leave them out
 # (transformers' configuration classes, v4.50 - v5).
@@ -149,9 +173,9 @@ def hf_architecture(d: Mapping[str, Any]) -> str:
     if len(archs) != 1:
         raise ValueError(f"'architectures' must name one architecture, got {archs!r}; "
                          f"supported: {', '.join(HF_ARCHITECTURES)}")
-    if archs[0] not in HF_ARCHITECTURES:
+    if archs[0] not in HF_ARCHITECTURES and archs[0] not in BASE_MODELS:
         raise ValueError(f"unsupported architecture {archs[0]!r}; "
-                         f"supported: {', '.join(HF_ARCHITECTURES)}")
+                         f"supported: {', '.join(HF_ARCHITECTURES + tuple(BASE_MODELS))}")
     return archs[0]
 
 
@@ -172,7 +196,8 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
         an activation other than the architecture's, an unsupported RoPE
         scaling type, Qwen3-MoE without ``norm_topk_prob`` or with dense layers).
     """
-    arch = hf_architecture(d)
+    base = hf_architecture(d) in BASE_MODELS
+    arch = causal_lm_architecture(hf_architecture(d))
     if arch == "Gemma3ForConditionalGeneration":
         if "text_config" not in d:
             raise ValueError("Gemma3ForConditionalGeneration without a 'text_config'")
@@ -196,7 +221,15 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
             raise ValueError(f"{arch}: config lacks {key!r}")
         return None
 
-    for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
+    causal = True
+    if d.get("use_bidirectional_attention"):
+        if arch not in _GEMMA3:
+            raise ValueError(f"{arch}: use_bidirectional_attention=true is supported for Gemma 3 "
+                             "(EmbeddingGemma) only")
+        causal = False  # EmbeddingGemma: an encoder (model.gemma3.Gemma3.encode)
+    if base:  # a base model has no head to read
+        d = {**d, "tie_word_embeddings": True}
+    for flag in ("attention_bias", "mlp_bias"):
         if d.get(flag):
             raise ValueError(f"{arch}: {flag}=true is not supported (this decoder is causal, "
                              "without biases)")
@@ -221,6 +254,7 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
         rms_norm_eps=float(get("rms_norm_eps")),
         max_position=int(get("max_position_embeddings")),
         tie_embeddings=bool(get("tie_word_embeddings")),
+        causal=causal,
     )
     if arch == "Gemma2ForCausalLM":
         theta, scaling = _rope(d, defaults, arch, None)

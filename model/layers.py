@@ -4,6 +4,9 @@
 Qwen3(-MoE) over the paged KV cache: QKV projections (optional biases), optional per-head QK-norm
 (Gemma 3, Qwen3), RoPE, the KV write, paged attention and the output
 projection. Decoders differ around it (norm placement, MLP, embeddings).
+``encode_attention_block`` is the same sub-layer over a padded batch of whole sequences without a
+cache (embedding models' ``encode``: causal, or bidirectional when ``cfg.causal`` is False);
+both share ``project_qkv``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from flax import nnx
 
 from kernels_pallas.attention import paged_attention, write_kv_pages
 from kernels_pallas.kv_storage import logical_dtype
+from kernels_pallas.padded_attention_xla import padded_attention_xla
 from model.attention_metadata import AttentionMetadata
 from model.compute import REFERENCE, Compute
 from model.config import ModelConfig
@@ -270,6 +274,35 @@ def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     return table[...][tokens].astype(jnp.float32)
 
 
+def project_qkv(h: jax.Array, p: dict, positions: jax.Array, *, cfg: ModelConfig, theta, dtype,
+                compute: Compute, rope_scaled=True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention sub-layer's projections: q, k, v with biases, QK-norm and RoPE applied.
+
+    Args:
+      h: [T, D] f32, the normed residual stream; positions: [T] int32.
+      p, cfg, theta, dtype, compute, rope_scaled: as in :func:`attention_block`.
+
+    Returns:
+      (q [T, N, H], k [T, K, H], v [T, K, H]) float32.
+    """
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    T = h.shape[0]
+    # Projections as plain 2-D matmuls, the heads folded into the columns.
+    q = compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
+    k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
+    v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
+    if cfg.qkv_bias:
+        q = q + p["bq"].astype(jnp.float32)
+        k = k + p["bk"].astype(jnp.float32)
+        v = v + p["bv"].astype(jnp.float32)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], eps, compute), rms_norm(k, p["k_norm"], eps, compute)
+    q = apply_rope(q, positions, theta, cfg, rope_scaled)
+    k = apply_rope(k, positions, theta, cfg, rope_scaled)
+    return q, k, v
+
+
 def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Array,
                     v_cache: jax.Array, md: AttentionMetadata, layer, *, cfg: ModelConfig, theta,
                     window, dtype, compute: Compute, rope_scaled=True
@@ -291,22 +324,18 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
 
     Returns:
       (o [T, D] f32 before any post-norm, k_cache, v_cache).
+
+    Raises:
+      ValueError: a bidirectional model (``cfg.causal`` False): the paged path is causal
+        (such models run through :func:`encode_attention_block`).
     """
-    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eps = cfg.rms_norm_eps
+    if not cfg.causal:
+        raise ValueError(f"{cfg.name} attends bidirectionally (an embedding model): it has no paged, "
+                         "causal prefill or decode; serve it with --task embed")
+    D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     T = h.shape[0]
-    # Projections as plain 2-D matmuls, the heads folded into the columns.
-    q = compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
-    k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
-    v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
-    if cfg.qkv_bias:
-        q = q + p["bq"].astype(jnp.float32)
-        k = k + p["bk"].astype(jnp.float32)
-        v = v + p["bv"].astype(jnp.float32)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], eps, compute), rms_norm(k, p["k_norm"], eps, compute)
-    q = apply_rope(q, positions, theta, cfg, rope_scaled)
-    k = apply_rope(k, positions, theta, cfg, rope_scaled)
+    q, k, v = project_qkv(h, p, positions, cfg=cfg, theta=theta, dtype=dtype, compute=compute,
+                          rope_scaled=rope_scaled)
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
     attn = paged_attention(
         q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
@@ -314,3 +343,32 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
         config=compute.attention, window_bound=cfg.sliding_window if window is not None else None)
     o = compute.dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
     return o, k_cache, v_cache
+
+
+def encode_attention_block(h: jax.Array, p: dict, positions: jax.Array, lengths: jax.Array, *,
+                           cfg: ModelConfig, theta, window, dtype, compute: Compute,
+                           rope_scaled=True) -> jax.Array:
+    """The attention sub-layer over a padded batch of whole sequences, no KV cache (embeddings).
+
+    Causal or bidirectional as ``cfg.causal`` says (``kernels_pallas.padded_attention_xla``).
+
+    Args:
+      h: [B * S, D] f32, the normed residual stream of B rows padded to S tokens.
+      positions: [B * S] int32 (each row 0 .. S - 1).
+      lengths: [B] int32 real tokens per row.
+      p, cfg, theta, window, dtype, compute, rope_scaled: as in :func:`attention_block`.
+
+    Returns:
+      o [B * S, D] f32 before any post-norm.
+    """
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    B = lengths.shape[0]
+    T = h.shape[0]
+    S = T // B
+    q, k, v = project_qkv(h, p, positions, cfg=cfg, theta=theta, dtype=dtype, compute=compute,
+                          rope_scaled=rope_scaled)
+    attn = padded_attention_xla(
+        q.astype(dtype).reshape(B, S, N, H), k.astype(dtype).reshape(B, S, K, H),
+        v.astype(dtype).reshape(B, S, K, H), lengths, scale=cfg.attn_scale, causal=cfg.causal,
+        sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+    return compute.dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)

@@ -18,6 +18,9 @@ LongRoPE and partial rotary width (``model.layers.apply_rope``; Phi-3's fused
 sliding (Mistral's and Phi-3's ``sliding_window``, Qwen2's and Qwen3's
 ``use_sliding_window``) attend through the window.
 
+``encode`` maps a padded batch to its final-norm hidden states without the LM head
+(embedding models: Qwen3-Embedding's last-token pooling reads them; see ``model.gemma3``).
+
 Layer weights are stacked on a leading ``layers`` axis and the decoder runs
 as one ``lax.scan``; stacked weights in a storage representation are turned
 back into their logical dtype inside it, as in ``model.gemma3``. What depends
@@ -42,6 +45,7 @@ from model.kv_cache import KVCache
 from model.layers import (
     attention_block,
     check_params,
+    encode_attention_block,
     embed_lookup_param,
     embed_tokens,
     rms_norm,
@@ -143,23 +147,59 @@ class Llama(nnx.Module):
 
         Returns:
           (logits [S, vocab] f32, updated kv_cache).
+
+        Raises:
+          ValueError: a bidirectional model (``cfg.causal`` False), which only encodes.
         """
+        cfg, dtype = self.cfg, self.dtype
+        theta = cfg.rope_theta_global
+
+        def attend(h, p, l, window, cache):
+            o, k_cache, v_cache = attention_block(
+                h, p, positions, cache[0], cache[1], md, l, cfg=cfg, theta=theta, window=window,
+                dtype=dtype, compute=compute)
+            return o, (k_cache, v_cache)
+
+        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute)
+        x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
+        if cfg.tie_embeddings:
+            logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
+        else:
+            logits = compute.dot("sd,dv->sv", x, weight(self, "lm_head"), dtype)
+        return logits, KVCache(k_cache, v_cache)
+
+    def encode(self, tokens: jax.Array, lengths: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
+        """Same contract as ``model.gemma3.Gemma3.encode``: [B, S] tokens, [B] lengths ->
+        final-norm hidden states [B, S, hidden] f32 (Qwen3-Embedding's, causal)."""
+        cfg = self.cfg
+        B, S = tokens.shape
+        positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
+
+        def attend(h, p, l, window, state):
+            o = encode_attention_block(h, p, positions, lengths, cfg=cfg, theta=cfg.rope_theta_global,
+                                       window=window, dtype=self.dtype, compute=compute)
+            return o, state
+
+        x, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute).reshape(B, S, -1)
+
+    def _layers(self, tokens: jax.Array, attend, state, compute: Compute):
+        """The embedding and the layer stack (one ``lax.scan``), attention by
+        ``attend(h [T, D], layer weights, layer id, window, state) -> (o [T, D], state)``.
+        Returns (x [T, D] f32 before the final norm, state)."""
         cfg, dtype = self.cfg, self.dtype
         x = embed_tokens(self, tokens)
         layout = param_layout(cfg)
         layer_params = {n: weight(self, n) for n in _LAYER_PARAMS if n in layout}
         eps = cfg.rms_norm_eps
-        theta = cfg.rope_theta_global
         use_window = cfg.has_sliding_layers  # Mistral, Qwen3 with use_sliding_window
 
         def layer(carry, xs):
-            x, k_cache, v_cache = carry
+            x, state = carry
             p, l = xs[:2]
             window = xs[2] if use_window else None
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
-            o, k_cache, v_cache = attention_block(
-                rms_norm(x, p["attn_norm"], eps, compute), p, positions, k_cache, v_cache, md, l, cfg=cfg,
-                theta=theta, window=window, dtype=dtype, compute=compute)
+            o, state = attend(rms_norm(x, p["attn_norm"], eps, compute), p, l, window, state)
             h = x + o
             y = rms_norm(h, p["ffw_norm"], eps, compute)
             if cfg.is_moe:
@@ -168,19 +208,14 @@ class Llama(nnx.Module):
                 dot = compute.dot
                 y = dot("tf,fd->td", jax.nn.silu(dot("td,df->tf", y, p["w_gate"], dtype))
                         * dot("td,df->tf", y, p["w_up"], dtype), p["w_down"], dtype)
-            return (h + y, k_cache, v_cache), None
+            return (h + y, state), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         xs = (layer_params, layer_ids)
         if use_window:  # per-layer windows (models without sliding layers scan as before)
             xs += (jnp.asarray(cfg.layer_windows(), jnp.int32),)
-        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
-        x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
-        if cfg.tie_embeddings:
-            logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
-        else:
-            logits = compute.dot("sd,dv->sv", x, weight(self, "lm_head"), dtype)
-        return logits, KVCache(k_cache, v_cache)
+        (x, state), _ = jax.lax.scan(layer, (x, state), xs)
+        return x, state
 
 
 def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:

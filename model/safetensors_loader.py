@@ -52,7 +52,7 @@ import numpy as np
 
 from model import hf_tensor_map as hmap
 from model.config import ModelConfig
-from model.hf_config import hf_architecture, read_hf_config
+from model.hf_config import BASE_MODELS, causal_lm_architecture, hf_architecture, read_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,11 @@ def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: Any = "float32", mes
 def _sources(arch: str, cfg: ModelConfig, ckpt: SafetensorsCheckpoint) -> dict[str, hmap.Source]:
     """The tensor map for this checkpoint's naming (Gemma3ForConditionalGeneration
     has been saved as ``language_model.model.*`` and, since transformers 4.52,
-    ``model.language_model.*``; MoE experts one tensor per expert, or fused per
+    ``model.language_model.*``; a base model (``Gemma3TextModel``, ``Qwen3Model``, ...)
+    without the ``model.`` prefix; MoE experts one tensor per expert, or fused per
     layer as transformers v5 holds them)."""
+    if arch in BASE_MODELS:  # sentence-transformers' transformer: no "model." prefix, no head
+        return hmap.sources(causal_lm_architecture(arch), cfg, prefix="")
     if arch != "Gemma3ForConditionalGeneration":
         fused = "model." + hmap.FUSED_EXPERTS_PROBE in ckpt.files
         return hmap.sources(arch, cfg, fused_experts=fused)

@@ -396,6 +396,11 @@ class Tokenizer:
             ("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id),
             ("unk_token", self.unk_id)) if i is not None}
 
+    def encode_input(self, text: str) -> list[int]:
+        """A whole input as the model sees it alone (embeddings): ``encode(text, add_bos=True)``
+        (SentencePiece models frame an input with BOS only)."""
+        return self.encode(text, add_bos=True)
+
     def encode_markup(self, text: str) -> list[int]:
         """Encode a chat template's markup: control-piece spellings become their ids.
 

@@ -45,6 +45,37 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     return loop, tokenizer, model.cfg.name
 
 
+def build_embedding_engine(cfg, warmup: bool = True):
+    """Loads an embedding model (``--task embed``) and starts its loop. Returns (EmbeddingLoop,
+    tokenizer, model name, the model's ``EmbeddingHead``).
+
+    Raises:
+      ValueError: a mesh or checkpoint setting (embedding models run on one device, from
+        their sentence-transformers directory), or what ``load_embedding_model`` raises.
+    """
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.engine.embedding_engine import EmbeddingEngine
+    from serving.loading.embedding_model import load_embedding_model
+    from serving.runtime.embedding_loop import EmbeddingLoop
+
+    if cfg.mesh or cfg.checkpoint or cfg.num_processes:
+        raise ValueError("--task embed serves a sentence-transformers --model on one device "
+                         "(no --mesh, --checkpoint or multi-process settings)")
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    model, head, tokenizer, name = load_embedding_model(cfg.model, cfg.dtype, revision=cfg.revision)
+    max_len = min(cfg.max_model_len, head.max_seq_length or cfg.max_model_len)
+    engine = EmbeddingEngine(model, head, max_len=max_len, max_batch=cfg.embed_max_batch,
+                             max_batch_tokens=max(cfg.embed_max_batch_tokens, max_len),
+                             policy=BackendPolicy.detect(attention_impl="xla"))
+    loop = EmbeddingLoop(engine, max_waiting=max(cfg.max_waiting, cfg.embed_max_batch) * 16)
+    loop.start(warmup=warmup)
+    log.info("embedding engine ready in %.1f s (model %s, dim %d, inputs up to %d tokens)",
+             time.perf_counter() - t0, name, engine.dim, engine.max_len)
+    return loop, tokenizer, name, head
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -4,6 +4,10 @@ remote engine replicas (``--engines``: the router :func:`build_router` builds).
     xlaserve serve                       # Gemma 3 270M on 127.0.0.1:8000
     xlaserve serve --model tiny-random --port 8100
     xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
+    xlaserve serve --model path/to/embeddinggemma --task embed   # POST /v1/embeddings only
+
+``--task embed`` (``auto``: when the model's directory has ``modules.json``) serves a
+sentence-transformers model through the embedding loop (``serving.cli.bootstrap.build_embedding_engine``).
 
 ``serve --engines grpcs://...`` reaches replicas over TLS; ``--grpc-ca-file``,
 ``--grpc-client-cert/--grpc-client-key`` and ``--grpc-token-file`` say what it trusts,
@@ -40,6 +44,13 @@ def register(sub) -> None:
     """Adds the ``serve`` subcommand to the CLI's subparsers."""
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_settings(serve)
+    serve.add_argument("--task", default=None, choices=("auto", "generate", "embed"),
+                       help="generate (completions, chat, responses) | embed (a sentence-transformers model on "
+                       "/v1/embeddings) | auto (default): embed when the model's directory has modules.json")
+    serve.add_argument("--embed-max-batch", type=int, default=None,
+                       help="--task embed: most inputs in one step, a power of two (default 32)")
+    serve.add_argument("--embed-max-batch-tokens", type=int, default=None,
+                       help="--task embed: most padded tokens (inputs x length bucket) in one step (default 16384)")
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -164,15 +175,13 @@ def _uvicorn_log_config() -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from serving.config.server_config import load_server_config
-    from serving.gateway.app import GatewayLimits, ServedModel, create_app
-    from serving.gateway.batch.batch_runner import BatchSettings
+    from serving.gateway.app import ServedModel
     from serving.gateway.services.service_tiers import FlexAdmission
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
+    from serving.loading.model_source import resolve_task
 
-    overrides = _overrides(args, ("host", "port", "enable_prefix_caching", "allow_unauthenticated",
+    overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port", "enable_prefix_caching", "allow_unauthenticated",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
@@ -189,6 +198,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     services.flex_admission = FlexAdmission(max_waiting=cfg.flex_max_waiting, max_kv_usage=cfg.flex_max_kv_usage)
     loop = None
     try:
+        task = "generate" if args.engines else resolve_task(cfg.task, cfg.model, cfg.revision)
+        if task == "embed":
+            loop, served = _embedding_model(cfg)
+            return _run_gateway(args, cfg, services, {served.name: served}, loop)
         if args.engines:  # a gateway over remote replicas: no weights here
             engine, tokenizer, name, _ = build_router(
                 args.engines, args.router, prefill_weight=args.router_prefill_weight,
@@ -199,32 +212,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
             loop, tokenizer, name = build_engine(cfg)
             engine = loop
         name = cfg.served_model_name or name
-        limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
-                               stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes)
-        batches = BatchSettings(concurrency=cfg.batch_concurrency, lease_seconds=cfg.batch_lease_seconds)
         tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
         reasoning_parser = pick_reasoning_parser(tokenizer, cfg.reasoning_parser)
         log.info("tool-call parser: %s; reasoning parser: %s", tool_parser, reasoning_parser)
-        app = create_app({name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
-                                             max_model_len=engine.max_model_len,
-                                             kv_capacity_tokens=engine.kv_capacity_tokens,
-                                             default_chat_max_tokens=cfg.default_chat_max_tokens,
-                                             tool_call_parser=tool_parser,
-                                             reasoning_parser=reasoning_parser)},
-                         services, limits, batches)
-        log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
-        freeze_startup_heap()
-        try:
-            # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
-            uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
-                        timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
-        finally:
-            if loop is not None:
-                loop.stop()
-                if loop.engine.lockstep is not None:
-                    loop.engine.lockstep.stop()
+        models = {name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
+                                    max_model_len=engine.max_model_len,
+                                    kv_capacity_tokens=engine.kv_capacity_tokens,
+                                    default_chat_max_tokens=cfg.default_chat_max_tokens,
+                                    tool_call_parser=tool_parser,
+                                    reasoning_parser=reasoning_parser)}
+        return _run_gateway(args, cfg, services, models, loop)
     finally:
         services.close()
+
+
+def _embedding_model(cfg):
+    """The embedding loop and the ServedModel of ``--task embed``."""
+    from serving.cli.bootstrap import build_embedding_engine
+    from serving.gateway.app import ServedModel
+
+    loop, tokenizer, name, head = build_embedding_engine(cfg)
+    name = cfg.served_model_name or name
+    return loop, ServedModel(name=name, engine=loop, tokenizer=tokenizer, max_model_len=loop.max_model_len,
+                             task="embed", embedding_dim=head.dim, matryoshka_dims=head.matryoshka_dims,
+                             vocab_size=loop.vocab_size)
+
+
+def _run_gateway(args, cfg, services, models, loop) -> int:
+    """Serves ``models`` over HTTP until SIGTERM; stops ``loop`` (the in-process engine, or None) after."""
+    import uvicorn
+
+    from serving.gateway.app import GatewayLimits, create_app
+    from serving.gateway.batch.batch_runner import BatchSettings
+
+    try:
+        limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
+                               stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes)
+        batches = BatchSettings(concurrency=cfg.batch_concurrency, lease_seconds=cfg.batch_lease_seconds)
+        app = create_app(models, services, limits, batches)
+        for name in models:
+            log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
+        freeze_startup_heap()
+        # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
+    finally:
+        if loop is not None:
+            loop.stop()
+            engine = getattr(loop, "engine", None)
+            if getattr(engine, "lockstep", None) is not None:
+                engine.lockstep.stop()
     return 0
 
 

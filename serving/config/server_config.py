@@ -24,6 +24,9 @@ class ServerConfig:
 
     model: str = "gemma-3-270m"
     revision: str | None = None
+    task: str = "auto"
+    embed_max_batch: int = 32
+    embed_max_batch_tokens: int = 16384
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "bfloat16"
@@ -92,6 +95,10 @@ class ServerConfig:
         if self.host_kv_cache_gib and not self.enable_prefix_caching:
             raise ValueError("host_kv_cache_gib needs the prefix cache (host pages are found by prefix hash): "
                              "turn prefix caching on or the host tier off")
+        if self.task not in ("auto", "generate", "embed"):  # serving.loading.model_source.TASKS
+            raise ValueError(f"task must be auto, generate or embed, got {self.task!r}")
+        if self.embed_max_batch < 1 or self.embed_max_batch & (self.embed_max_batch - 1):
+            raise ValueError(f"embed_max_batch must be a power of two, got {self.embed_max_batch}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),

@@ -3,6 +3,8 @@
 Routes:
   POST /v1/completions, POST /v1/chat/completions (JSON or SSE; the body must
     be sent as ``application/json``, else 415),
+  POST /v1/embeddings (an embedding model's vectors: ``embeddings.py``; other
+    models' names get 400, as an embedding model's does on the generation routes),
   GET /v1/models (OpenAI list shape), GET /v1/models/{id} (one model; ids may
     contain '/'; 404 for a model the caller may not use, as the list hides it),
   GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status|service_tier (the caller's
@@ -68,6 +70,7 @@ from serving.gateway.http.request_scope import (
     REQUEST_ID_GIVEN_SCOPE_KEY,
     REQUEST_ID_SCOPE_KEY,
 )
+from serving.gateway.openai.embeddings import EMBEDDINGS_PATH, EmbeddingServing
 from serving.gateway.openai.openai_serving import OpenAIServing
 from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.openai.tokenizer_routes import DetokenizeRequest, TokenizeRequest, install_tokenizer_routes
@@ -75,6 +78,7 @@ from serving.gateway.responses.response_store import ResponseStore
 from serving.gateway.responses.responses_api import RESPONSES_PATH, install_responses_api
 from serving.gateway.responses.responses_events import ResponseStreamEvent
 from serving.gateway.responses.responses_protocol import ResponseRequest
+from serving.gateway.schema.embeddings import EmbeddingRequest, EmbeddingResponse
 from serving.gateway.schema.protocol import ChatCompletionRequest, CompletionRequest
 from serving.gateway.schema.response_models import (
     ChatCompletionChunk,
@@ -244,17 +248,25 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     async def chat_completions(request: Request, caller: Principal = Depends(principal)) -> Response:
         return await serving.create_chat_completion(request, caller)
 
+    embeddings = EmbeddingServing(serving)
+
+    @app.post(EMBEDDINGS_PATH, openapi_extra=json_request_body(EmbeddingRequest),
+              response_model=EmbeddingResponse, responses=generation_errors)
+    async def create_embeddings(request: Request, caller: Principal = Depends(principal)) -> Response:
+        return await embeddings.create_embedding(request, caller)
+
     response_store = ResponseStore(services.ledger.engine) if services.ledger is not None else None
     responses = install_responses_api(app, serving, response_store, principal, generation_errors)
 
     # The endpoints a batch line may name, and their handlers.
     batch_endpoints = {"/v1/completions": serving.create_completion,
                        "/v1/chat/completions": serving.create_chat_completion,
-                       RESPONSES_PATH: responses.create}
+                       RESPONSES_PATH: responses.create,
+                       EMBEDDINGS_PATH: embeddings.create_embedding}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
-                          DetokenizeRequest, CreateBatchRequest],
+                          DetokenizeRequest, CreateBatchRequest, EmbeddingRequest],
                     stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent])
 
     def card(name: str) -> ModelCard:

@@ -23,13 +23,19 @@ import dataclasses
 import re
 from pathlib import Path
 
-__all__ = ["ModelSource", "resolve_model", "is_hub_id", "SERVE_FILES", "CONFIG_FILES", "ACCEPTED_FORMS"]
+__all__ = ["ModelSource", "resolve_model", "resolve_task", "is_hub_id", "SERVE_FILES", "CONFIG_FILES",
+           "ACCEPTED_FORMS", "TASKS"]
+
+TASKS = ("auto", "generate", "embed")
+"""``serve --task`` values (see :func:`resolve_task`)."""
 
 SERVE_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
                "model.safetensors.index.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-               "chat_template.jinja")
+               "chat_template.jinja", "modules.json", "config_sentence_transformers.json",
+               "sentence_bert_config.json", "[0-9]*_Pooling/*", "[0-9]*_Dense/*", "[0-9]*_Normalize/*")
 """``allow_patterns`` for serving a hub id: config, weights (not a repository's
-``consolidated.safetensors`` or ``original/`` copies), tokenizer and chat template."""
+``consolidated.safetensors`` or ``original/`` copies), tokenizer and chat template, and a
+sentence-transformers model's modules (``model.sentence_transformers``)."""
 
 CONFIG_FILES = ("config.json",)
 """``allow_patterns`` for planning a hub id (``xlaserve shard-plan``)."""
@@ -122,6 +128,30 @@ def resolve_model(value: str, revision: str | None = None, files: tuple[str, ...
     raise ValueError(f"unknown model {value!r}: use {_forms(registry)}")
 
 
+def resolve_task(task: str, model: str, revision: str | None = None) -> str:
+    """"generate" or "embed" for ``--task`` (``auto``: "embed" when ``model`` is a
+    sentence-transformers directory, local or a Hub snapshot, i.e. one with ``modules.json``;
+    else "generate").
+
+    Raises:
+      ValueError: an unknown task.
+    """
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task != "auto":
+        return task
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return "embed" if (path / "modules.json").is_file() else "generate"
+    if path.exists() or path.suffix == ".gguf" or not is_hub_id(model) or model in _registry():
+        return "generate"
+    try:
+        source = resolve_model(model, revision=revision)
+    except ValueError:
+        return "generate"  # the generation path reports what is wrong with the value
+    return "embed" if source.path is not None and (source.path / "modules.json").is_file() else "generate"
+
+
 def _forms(registry: dict) -> str:
     return ACCEPTED_FORMS.format(names=", ".join(sorted(registry)))
 
@@ -132,6 +162,8 @@ def _check_hf_dir(path: Path, hub: bool = False, files: tuple[str, ...] = SERVE_
     where = "the Hub snapshot " + str(path) if hub else str(path)
     if not hub and _is_orbax_checkpoint(path):
         raise ValueError(f"{path} is an xlaserve (orbax) checkpoint: serve it with --checkpoint {path}")
+    if (path / "modules.json").is_file() and not (path / "config.json").is_file():
+        return path  # a sentence-transformers directory with its transformer in a folder
     if not (path / "config.json").is_file():
         raise ValueError(f"{where} is not a Hugging Face checkpoint: it has no config.json")
     if files == CONFIG_FILES:

@@ -42,10 +42,11 @@ MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
 """Generated cases per operation and generation mode (by HTTP method)."""
 MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
                          "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15,
-                         "POST /v1/responses": 60}
+                         "POST /v1/responses": 60, "POST /v1/embeddings": 40}
 """Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py),
 the files and batches routes (no engine behind them: test_batches.py) and the Responses API
-(chat completions in other words: test_responses_api.py)."""
+(chat completions in other words: test_responses_api.py) and ``/v1/embeddings`` (a 400 on this
+generation server; test_serve_embeddings.py fuzzes it on an embedding model's server)."""
 UNICODE_EXAMPLES = 150
 REQUEST_TIMEOUT_S = 30
 
@@ -135,7 +136,8 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_sche
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
             "GET /v1/models/{model_id}", "GET /v1/usage", "GET /v1/requests/{request_id}",
             "GET /metrics", "GET /health", "GET /tokenizer_info", "POST /tokenize",
-            "POST /detokenize", "POST /v1/responses", "GET /v1/responses/{response_id}"} <= labels
+            "POST /detokenize", "POST /v1/responses", "GET /v1/responses/{response_id}",
+            "POST /v1/embeddings"} <= labels
     report = []
     t0 = time.monotonic()
     for op in operations:

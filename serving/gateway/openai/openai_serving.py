@@ -159,6 +159,19 @@ class OpenAIServing:
             raise model_not_allowed(name)
         return served
 
+    @staticmethod
+    def generative(served: ServedModel) -> ServedModel:
+        """`served`, if it generates text.
+
+        Raises:
+          OpenAIError: 400 ``model_not_supported`` for an embedding model.
+        """
+        if served.task != "generate":
+            raise OpenAIError(f"The model `{served.name}` is an embedding model: it serves POST /v1/embeddings "
+                              f"only, not completions, chat or responses.", param="model",
+                              code="model_not_supported")
+        return served
+
     # ---------------------------------------------------------- building
 
     @staticmethod
@@ -188,7 +201,7 @@ class OpenAIServing:
         """
         arrival = time.time()
         req = CompletionRequest.model_validate(await read_json(request))
-        served = self.model(req.model, principal)
+        served = self.generative(self.model(req.model, principal))
         need_text = bool(self.services.policies.input_policies) or req.echo
         prompt_ids, texts, echo_texts = [], [], []
         for prompt in req.prompts:
@@ -350,7 +363,7 @@ class OpenAIServing:
           template rejects, and (``context_length_exceeded``) for messages
           that leave no room for a completion when ``max_tokens`` is not given.
         """
-        served = self.model(req.model, principal)
+        served = self.generative(self.model(req.model, principal))
         plan = chat_plan(req, served)
         try:
             prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template(i) for i, m in enumerate(req.messages)],

@@ -1,10 +1,12 @@
-"""A model the gateway serves: its name, engine, tokenizer, context window and KV-cache capacity."""
+"""A model the gateway serves: its name, engine, tokenizer, context window and KV-cache capacity,
+and whether it generates text or embeds it (``task``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
+from serving.contract.embedding_client import EmbeddingClient
 from serving.contract.engine_client import EngineClient
 from serving.contract.tokenizer_protocol import TextTokenizer
 
@@ -29,10 +31,16 @@ class ServedModel:
         ``tool_parsers.TOOL_PARSERS``; None: it cannot choose to call tools).
       reasoning_parser: "think" when it thinks in ``<think>...</think>`` (the
         thinking is returned apart as ``reasoning_content``); None: it does not.
+      task: "generate" (completions, chat, responses) or "embed" (``/v1/embeddings`` only;
+        ``engine`` is then a ``serving.contract.embedding_client.EmbeddingClient``).
+      embedding_dim: an embedding model's vector width.
+      matryoshka_dims: the smaller sizes an embedding model was trained to be truncated to
+        (``dimensions``); empty: not Matryoshka.
+      vocab_size: the model's vocabulary (token-id inputs must lie in it); None: the tokenizer's.
     """
 
     name: str
-    engine: EngineClient
+    engine: EngineClient | EmbeddingClient
     tokenizer: TextTokenizer
     max_model_len: int
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
@@ -40,6 +48,10 @@ class ServedModel:
     default_chat_max_tokens: int | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    task: str = "generate"
+    embedding_dim: int | None = None
+    matryoshka_dims: tuple[int, ...] = ()
+    vocab_size: int | None = None
 
     @property
     def max_request_tokens(self) -> int:

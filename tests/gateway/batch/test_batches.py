@@ -170,7 +170,7 @@ async def test_malformed_lines_fail_validation_with_their_line_numbers(tmp_path)
         assert [(e.line, e.code) for e in failed.errors.data] == [
             (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_url")]
         with pytest.raises(openai.BadRequestError) as e:
-            await oai.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+            await oai.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
         assert e.value.body["param"] == "endpoint"
         with pytest.raises(openai.NotFoundError):
             await oai.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
