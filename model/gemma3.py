@@ -126,6 +126,7 @@ class Gemma3(nnx.Module):
         md: AttentionMetadata,
         logits_indices: jax.Array,
         compute: Compute = REFERENCE,
+        image_embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs the decoder over a step's tokens.
 
@@ -136,13 +137,25 @@ class Gemma3(nnx.Module):
           md: the step's attention metadata.
           logits_indices: [S] int32, the tokens whose logits are returned.
           compute: platform-dependent choices (static; see ``model.compute``).
+          image_embeds: [T, D] float32 or None: the input embedding of each image token
+            (``md.image_spans`` non-empty), used as it is (token embeddings are scaled by
+            sqrt(D), image soft tokens are not: ``model.gemma3_vision``); other rows are
+            ignored. Needs ``md.image_spans``.
 
         Returns:
           (logits [S, vocab] float32, updated kv_cache).
+
+        Raises:
+          ValueError: ``image_embeds`` without ``md.image_spans``.
         """
         cfg = self.cfg
         dtype = self.dtype
         x = embed_tokens(self, tokens) * jnp.float32(math.sqrt(cfg.hidden_size))
+        if image_embeds is not None:
+            if md.image_spans is None:
+                raise ValueError("image_embeds needs the attention metadata's image_spans")
+            is_image = md.image_spans[:, 1] > md.image_spans[:, 0]
+            x = jnp.where(is_image[:, None], image_embeds.astype(jnp.float32), x)
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
         thetas = jnp.asarray(cfg.layer_rope_thetas(), jnp.float32)
         layer_params = {

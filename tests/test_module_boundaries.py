@@ -66,6 +66,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "serving.gateway.services": GATEWAY_BASE | {"serving.gateway.http", "serving.gateway.accounts"},
     "serving.gateway.tools.tool_parsers": set(),
     "serving.gateway.tools": {"serving.gateway.tools.tool_parsers"},
+    "serving.gateway.media": {"serving.contract", "serving.gateway.http"},
     "serving.gateway.schema": GATEWAY_BASE | {"serving.gateway.http", "serving.gateway.tools"},
     "serving.gateway.openai": GATEWAY_BASE | {"serving.gateway.http", "serving.gateway.accounts",
                                               "serving.gateway.services", "serving.gateway.tools",
