@@ -150,6 +150,23 @@ async def test_bad_images_get_400_naming_the_part_and_disturb_nothing_else(app_s
     assert_openai_error(no_url, 400)
 
 
+async def test_responses_api_input_image(app_services):
+    app, _ = app_services
+
+    def body(url):
+        return {"model": MODEL, "max_output_tokens": 3, "temperature": 0, "store": False, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                         {"type": "input_image", "image_url": url}]}]}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+        ok = await c.post("/v1/responses", json=body(data_url(IMAGES / "image_a.png")))
+        chat_ok = await c.post("/v1/chat/completions", json=chat(TEXT, data_url(IMAGES / "image_a.png")))
+        bad = await c.post("/v1/responses", json={**body(data_url(b"nope")), "instructions": "Be brief."})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["input_tokens"] == chat_ok.json()["usage"]["prompt_tokens"]
+    assert_openai_error(bad, 400, param="input[0].content[1]", code="invalid_image")
+
+
 def _big_flat_png() -> bytes:
     """A 500 x 500 single-colour PNG: few bytes (under max_image_bytes), too many pixels."""
     buf = io.BytesIO()
