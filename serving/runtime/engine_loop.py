@@ -358,7 +358,9 @@ class EngineLoop:
         sampling_request.validate_request(request, self.engine.model_cfg.vocab_size, cfg.max_model_len,
                                           cfg.num_pages - 1, self.scheduler.pages_needed_alone, PRIORITIES)
         if request.images:
-            sampling_request.validate_images(request, self.engine.vision, cfg.prefill_chunk)
+            # an image is computed in one step: it must fit what one step's prompt budget can be
+            sampling_request.validate_images(request, self.engine.vision,
+                                             min(cfg.prefill_chunk, self.scheduler.token_budget - cfg.max_slots))
         if request.kv_produce or request.kv_transfer is not None:
             if self.connector is None:
                 raise RequestRejectedError("this engine takes no part in KV transfer (xlaserve engine does)")

@@ -66,7 +66,8 @@ def validate_request(request: EngineRequest, vocab: int, max_model_len: int, usa
 
 def validate_images(request: EngineRequest, encoder, prefill_chunk: int) -> None:
     """Checks a prompt's images (``EngineRequest.images``) against the engine's vision tower
-    (``serving.engine.vision_inputs.ImageEncoder``, None: the model takes no images).
+    (``serving.engine.vision_inputs.ImageEncoder``, None: the model takes no images) and the
+    most prompt tokens one step computes (``prefill_chunk``).
 
     Raises:
       RequestRejectedError: no vision tower; an image's soft-token count is not the tower's,
@@ -89,8 +90,8 @@ def validate_images(request: EngineRequest, encoder, prefill_chunk: int) -> None
             raise RequestRejectedError(f"image {i}: positions [{im.start}, {im.end}) must hold the "
                                        f"image token id {image_id}")
         if im.num_tokens > prefill_chunk:
-            raise RequestRejectedError(f"image {i}: {im.num_tokens} soft tokens exceed the prefill chunk "
-                                       f"({prefill_chunk}); an image is computed in one step")
+            raise RequestRejectedError(f"image {i}: {im.num_tokens} soft tokens exceed what one prefill step "
+                                       f"takes ({prefill_chunk}); an image is computed in one step")
         last_end = im.end
 
 

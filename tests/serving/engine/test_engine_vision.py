@@ -19,6 +19,7 @@ from serving.contract.engine_client import EngineRequest, ImageInput, RequestRej
 from serving.core.sched.scheduler import SchedRequest, Scheduler
 from serving.engine.engine import Engine
 from serving.gateway.media.image_processing import pixel_digest
+from serving.runtime import sampling_request
 from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import collect
 from tests.support.hf_tiny_parity import DATA, agree_until_near_tie, golden
@@ -118,3 +119,11 @@ def test_requests_with_bad_images_are_refused(loop):
         loop.submit(req(prompt, (ImageInput(0, 16, "x", p),), "bad-span"))
     with pytest.raises(RequestRejectedError, match="takes 16 soft tokens"):
         loop.submit(req(prompt, (ImageInput(4, 8, "x", p),), "bad-count"))
+    with pytest.raises(RequestRejectedError, match="overlap another image"):
+        loop.submit(req(prompt, (ImageInput(4, 16, "x", p), ImageInput(4, 16, "y", p)), "overlap"))
+    good = req(prompt, images_of(prompt, [p, p]), "fits")
+    sampling_request.validate_images(good, loop.engine.vision, 16)
+    with pytest.raises(RequestRejectedError, match="exceed what one prefill step takes"):
+        sampling_request.validate_images(good, loop.engine.vision, 15)
+    with pytest.raises(RequestRejectedError, match="takes no image inputs"):
+        sampling_request.validate_images(good, None, 16)
