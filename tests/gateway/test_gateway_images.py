@@ -164,7 +164,8 @@ async def test_responses_api_input_image(app_services):
         bad = await c.post("/v1/responses", json={**body(data_url(b"nope")), "instructions": "Be brief."})
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["input_tokens"] == chat_ok.json()["usage"]["prompt_tokens"]
-    assert_openai_error(bad, 400, param="input[0].content[1]", code="invalid_image")
+    err = assert_openai_error(bad, 400, param="input[0].content[1]", code="invalid_image")
+    assert err["message"].startswith("input[0].content[1]: ")
 
 
 def _big_flat_png() -> bytes:

@@ -45,7 +45,7 @@ def check_image_count(count: int, limits: MediaLimits, param: str) -> None:
 
 
 def _refuse(message: str, param: str, code: str = "invalid_image") -> OpenAIError:
-    return OpenAIError(message, param=param, code=code)
+    return OpenAIError(f"{param}: {message}", param=param, code=code)
 
 
 def decode_image(data: bytes, media_type: str | None, limits: MediaLimits, param: str) -> Image.Image:

@@ -362,8 +362,8 @@ class OpenAIServing:
         if image_parts:
             spec = getattr(served.engine, "vision", None)
             if spec is None:
-                raise OpenAIError(f"The model {served.name!r} takes no image inputs.", param=image_parts[0][0],
-                                  code="images_not_supported")
+                raise OpenAIError(f"{image_parts[0][0]}: the model {served.name!r} takes no image inputs.",
+                                  param=image_parts[0][0], code="images_not_supported")
             check_image_count(len(image_parts), self.limits.media, "messages")
             loaded = await load_images(image_parts, spec, self.limits.media, self.prompts.run)
         try:
