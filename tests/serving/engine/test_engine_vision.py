@@ -127,3 +127,7 @@ def test_requests_with_bad_images_are_refused(loop):
         sampling_request.validate_images(good, loop.engine.vision, 15)
     with pytest.raises(RequestRejectedError, match="takes no image inputs"):
         sampling_request.validate_images(good, None, 16)
+    from serving.rpc.convert import request_to_proto
+
+    with pytest.raises(RequestRejectedError, match="not sent to remote engine replicas"):
+        request_to_proto(good)  # the replica protocol carries no pixels: refused, never dropped
