@@ -8,9 +8,9 @@ every prompt position within 1e-4 and the greedy ids equal (up to the near-tie c
 
 Run once, in a throwaway virtualenv, from the repository root (as make_fixtures.py)::
 
-    python -m venv /tmp/ref && /tmp/ref/bin/pip install torch==2.13.0 transformers==5.24.0 \\
-        safetensors pillow numpy
-    /tmp/ref/bin/python tests/data/hf_tiny/make_vision_fixtures.py
+    python -m venv .venv-fixtures
+    .venv-fixtures/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors pillow numpy
+    .venv-fixtures/bin/python tests/data/hf_tiny/make_vision_fixtures.py
 
 What it writes in ``gemma3_vision/``:
 
