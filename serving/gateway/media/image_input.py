@@ -60,7 +60,7 @@ def decode_image(data: bytes, media_type: str | None, limits: MediaLimits, param
                       param, "image_too_large")
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise _refuse(f"The image could not be decoded ({type(e).__name__}).", param) from None
     want = MEDIA_TYPES.get(media_type) if media_type else None
     if want is not None and image.format != want:
