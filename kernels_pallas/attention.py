@@ -116,6 +116,7 @@ def paged_attention(
     layer=None,
     config: AttentionConfig = AttentionConfig(),
     window_bound: int | None = None,
+    bidirectional_spans: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a step's queries over the paged KV cache.
 
@@ -129,15 +130,20 @@ def paged_attention(
       config: which implementation and block sizes (see :func:`select_attention`).
       window_bound: static bound of a traced ``sliding_window`` (the model's window);
         the XLA decode then gathers only a sliding layer's window of pages.
+      bidirectional_spans: [T, 2] int32 or None, prefill only, the "xla" kernel only: keys
+        each token sees beyond the causal rule (``paged_prefill_attention_xla``).
 
     Returns:
       [T, num_heads, head_dim] in q's dtype.
 
     Raises:
-      ValueError: unknown attention mode.
+      ValueError: unknown attention mode; bidirectional spans in decode or with a Pallas kernel.
     """
     if md.mode not in ("decode", "prefill"):
         raise ValueError(f"unknown attention mode {md.mode!r}")
+    if bidirectional_spans is not None and (md.mode != "prefill" or config.kernel != "xla"):
+        raise ValueError("bidirectional spans (image tokens) need a prefill step on the xla attention "
+                         f"kernel, got mode {md.mode!r}, kernel {config.kernel!r}")
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
     head_dim, page_size = q.shape[-1], k_pages.shape[-2]
     if config.kernel != "xla":
@@ -164,6 +170,8 @@ def paged_attention(
         fn = {"xla": paged_decode_attention_xla, "mosaic": paged_decode_attention_tpu,
               "triton": paged_decode_attention_pallas}[config.kernel]
         return fn(q, k_pages, v_pages, md.kv_lens, md.page_table, **opts)
+    if bidirectional_spans is not None:
+        opts["bidirectional_spans"] = bidirectional_spans
     fn = {"xla": paged_prefill_attention_xla, "mosaic": paged_prefill_attention_tpu,
           "triton": paged_prefill_attention_pallas}[config.kernel]
     return fn(q, k_pages, v_pages, md.cu_q_lens, md.kv_lens, md.page_table, md.num_seqs, **opts)

@@ -274,6 +274,7 @@ def paged_prefill_attention_xla(
     ordered_sums: bool = False,
     block_q: int | None = None,
     dot_rows: DotRows = DotRows(),
+    bidirectional_spans: jax.Array | None = None,
 ) -> jax.Array:
     """A ragged batch of prompt chunks against their sequences' pages (chunk included).
 
@@ -305,6 +306,13 @@ def paged_prefill_attention_xla(
       block_q: query tokens per block (None: :func:`prefill_query_blocks`'s rule).
       dot_rows: the batch-invariant mode's row padding of low-precision dots: block
         sizes whose dots it would pad are not chosen (see :func:`prefill_query_blocks`).
+      bidirectional_spans: [num_tokens, 2] int32 or None: token t also sees the keys at
+        positions ``spans[t, 0] <= j < spans[t, 1]`` of its own sequence, later ones
+        included (Gemma 3's image tokens: full attention within each image; as
+        transformers' ``create_masks_for_vision_model``, AND(sliding window, OR(causal,
+        span)): a sliding layer still hides keys ``window`` or more positions back);
+        an empty span (start >= end) adds nothing. The span must lie within the keys the
+        row holds after this chunk (a span is never split across chunks).
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; padding tokens get 0.
@@ -314,7 +322,7 @@ def paged_prefill_attention_xla(
     max_seqs = kv_lens.shape[0]
     bq, num_blocks = prefill_query_blocks(num_tokens, max_seqs, block_q, group=group, dot_rows=dot_rows)
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-                ordered_sums=ordered_sums)
+                ordered_sums=ordered_sums, spans=bidirectional_spans)
     blocked = functools.partial(_blocked_prefill, q, k_pages, v_pages, bq=bq, num_blocks=num_blocks, **opts)
     if max_seqs == 1 or block_q is not None or (num_blocks == 1 and bq == num_tokens):
         return blocked(cu_q_lens, kv_lens, page_table, num_seqs)
@@ -331,7 +339,8 @@ def paged_prefill_attention_xla(
 
 
 def _blocked_prefill(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, *, bq: int,
-                     num_blocks: int, scale: float, sliding_window, soft_cap, layer, ordered_sums: bool):
+                     num_blocks: int, scale: float, sliding_window, soft_cap, layer, ordered_sums: bool,
+                     spans=None):
     """The blocked ragged form of :func:`paged_prefill_attention_xla` with its block size
     ``bq`` and block count ``num_blocks`` resolved (operands as there)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -361,6 +370,14 @@ def _blocked_prefill(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_se
     key_ok = k_pos[None, :] < blk_kv_len[:, None]  # [NB, L]
     mask = (_window_mask(q_pos[:, :, None], k_pos[None, None, :], sliding_window)
             & key_ok[:, None, :] & real[:, :, None])  # [NB, bq, L]
+    if spans is not None:
+        sp = spans[tok]  # [NB, bq, 2]
+        kp = k_pos[None, None, :]
+        in_span = (kp >= sp[:, :, :1]) & (kp < sp[:, :, 1:])
+        if sliding_window is not None:  # the window still bounds the past: AND(window, OR(causal, span))
+            w = jnp.asarray(sliding_window, jnp.int32)
+            in_span = in_span & ((w <= 0) | (q_pos[:, :, None] - kp < w))
+        mask = mask | (in_span & key_ok[:, None, :] & real[:, :, None])
     probs = _softmax_weighted_sum(scores, mask[:, None, :, None, :], v, soft_cap, ordered_sums)
     v = jnp.where(key_ok[:, None, :, None], v, 0)
     out = jnp.einsum("bkqgl,bkld->bkqgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -31,6 +31,11 @@ class AttentionMetadata:
       cu_q_lens: [S + 1] int32 cumulative chunk lengths (prefill); for decode
         [B + 1] = arange(B + 1) (one token per slot).
       num_seqs: [] int32, real rows (prefill); B for decode.
+      image_spans: [T, 2] int32 or None (prefill only): for each token, the positions
+        ``[start, end)`` of the image it belongs to (its run of image soft tokens), which it
+        attends to in full (bidirectionally); ``start >= end`` for text tokens. Gemma 3
+        also takes the token's input embedding from the step's image embeddings where
+        the span is not empty. None: no image in the step (the text-only program).
       mode: "prefill" or "decode" (static).
     """
 
@@ -39,4 +44,5 @@ class AttentionMetadata:
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     num_seqs: jax.Array
+    image_spans: jax.Array | None = None
     mode: str = dataclasses.field(default="prefill", metadata=dict(static=True))

@@ -130,6 +130,7 @@ class Gemma3(nnx.Module):
         md: AttentionMetadata,
         logits_indices: jax.Array,
         compute: Compute = REFERENCE,
+        image_embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs the decoder over a step's tokens.
 
@@ -140,12 +141,17 @@ class Gemma3(nnx.Module):
           md: the step's attention metadata.
           logits_indices: [S] int32, the tokens whose logits are returned.
           compute: platform-dependent choices (static; see ``model.compute``).
+          image_embeds: [T, D] float32 or None: the input embedding of each image token
+            (``md.image_spans`` non-empty), used as it is (token embeddings are scaled by
+            sqrt(D), image soft tokens are not: ``model.gemma3_vision``); other rows are
+            ignored. Needs ``md.image_spans``.
 
         Returns:
           (logits [S, vocab] float32, updated kv_cache).
 
         Raises:
-          ValueError: a bidirectional model (``cfg.causal`` False), which only encodes.
+          ValueError: a bidirectional model (``cfg.causal`` False), which only encodes;
+            ``image_embeds`` without ``md.image_spans``.
         """
         cfg = self.cfg
         dtype = self.dtype
@@ -156,7 +162,12 @@ class Gemma3(nnx.Module):
                 dtype=dtype, compute=compute, rope_scaled=rope_scaled)
             return o, (k_cache, v_cache)
 
-        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute)
+        image_rows = None
+        if image_embeds is not None:
+            if md.image_spans is None:
+                raise ValueError("image_embeds needs the attention metadata's image_spans")
+            image_rows = (md.image_spans[:, 1] > md.image_spans[:, 0], image_embeds)
+        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, image_rows)
         x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
         logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
         if cfg.final_logit_softcap is not None:
@@ -190,16 +201,21 @@ class Gemma3(nnx.Module):
         x, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute).reshape(B, S, -1)
 
-    def _layers(self, tokens: jax.Array, attend, state, compute: Compute):
+    def _layers(self, tokens: jax.Array, attend, state, compute: Compute, image_rows=None):
         """The embedding and the layer stack (one ``lax.scan``), attention by ``attend``.
 
         ``attend(h [T, D], layer weights, layer id, window, theta, rope_scaled, state) ->
         (o [T, D], state)``: the paged cache threaded as ``state`` (``__call__``), or
-        nothing (``encode``). Returns (x [T, D] f32 before the final norm, state).
+        nothing (``encode``). ``image_rows``: None, or (is_image [T] bool, embeds [T, D]):
+        the rows whose input embedding is an image soft token, taken as it is (unscaled).
+        Returns (x [T, D] f32 before the final norm, state).
         """
         cfg = self.cfg
         dtype = self.dtype
         x = embed_tokens(self, tokens) * jnp.float32(math.sqrt(cfg.hidden_size))
+        if image_rows is not None:
+            is_image, embeds = image_rows
+            x = jnp.where(is_image[:, None], embeds.astype(jnp.float32), x)
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
         thetas = jnp.asarray(cfg.layer_rope_thetas(), jnp.float32)
         layer_params = {

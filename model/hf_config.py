@@ -202,7 +202,8 @@ def config_from_hf(d: Mapping[str, Any], name: str = "hf-model") -> ModelConfig:
         if "text_config" not in d:
             raise ValueError("Gemma3ForConditionalGeneration without a 'text_config'")
         if d.get("vision_config") is not None:
-            log.info("%s: serving the language model only; the vision tower is skipped", name)
+            log.info("%s: the decoder's config; the vision tower is skipped here (model.vision_loader "
+                     "reads it)", name)
         text = dict(d["text_config"])
         # The top level may carry what the nested config leaves out (transformers
         # keeps tie_word_embeddings at the top for composite models).

@@ -340,7 +340,8 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     attn = paged_attention(
         q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
         scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
-        config=compute.attention, window_bound=cfg.sliding_window if window is not None else None)
+        config=compute.attention, window_bound=cfg.sliding_window if window is not None else None,
+        bidirectional_spans=md.image_spans)
     o = compute.dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
     return o, k_cache, v_cache
 

@@ -29,8 +29,20 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     t0 = time.perf_counter()
     model, tokenizer, mesh = load_for_serving(cfg)
     policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl)
+    vision = None
+    if getattr(model.cfg, "architecture", None) == "gemma3" and cfg.checkpoint is None:
+        from serving.loading.model_registry import load_vision
+
+        vision = load_vision(cfg.model, cfg.revision)
+        if vision is not None and (mesh is not None or policy.attention.kernel != "xla"):
+            log.warning("the vision tower is not served: image inputs need a single-device engine "
+                        "with the xla attention kernel (requests with images get 400)")
+            vision = None
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
-                    lockstep=lockstep_for(mesh), policy=policy)
+                    lockstep=lockstep_for(mesh), policy=policy, vision=vision)
+    if vision is not None:
+        log.info("vision tower loaded: %d soft tokens per %d-pixel image", vision.cfg.mm_tokens_per_image,
+                 vision.cfg.siglip.image_size)
     if cfg.host_kv_cache_gib and engine.lockstep is not None:
         raise ValueError("--host-kv-cache-gib needs a single-host engine (pages are copied on one host)")
     loop = EngineLoop(engine, max_waiting=cfg.max_waiting, max_waiting_tokens=cfg.max_waiting_tokens,

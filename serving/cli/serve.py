@@ -81,6 +81,15 @@ def register(sub) -> None:
     serve.add_argument("--reasoning-parser", default=None,
                        help="auto (from the chat template) | none | think: <think>...</think> is "
                        "returned as reasoning_content")
+    serve.add_argument("--allowed-media-domains", default=None, metavar="HOST[,HOST...]",
+                       help="hosts (or *.example.com) whose http(s) image URLs are fetched, with a size "
+                       "and time cap; others get 400 (default: none, only data URLs)")
+    serve.add_argument("--max-image-bytes", type=int, default=None,
+                       help="larger image inputs get 400 (default 10 MiB)")
+    serve.add_argument("--max-image-pixels", type=int, default=None,
+                       help="image inputs of more pixels get 400 (default 40,000,000)")
+    serve.add_argument("--max-images-per-request", type=int, default=None,
+                       help="more image parts in one request get 400 (default 8)")
     serve.add_argument("--max-file-bytes", type=int, default=None,
                        help="larger uploads to POST /v1/files get 413, counted as they stream in; this "
                        "route is held to it instead of --max-request-bytes (default 100 MiB)")
@@ -188,7 +197,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   "redis_url", "ledger_spool_dir", "ledger_spool_max_bytes",
                                   "tool_call_parser", "reasoning_parser",
                                   "max_file_bytes", "batch_concurrency", "batch_lease_seconds",
-                                  "flex_max_waiting", "flex_max_kv_usage"))
+                                  "flex_max_waiting", "flex_max_kv_usage", "max_image_bytes",
+                                  "max_image_pixels", "max_images_per_request"))
+    if args.allowed_media_domains is not None:
+        overrides["allowed_media_domains"] = tuple(
+            d.strip() for d in args.allowed_media_domains.split(",") if d.strip())
     if args.prefix_cache_group:
         overrides["prefix_cache_groups"] = _prefix_cache_groups(args.prefix_cache_group)
     cfg = load_server_config(args.config, **overrides)
@@ -244,10 +257,16 @@ def _run_gateway(args, cfg, services, models, loop) -> int:
 
     from serving.gateway.app import GatewayLimits, create_app
     from serving.gateway.batch.batch_runner import BatchSettings
+    from serving.gateway.http.limits import MediaLimits
 
     try:
+        media = MediaLimits(max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels,
+                            max_images=cfg.max_images_per_request,
+                            allowed_media_domains=tuple(cfg.allowed_media_domains),
+                            fetch_timeout_s=cfg.media_fetch_timeout)
         limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
-                               stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes)
+                               stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes,
+                               media=media)
         batches = BatchSettings(concurrency=cfg.batch_concurrency, lease_seconds=cfg.batch_lease_seconds)
         app = create_app(models, services, limits, batches)
         for name in models:

@@ -59,6 +59,11 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     stream_buffer_events: int = 1024
     stream_write_timeout: float = 30.0
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    max_images_per_request: int = 8
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = 10.0
     served_model_name: str | None = None
     database_url: str | None = None
     ledger_spool_dir: str | None = None
@@ -103,7 +108,8 @@ class ServerConfig:
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
                             ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1),
-                            ("ledger_spool_max_bytes", 1)):
+                            ("ledger_spool_max_bytes", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
+                            ("max_images_per_request", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
         if self.flex_max_waiting < 0 or self.flex_starvation_preemptions < 0:
@@ -115,7 +121,7 @@ class ServerConfig:
             raise ValueError(f"batch_lease_seconds must be positive, got {self.batch_lease_seconds!r}")
         if not self.stream_write_timeout > 0:
             raise ValueError(f"stream_write_timeout must be positive, got {self.stream_write_timeout!r}")
-        for name in ("policy_blocklist", "policy_blocklist_applies_to", "policy_plugins"):
+        for name in ("policy_blocklist", "policy_blocklist_applies_to", "policy_plugins", "allowed_media_domains"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")

@@ -142,6 +142,49 @@ class KvTransferParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionSpec:
+    """What the gateway needs to know of an engine's vision tower to build image prompts.
+
+    Attributes:
+      image_size: the side S of the [3, S, S] pixels it takes.
+      tokens_per_image: soft tokens per image (the placeholder count).
+      image_token_id, boi_token_id, eoi_token_id: the placeholder, start-of-image and
+        end-of-image token ids.
+    """
+
+    image_size: int
+    tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, preprocessed for the model's vision tower.
+
+    Attributes:
+      start: position of its first soft token in ``prompt_ids`` (the first of its
+        ``num_tokens`` image placeholder ids).
+      num_tokens: its soft tokens (the model's ``mm_tokens_per_image``).
+      digest: hex SHA-256 of ``pixels`` (``serving.gateway.media.image_processing.pixel_digest``):
+        the encoder-output cache's key, and hashed into every prefix-cache page that
+        covers (or follows) its tokens, so two different images never share pages.
+      pixels: [3, S, S] float32 numpy array (S = the tower's image size), in [-1, 1].
+    """
+
+    start: int
+    num_tokens: int
+    digest: str
+    pixels: object
+
+    @property
+    def end(self) -> int:
+        """The position after its last soft token."""
+        return self.start + self.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """A tokenized generation request.
 
@@ -167,6 +210,8 @@ class EngineRequest:
         replica to pull; the final event's ``kv_transfer`` says where.
       kv_transfer: a decode replica's request: the pages to pull before the rest
         of the prompt is computed.
+      images: the prompt's images in prompt order (Gemma 3 vision), their spans disjoint
+        and inside the prompt; () for text. An engine without a vision tower refuses them.
     """
 
     request_id: str
@@ -178,6 +223,7 @@ class EngineRequest:
     parent_id: str | None = None
     kv_produce: bool = False
     kv_transfer: KvTransferParams | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

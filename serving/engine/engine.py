@@ -129,7 +129,11 @@ def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: Dev
     md = batch.attention_metadata(state.kv_cache.page_size)
     indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
     kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
-    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute)
+    if batch.image_embeds is None:
+        logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute)
+    else:
+        logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute,
+                                 image_embeds=batch.image_embeds)
     row_logits = logits[batch.logits_indices] if all_logits else logits
     starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
     counts, seen = token_counts.count_prefill(
@@ -172,7 +176,7 @@ class Engine:
     """Device state plus compiled steps. Not thread-safe: one caller (the engine loop)."""
 
     def __init__(self, model: nnx.Module, cfg: EngineConfig, mesh=None, rules=None, lockstep=None,
-                 policy: BackendPolicy | None = None):
+                 policy: BackendPolicy | None = None, vision=None):
         """Args:
           model: a decoder of ``model/`` (Gemma3 or Llama) with ``.cfg``.
           cfg: engine sizes (``min_decode_batch`` None: the policy's).
@@ -181,11 +185,25 @@ class Engine:
           lockstep: optional ``sharding.multihost.Lockstep`` (multi-process serving).
           policy: the backend policy (default: :meth:`BackendPolicy.detect` for the
             mesh's devices, or JAX's default backend).
+          vision: the model's vision tower (``model.gemma3_vision.Gemma3VisionTower``) or
+            None: prompts with images are refused. With one, every prefill step carries
+            image inputs (``serving.engine.vision_inputs``).
 
         Raises:
-          ValueError: the mesh cannot split the model (e.g. tensor does not divide heads).
+          ValueError: the mesh cannot split the model (e.g. tensor does not divide heads);
+            a vision tower with a mesh or a lockstep, or with an attention kernel other than "xla".
         """
         self.policy = policy or BackendPolicy.detect(mesh)
+        self.vision = None
+        if vision is not None:
+            from serving.engine.vision_inputs import ImageEncoder
+
+            if mesh is not None or lockstep is not None:
+                raise ValueError("image inputs are served on a single-device engine only")
+            if self.policy.attention.kernel != "xla":
+                raise ValueError("image inputs need the xla attention kernel (--attention-impl xla), "
+                                 f"not {self.policy.attention.kernel!r}")
+            self.vision = ImageEncoder(vision)
         if cfg.min_decode_batch is None:
             cfg = dataclasses.replace(cfg, min_decode_batch=self.policy.min_decode_batch)
         self.cfg = cfg
@@ -241,12 +259,14 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------------
 
-    def prefill(self, rows: Sequence[PrefillRow], token_mask: np.ndarray | None = None):
+    def prefill(self, rows: Sequence[PrefillRow], token_mask: np.ndarray | None = None, images=None):
         """Dispatches one prefill step over up to ``max_prefill_seqs`` plan rows (as the
         prompt-logprobs variant when a row has prompt tokens to score).
 
         `token_mask`: [len(rows), ceil(vocab / 32)] int32 structured-output
         bitmask of the rows (``serving.engine.sample.token_bitmask``), or None: unconstrained.
+        `images`: {request id: its ``ImageInput``s} of rows whose prompts hold images (an
+        engine with a vision tower only; their soft tokens come from its encoder cache).
 
         Returns:
           a :class:`~serving.engine.sample.logprobs.StepOutput` of [S] device arrays (not yet
@@ -259,7 +279,13 @@ class Engine:
         """
         cls = PromptLogprobsBatch if any(r.wants_prompt_logprobs for r in rows) else PrefillBatch
         mask = pad_rows(token_mask, self.cfg.max_prefill_seqs, self.mask_words)
-        return self.run(cls.from_rows(rows, self.cfg, mask))
+        pack = None
+        if self.vision is not None:
+            from serving.engine.vision_inputs import pack_images
+
+            def pack(rows, T):
+                return pack_images(rows, images or {}, self.vision, T, self.model_cfg.hidden_size)
+        return self.run(cls.from_rows(rows, self.cfg, mask, pack))
 
     def decode(self, rows: Sequence[DecodeRow], token_mask: np.ndarray | None = None) -> StepOutput:
         """Dispatches one decode step over the given plan rows (running slots).

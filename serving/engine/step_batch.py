@@ -66,6 +66,10 @@ class PrefillBatch:
       next_ids: [T] int32 the prompt token that follows each token (-1: none known).
       copy_src, copy_dst: [S] int32 page copies run before the model call
         (``PrefillRow.page_copy``; at most one per row); unused entries are 0, 0.
+      image_embeds: [T, D] float32 or None: image soft tokens at the image tokens
+        (``serving.engine.vision_inputs.pack_images``); an engine with a vision tower
+        always sends them (zeros without images), one without never does.
+      image_spans: [T, 2] int32 or None: each token's image span (``model.attention_metadata``).
     """
 
     tokens: jax.Array
@@ -81,14 +85,17 @@ class PrefillBatch:
     next_ids: jax.Array
     copy_src: jax.Array
     copy_dst: jax.Array
+    image_embeds: jax.Array | None = None
+    image_spans: jax.Array | None = None
 
     kind: ClassVar[str] = "prefill"
 
     @classmethod
     def from_rows(cls, rows: Sequence[PrefillRow], cfg: EngineConfig,
-                  token_mask: np.ndarray | None = None) -> "PrefillBatch":
+                  token_mask: np.ndarray | None = None, images=None) -> "PrefillBatch":
         """Packs plan rows into numpy arrays of the step's buckets (`token_mask`:
-        [S, W] int32, see ``SamplingArrays``).
+        [S, W] int32, see ``SamplingArrays``; `images`: None, or a function
+        ``(rows, T) -> (image_embeds, image_spans)``: ``vision_inputs.pack_images``).
 
         Raises:
           ValueError: no rows, more than ``max_prefill_seqs`` rows or more than
@@ -134,8 +141,9 @@ class PrefillBatch:
         cu[len(rows)] = off
         sampling = SamplingArrays.from_rows([r.sampling for r in rows], S, [r.num_generated for r in rows],
                                             token_mask)
+        embeds, spans = images(rows, T) if images is not None else (None, None)
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
-                   slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst)
+                   slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst, embeds, spans)
 
     @property
     def shape_key(self) -> tuple:
@@ -148,7 +156,7 @@ class PrefillBatch:
         return AttentionMetadata(
             slot_mapping=_slot_mapping(self.page_table, seq, self.positions, real, page_size),
             page_table=self.page_table, kv_lens=self.kv_lens, cu_q_lens=self.cu_q_lens,
-            num_seqs=self.num_seqs, mode="prefill")
+            num_seqs=self.num_seqs, image_spans=self.image_spans, mode="prefill")
 
     @property
     def token_rows(self) -> jax.Array:
@@ -264,4 +272,6 @@ def batch_treedef(kind: str):
     fields = [f.name for f in dataclasses.fields(cls)]
     dummy = {name: 0 for name in fields}
     dummy["sampling"] = SamplingArrays(*[0] * len(dataclasses.fields(SamplingArrays)))
+    if "image_embeds" in dummy:  # text batches (a multi-host engine serves no images)
+        dummy["image_embeds"] = dummy["image_spans"] = None
     return jax.tree.structure(cls(**dummy))

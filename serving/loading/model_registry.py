@@ -128,6 +128,23 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
     return model, serve_chat_template(tokenizer, chat_template, gguf_chat_template(tokenizer, path))
 
 
+def load_vision(name: str, revision: str | None = None):
+    """The vision tower (``model.gemma3_vision.Gemma3VisionTower``) of the Hugging Face
+    checkpoint ``name`` names, or None: another source, or a checkpoint without a
+    ``vision_config``.
+
+    Raises:
+      ValueError: a vision config or tensors the loader cannot read (``model.vision_loader``).
+    """
+    from model.vision_loader import load_vision_tower
+    from serving.loading.model_source import resolve_model
+
+    source = resolve_model(name, revision=revision, registry=known_models())
+    if not source.is_hf:
+        return None
+    return load_vision_tower(source.path)
+
+
 def _load_hf(source, jdtype, mesh, progress: bool, chat_template: str | None,
              quantization: str = "none"):
     """A Hugging Face checkpoint directory: its tokenizer and template first (cheap, so a

@@ -72,6 +72,11 @@ def kv_transfer_from_proto(m: pb.KvTransfer) -> KvTransferParams:
 
 
 def request_to_proto(r: EngineRequest) -> pb.GenerateRequest:
+    """Raises RequestRejectedError: a request with images (the replica protocol carries none)."""
+    if r.images:
+        from serving.contract.engine_client import RequestRejectedError
+
+        raise RequestRejectedError("image inputs are not sent to remote engine replicas")
     m = pb.GenerateRequest(request_id=r.request_id, prompt_ids=list(r.prompt_ids),
                            sampling=sampling_to_proto(r.sampling), arrival_time=r.arrival_time,
                            priority=r.priority, kv_produce=r.kv_produce)

@@ -227,6 +227,18 @@ class EngineLoop:
         return (self._ready.is_set() and not self._draining.is_set()
                 and self._thread is not None and self._thread.is_alive())
 
+    @property
+    def vision(self):
+        """The engine's ``VisionSpec`` (None: it takes no images)."""
+        enc = self.engine.vision
+        if enc is None:
+            return None
+        from serving.contract.engine_client import VisionSpec
+
+        c = enc.cfg
+        return VisionSpec(c.siglip.image_size, c.mm_tokens_per_image, c.image_token_id, c.boi_token_id,
+                          c.eoi_token_id)
+
     def stats(self) -> EngineStats:
         """See EngineClient.stats (a snapshot from the last loop turn)."""
         return self._stats
@@ -262,7 +274,8 @@ class EngineLoop:
             max_tokens=s.max_tokens, stop_token_ids=stop_ids,
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
-            parent_id=request.parent_id, speculate=matcher is None)
+            parent_id=request.parent_id, speculate=matcher is None,
+            images=tuple((im.start, im.end, im.digest) for im in request.images))
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
                         matcher=matcher, armed_by=None if matcher is None else s.structured_output.after_token_id)
         if s.prompt_logprobs is not None:
@@ -346,6 +359,10 @@ class EngineLoop:
         cfg = self.cfg
         sampling_request.validate_request(request, self.engine.model_cfg.vocab_size, cfg.max_model_len,
                                           cfg.num_pages - 1, self.scheduler.pages_needed_alone, PRIORITIES)
+        if request.images:
+            # an image is computed in one step: it must fit what one step's prompt budget can be
+            sampling_request.validate_images(request, self.engine.vision,
+                                             min(cfg.prefill_chunk, self.scheduler.token_budget - cfg.max_slots))
         if request.kv_produce or request.kv_transfer is not None:
             if self.connector is None:
                 raise RequestRejectedError("this engine takes no part in KV transfer (xlaserve engine does)")
@@ -561,8 +578,10 @@ class EngineLoop:
         seqs = [self._by_id[row.request_id] for row in plan.prefill]
         try:
             mask = self._token_mask(seqs, [row.samples for row in plan.prefill], failed)
-            out = (self.engine.prefill(plan.prefill) if mask is None
-                   else self.engine.prefill(plan.prefill, token_mask=mask))
+            images = {seq.req.request_id: seq.req.images for seq in seqs if seq.req.images}
+            kwargs = {"images": images} if images else {}
+            out = (self.engine.prefill(plan.prefill, **kwargs) if mask is None
+                   else self.engine.prefill(plan.prefill, token_mask=mask, **kwargs))
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("prefill step failed")
             for seq in seqs:

@@ -64,6 +64,37 @@ def validate_request(request: EngineRequest, vocab: int, max_model_len: int, usa
         raise RequestRejectedError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
 
+def validate_images(request: EngineRequest, encoder, prefill_chunk: int) -> None:
+    """Checks a prompt's images (``EngineRequest.images``) against the engine's vision tower
+    (``serving.engine.vision_inputs.ImageEncoder``, None: the model takes no images) and the
+    most prompt tokens one step computes (``prefill_chunk``).
+
+    Raises:
+      RequestRejectedError: no vision tower; an image's soft-token count is not the tower's,
+        its span leaves the prompt, overlaps another, does not hold the image token id,
+        or is longer than a prefill chunk (an image is computed in one step).
+    """
+    if encoder is None:
+        raise RequestRejectedError("this model takes no image inputs")
+    image_id = encoder.cfg.image_token_id
+    prompt = request.prompt_ids
+    last_end = 0
+    for i, im in enumerate(request.images):
+        if im.num_tokens != encoder.tokens_per_image:
+            raise RequestRejectedError(f"image {i}: takes {encoder.tokens_per_image} soft tokens, "
+                                       f"got {im.num_tokens}")
+        if im.start < last_end or im.end > len(prompt):
+            raise RequestRejectedError(f"image {i}: its tokens [{im.start}, {im.end}) overlap another "
+                                       f"image or leave the {len(prompt)}-token prompt")
+        if any(prompt[p] != image_id for p in range(im.start, im.end)):
+            raise RequestRejectedError(f"image {i}: positions [{im.start}, {im.end}) must hold the "
+                                       f"image token id {image_id}")
+        if im.num_tokens > prefill_chunk:
+            raise RequestRejectedError(f"image {i}: {im.num_tokens} soft tokens exceed what one prefill step "
+                                       f"takes ({prefill_chunk}); an image is computed in one step")
+        last_end = im.end
+
+
 def validate(s: SamplingParams, vocab: int, stop_ids: tuple[int, ...]) -> None:
     """Checks ``s`` against what the engine can serve.
 

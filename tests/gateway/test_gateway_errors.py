@@ -88,7 +88,7 @@ BAD_REQUESTS = [
                               "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0]"),  # no vision
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
                                            {"role": "system", "content": "late"}]}, "messages"),
 ]

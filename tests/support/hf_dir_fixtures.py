@@ -119,6 +119,51 @@ def write_char_tokenizer(directory: Path, chat_template: str | None = None) -> P
     return directory
 
 
+GEMMA3_TEMPLATE_CONFIG = REPO_ROOT / "tests" / "data" / "chat_templates" / "gemma3" / "tokenizer_config.json"
+
+
+def write_gemma_char_tokenizer(directory: Path, vocab_size: int = 256) -> Path:
+    """A character-level ``tokenizer.json`` for the 256-row Gemma 3 fixtures of
+    ``tests/data/hf_tiny``: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, "\\n" and printable
+    ASCII, ``<start_of_turn>``, ``<end_of_turn>``, fillers, and the image tokens at the ids of
+    the fixtures' config (``<start_of_image>`` 253, ``<end_of_image>`` 254,
+    ``<image_soft_token>`` 255); with the Gemma 3 instruction-tuned chat template
+    (``tests/data/chat_templates/gemma3``), which renders image parts as ``<start_of_image>``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    specials = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    vocab = dict(specials)
+    for c in ["\n", *map(chr, range(32, 127))]:
+        vocab[c] = len(vocab)
+    for name in ("<start_of_turn>", "<end_of_turn>"):
+        vocab[name] = len(vocab)
+    while len(vocab) < vocab_size - 3:
+        vocab[f"<unused{len(vocab)}>"] = len(vocab)
+    for name in ("<start_of_image>", "<end_of_image>", "<image_soft_token>"):
+        vocab[name] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    control = [*specials, "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+               "<image_soft_token>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    template = json.loads(GEMMA3_TEMPLATE_CONFIG.read_text())["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "add_bos_token": True, "chat_template": template}, indent=1))
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": [2, vocab["<end_of_turn>"]]}))
+    return directory
+
+
+def gemma3_vision_dir(directory: Path) -> Path:
+    """tests/data/hf_tiny/gemma3_vision (weights and config) with :func:`write_gemma_char_tokenizer`."""
+    shutil.copytree(REPO_ROOT / "tests" / "data" / "hf_tiny" / "gemma3_vision", directory,
+                    ignore=shutil.ignore_patterns("*.npy", "golden.json", "*.png"))
+    return write_gemma_char_tokenizer(directory)
+
+
 def _add_template(directory: Path, template: str) -> None:
     path = directory / "tokenizer_config.json"
     config = json.loads(path.read_text())

@@ -30,15 +30,21 @@ def golden(case: str) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7))
-def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE):
+def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE,
+          image_embeds=None):
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache, md, logits_indices, compute)
+    if image_embeds is None:
+        return model(tokens, positions, cache, md, logits_indices, compute)
+    return model(tokens, positions, cache, md, logits_indices, compute, image_embeds=image_embeds)
 
 
-def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE
+def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE, *,
+                        image_embeds: np.ndarray | None = None, image_spans: np.ndarray | None = None
                         ) -> tuple[np.ndarray, list[int], np.ndarray]:
     """(logits [T, V] at every prompt position, ``new`` greedy ids decoded through the cache,
-    the logits [new, V] each id was chosen from), every step run with ``compute``."""
+    the logits [new, V] each id was chosen from), every step run with ``compute``; the prompt's
+    image soft tokens ``image_embeds`` [T, D] at the tokens whose ``image_spans`` [T, 2] are
+    not empty (Gemma 3's vision input, ``model.attention_metadata``)."""
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     T = len(prompt)
@@ -49,10 +55,12 @@ def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = R
     md = AttentionMetadata(slot_mapping=jnp.asarray(table[pos // PAGE] * PAGE + pos % PAGE),
                            page_table=jnp.asarray(table[None]), kv_lens=jnp.asarray([T], jnp.int32),
                            cu_q_lens=jnp.asarray([0, T], jnp.int32),
-                           num_seqs=jnp.asarray(1, jnp.int32), mode="prefill")
+                           num_seqs=jnp.asarray(1, jnp.int32), mode="prefill",
+                           image_spans=None if image_spans is None else jnp.asarray(image_spans, jnp.int32))
     with jax.default_matmul_precision("highest"):
         logits, cache = _step(graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos),
-                              cache, md, jnp.asarray(pos), compute)
+                              cache, md, jnp.asarray(pos), compute,
+                              None if image_embeds is None else jnp.asarray(image_embeds, jnp.float32))
         logits = np.asarray(logits)
         rows = [logits[-1]]
         ids = [int(np.argmax(logits[-1]))]

@@ -77,22 +77,41 @@ from typing import Sequence
 from serving.core.kv.kv_events import KvEventJournal
 
 
-def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
-    """Chained key of one full page: H(parent key, the page's token ids, salt); 16 bytes."""
+ImageSpans = Sequence[tuple[int, int, str]]
+"""A prompt's images as (start, end, digest): positions [start, end) hold the soft tokens of
+the image whose pixels hash to ``digest``."""
+
+
+def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None, extra: str = "") -> bytes:
+    """Chained key of one full page: H(parent key, the page's token ids, salt[, extra]); 16 bytes.
+    ``extra``: the digests of the images whose tokens the page holds (:func:`page_extra`);
+    a page without image tokens hashes as it always did."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update((salt or "").encode())
     h.update(b"|")
     h.update(",".join(map(str, tokens)).encode())
+    if extra:
+        h.update(b"|img:" + extra.encode())
     return h.digest()
 
 
-def prompt_page_hashes(token_ids: Sequence[int], page_size: int, salt: str | None) -> list[bytes]:
+def page_extra(images: ImageSpans, page: int, page_size: int) -> str:
+    """The digests of the images with a token in page ``page`` (its positions
+    [page * page_size, (page + 1) * page_size)), joined; "" when none. Pages after an
+    image inherit it through the chained parent key."""
+    lo, hi = page * page_size, (page + 1) * page_size
+    return ",".join(d for s, e, d in images if s < hi and e > lo)
+
+
+def prompt_page_hashes(token_ids: Sequence[int], page_size: int, salt: str | None,
+                       images: ImageSpans = ()) -> list[bytes]:
     """The chained keys of the full pages of ``token_ids`` (what a router looks up in
     a replica's KV events); ``len(token_ids) // page_size`` of them."""
     keys, key = [], None
     for i in range(len(token_ids) // page_size):
-        key = page_hash(key, token_ids[i * page_size:(i + 1) * page_size], salt)
+        key = page_hash(key, token_ids[i * page_size:(i + 1) * page_size], salt,
+                        page_extra(images, i, page_size))
         keys.append(key)
     return keys
 
@@ -217,8 +236,10 @@ class KVCacheManager:
         """Ids of the pinned holders (:meth:`pin`, :meth:`allocate_pages` with ``pinned``)."""
         return [rid for rid, held in self._held.items() if held.pinned]
 
-    def lookup_prefix(self, token_ids: Sequence[int], salt: str | None, max_tokens: int) -> PrefixHit:
-        """The longest cached prefix of ``token_ids`` in whole pages, at most ``max_tokens`` long.
+    def lookup_prefix(self, token_ids: Sequence[int], salt: str | None, max_tokens: int,
+                      images: ImageSpans = ()) -> PrefixHit:
+        """The longest cached prefix of ``token_ids`` in whole pages, at most ``max_tokens`` long
+        (``images``: the prompt's images, hashed into the pages that hold their tokens).
 
         With a host tier, the prefix continues past the device pages with the pages
         the host tier holds (``host_keys``), up to the first page in neither tier.
@@ -230,7 +251,7 @@ class KVCacheManager:
         ps = self.page_size
         pages, keys, host_keys, key = [], [], [], None
         for i in range(min(max_tokens, len(token_ids)) // ps):
-            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt)
+            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt, page_extra(images, i, ps))
             page = None if host_keys else self._page_of.get(key)
             if page is not None:
                 pages.append(page)
@@ -429,7 +450,7 @@ class KVCacheManager:
                 self._free[p] = None
 
     def cache_pages(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
-                    salt: str | None) -> None:
+                    salt: str | None, images: ImageSpans = ()) -> None:
         """Offers the request's full pages among its first ``num_tokens`` tokens to the prefix cache.
 
         Extends the request's chained keys from the last one it stored, so
@@ -442,6 +463,7 @@ class KVCacheManager:
             full pages; tokens beyond ``len(token_ids)`` are not cached).
           num_tokens: tokens whose K/V are computed (written by a dispatched step).
           salt: its prefix-cache scope (the one it was looked up with).
+          images: its prompt's images (as it was looked up with).
 
         Raises:
           ValueError: the request holds fewer pages than ``num_tokens`` needs.
@@ -461,7 +483,7 @@ class KVCacheManager:
         key = held.keys[-1] if held.keys else None
         stored = []
         for i in range(len(held.keys), full):
-            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt)
+            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt, page_extra(images, i, ps))
             held.keys.append(key)
             p = held.pages[i]
             if key in self._page_of or p in self._hash_of:

@@ -172,6 +172,10 @@ class SchedRequest:
       num_draft_tokens, num_accepted_tokens: drafts verified for it and accepted.
       queued_at: the scheduler's clock (seconds) when it was added.
       protected: a BATCH request the starvation guard promoted to INTERACTIVE.
+      images: its prompt's images as (start, end, digest) (Gemma 3 vision): a prompt
+        chunk never ends inside one (its tokens attend to each other, so they are
+        computed in one step: :meth:`Scheduler._fit_images`), and the digests are hashed
+        into the prefix-cache pages that hold their tokens.
     """
 
     request_id: str
@@ -199,6 +203,7 @@ class SchedRequest:
     num_accepted_tokens: int = 0
     queued_at: float = 0.0
     protected: bool = False
+    images: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -405,7 +410,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.token_on_device:
                 continue  # not running any more, or decoding
-            n = min(req.num_tokens - req.num_computed, prefill_budget)
+            n = self._fit_images(req, req.num_computed, min(req.num_tokens - req.num_computed, prefill_budget))
             if n <= 0:
                 continue
             if not self._reserve_pages(req, req.num_computed + n, plan):
@@ -434,6 +439,9 @@ class Scheduler:
             hit = self._prefix_hit(req)
             if plan.prefill and self._would_split(req, source, hit, prefill_budget):
                 break  # it starts whole in the next step (see _would_split); the queue waits behind it
+            start = self._admission_start(req, hit, source)
+            if self._fit_images(req, start, min(req.num_tokens - start, prefill_budget)) <= 0:
+                break  # an image does not fit in what this step has left: the next step's budget
             if victim is not None:  # no free slot: take the victim's
                 if victim.num_inflight:
                     plan.needs_sync = True
@@ -444,10 +452,22 @@ class Scheduler:
                 self._head_waits_for_pages = True
                 break  # head of line waits (lower priorities wait behind it)
             admitted.add(req.request_id)
-            n = min(req.num_tokens - req.num_computed, prefill_budget)
+            n = self._fit_images(req, req.num_computed, min(req.num_tokens - req.num_computed, prefill_budget))
             prefill_budget -= self._add_chunk(plan, req, n, copies[0] if copies else None)
         assert plan.num_tokens <= self.token_budget
         return self._commit(plan)
+
+    @staticmethod
+    def _fit_images(req: SchedRequest, start: int, n: int) -> int:
+        """The chunk length at most ``n`` from ``start`` that ends outside every image of
+        ``req`` (cut back to the start of the image it would end inside); 0 when the chunk
+        would end inside an image that began at or before ``start`` (it waits for a step
+        with room for the whole image; the engine refuses images longer than a chunk)."""
+        end = start + n
+        for s, e, _ in req.images:
+            if s < end < e:
+                return s - start if s > start else 0
+        return n
 
     def _abort(self, plan: StepPlan) -> StepPlan:
         """Plans nothing this time. Pages reserved so far stay with their requests
@@ -498,7 +518,8 @@ class Scheduler:
         """Waiting ``req``'s prefix-cache hit (pure: takes no references). A full hit still
         recomputes the last token, to get its logits."""
         tokens = req.token_ids()
-        return self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0)
+        return self.kv.lookup_prefix(tokens, req.salt, max_tokens=len(tokens) - 1 if req.prefix_cache else 0,
+                                     images=req.images)
 
     @staticmethod
     def _admission_start(req: SchedRequest, hit: PrefixHit, source: SchedRequest | None) -> int:
@@ -598,7 +619,7 @@ class Scheduler:
         n = min(req.num_computed, len(req.prompt_ids) + len(req.output_ids))
         # Only when a page has filled up since the last call (token_ids() copies the tokens).
         if n >= self.kv.num_cached_tokens(req.request_id) + self.kv.page_size:
-            self.kv.cache_pages(req.request_id, req.token_ids(), n, req.salt)
+            self.kv.cache_pages(req.request_id, req.token_ids(), n, req.salt, req.images)
 
     def check_invariants(self) -> None:
         """Asserts page, slot and budget invariants (tests call this after every step).

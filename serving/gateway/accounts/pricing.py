@@ -1,6 +1,7 @@
 """Cost of a request from the price table in ``configs/prices.yaml``.
 
-    cost = ((prompt - cached) * input + cached * cached_input + completion * output) / 1e6
+    cost = (((prompt - cached) * input + cached * cached_input + completion * output) / 1e6
+            + images * per_image)
            * (1 - batch_discount if priority == "batch" else service_tiers[tier])
 
 ``service_tiers`` maps each service tier served ("default", "flex",
@@ -9,7 +10,8 @@
 the flex multiplier, not both.
 
 Prices are USD per million tokens, per model, as OpenAI and most providers
-publish them. Reasoning tokens are billed as output (they are part of
+publish them; ``per_image`` is USD per input image (its soft tokens are prompt tokens
+too, priced as such; ``per_image`` adds to them, 0 by default). Reasoning tokens are billed as output (they are part of
 ``completion_tokens``).
 """
 
@@ -24,11 +26,12 @@ import yaml
 
 @dataclasses.dataclass(frozen=True)
 class ModelPrice:
-    """USD per million tokens."""
+    """USD per million tokens; ``per_image``: USD per input image."""
 
     input: float = 0.0
     cached_input: float = 0.0
     output: float = 0.0
+    per_image: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -58,11 +61,12 @@ class PriceTable:
         return self.models.get(model, self.default)
 
     def cost(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-             priority: str = "interactive", service_tier: str | None = None) -> float:
-        """USD for one request's token counts, served at `service_tier` (None: "default")."""
+             priority: str = "interactive", service_tier: str | None = None, images: int = 0) -> float:
+        """USD for one request's token counts and input ``images``, served at `service_tier`
+        (None: "default")."""
         p = self.price(model)
         usd = ((prompt_tokens - cached_tokens) * p.input + cached_tokens * p.cached_input
-               + completion_tokens * p.output) / 1e6
+               + completion_tokens * p.output) / 1e6 + images * p.per_image
         if priority == "batch":
             usd *= 1.0 - self.batch_discount
         else:

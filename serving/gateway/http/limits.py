@@ -14,7 +14,10 @@ engine sees it:
   metered (``disconnect.py``);
 * ``tokenizer_threads``: prompts are tokenized, rendered and decoded in at
   most this many worker threads at once (``prompts.py``), never on the event
-  loop.
+  loop;
+* ``media`` (:class:`MediaLimits`): image inputs' bytes, pixels and count per request, and
+  the hosts whose image URLs are fetched (``serving.gateway.media.image_input``). A data
+  URL travels in the body, so ``max_request_bytes`` bounds it first (413).
 
 The per-stream buffer between the engine and the HTTP writer is bounded by
 the engine loop (``EngineLoop(max_queued_events=...)``, the server's
@@ -43,6 +46,26 @@ the GIL, so the threads run in parallel up to the number of cores."""
 
 
 @dataclasses.dataclass(frozen=True)
+class MediaLimits:
+    """What an image input may be (``serving.gateway.media.image_input``).
+
+    Attributes:
+      max_image_bytes: encoded bytes per image (after base64 decoding; a fetch stops there).
+      max_image_pixels: width x height per image (checked from the header, before decoding).
+      max_images: images per request.
+      allowed_media_domains: hosts whose ``http(s)`` image URLs are fetched (exact names or
+        ``*.example.com``); empty: remote URLs are refused.
+      fetch_timeout_s: seconds a remote fetch may take in all.
+    """
+
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    max_images: int = 8
+    allowed_media_domains: tuple[str, ...] = ()
+    fetch_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
 class GatewayLimits:
     """Per-request limits of the gateway (see the module docstring).
 
@@ -54,6 +77,7 @@ class GatewayLimits:
       stream_write_timeout: seconds one write of a streamed response may take;
         None: no timeout.
       tokenizer_threads: worker threads for tokenization (>= 1).
+      media: image inputs' limits.
 
     Raises:
       ValueError: a limit that is not positive.
@@ -64,6 +88,7 @@ class GatewayLimits:
     max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS
     stream_write_timeout: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
+    media: MediaLimits = MediaLimits()
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_file_bytes", "max_prompt_chars", "stream_write_timeout", "tokenizer_threads"):

@@ -4,5 +4,5 @@ chat run with its reasoning and tool calls, log probabilities, and the shared re
 
 May import: serving.contract, serving.config, serving.output, serving.core, serving.gateway.http,
 serving.gateway.accounts, serving.gateway.services, serving.gateway.tools,
-serving.gateway.tools.tool_parsers, serving.gateway.schema.
+serving.gateway.tools.tool_parsers, serving.gateway.schema, serving.gateway.media.
 """

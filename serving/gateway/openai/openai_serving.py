@@ -46,6 +46,8 @@ from serving.gateway.http.errors import (
 )
 from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
+from serving.gateway.media.image_input import check_image_count
+from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
 from serving.gateway.openai.chat_plan import chat_plan
 from serving.gateway.openai.chat_run import ChatRun
 from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
@@ -240,7 +242,7 @@ class OpenAIServing:
     async def _start(self, request: Request, principal: Principal, arrival: float,
                      served: ServedModel, id_prefix: str, prompt_ids: list[list[int]], req,
                      max_tokens: int, per_prompt: int, param: str, texts: list[str],
-                     structured_output: StructuredOutput | None = None,
+                     structured_output: StructuredOutput | None = None, images: tuple = (),
                      ) -> tuple[MeteredGeneration, list[Slot]]:
         """Context check (per prompt), the service tier (allow-list, flex shedding),
         rate limits and metering (once, for all completions), input policy, then
@@ -266,7 +268,7 @@ class OpenAIServing:
         engine_requests, slots = fan_out(
             response_id, prompt_ids, sampling, per_prompt,
             priority="batch" if req.priority == "batch" else ENGINE_PRIORITY[tier],
-            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt))
+            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt), images=images)
         rid, _ = request_id_of(request)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         logger.info("request %s (X-Request-ID %s): model=%s prompts=%d choices=%d prompt_tokens=%d "
@@ -287,6 +289,9 @@ class OpenAIServing:
             logger.info("request %s rate limited: %s %s limit", response_id, e.scope, e.limit)
             raise rate_limited(e) from None
         request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
+        if images:  # in prompt_tokens already (their soft tokens); counted apart in the trace and ledger
+            meter.note("images", count=len(images), soft_tokens=sum(im.num_tokens for im in images))
+            meter.images = len(images)
         gen = MeteredGeneration(served, engine_requests, req.stop_strings, meter,
                                 self.services.policies.output_filter, response_id=response_id,
                                 service_tier=tier)
@@ -365,11 +370,25 @@ class OpenAIServing:
         """
         served = self.generative(self.model(req.model, principal))
         plan = chat_plan(req, served)
+        image_parts = [(f"messages[{i}].content[{k}]", url)
+                       for i, m in enumerate(req.messages) for k, url in m.image_urls]
+        if image_parts:
+            spec = getattr(served.engine, "vision", None)
+            if spec is None:
+                raise OpenAIError(f"{image_parts[0][0]}: the model {served.name!r} takes no image inputs.",
+                                  param=image_parts[0][0], code="images_not_supported")
+            check_image_count(len(image_parts), self.limits.media, "messages")
+            loaded = await load_images(image_parts, spec, self.limits.media, self.prompts.run)
         try:
             prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template(i) for i, m in enumerate(req.messages)],
                                                  tools=plan.template_tools)
         except ValueError as e:
             raise OpenAIError(f"Invalid 'messages': {e}", param="messages") from None
+        images = ()
+        if image_parts:
+            newline = await self.prompts.run(served.tokenizer.encode, "\n\n")
+            prompt_ids, starts = expand_image_placeholders(prompt_ids, spec, newline, len(image_parts))
+            images = prompt_images(starts, loaded, spec)
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = served.max_request_tokens - len(prompt_ids)
@@ -382,7 +401,7 @@ class OpenAIServing:
         plan.bind_prompt(prompt_ids)
         gen, _ = await self._start(request, principal, arrival, served, id_prefix, [prompt_ids],
                                    req, max_tokens, req.n, "messages", texts,
-                                   structured_output=plan.structured_output)
+                                   structured_output=plan.structured_output, images=images)
         texts_of = token_texts(served.tokenizer)
         renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
                                         as_ids=req.return_tokens_as_token_ids) if req.logprobs else None

@@ -115,7 +115,8 @@ class PromptWorkers:
           OpenAIError: 400 when the contents total more than ``max_prompt_chars``.
           ValueError: messages (or tools) the chat template rejects.
         """
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"]) if isinstance(m["content"], str)
+                    else sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
         check_prompt_chars(chars, self.max_prompt_chars, "messages", "The contents of 'messages' total")
         if tools is None:
             return list(await self.run(tok.apply_chat_template, messages))

@@ -99,7 +99,13 @@ class ResponsesServing:
                 raise previous_response_not_found(req.previous_response_id)
             history = found
         chat = req.chat_request(history)
-        run = await self.serving.start_chat(request, principal, chat, arrival=arrival, id_prefix="resp_")
+        try:
+            run = await self.serving.start_chat(request, principal, chat, arrival=arrival, id_prefix="resp_")
+        except OpenAIError as e:  # an image part's error names it as this request has it
+            param = req.input_param(e.param)
+            if param != e.param:
+                e.message, e.param = e.message.replace(e.param, param, 1), param
+            raise
         asm = ResponseAssembler(self._skeleton(run, req, arrival))
         events = self._events(run, asm, req, principal, history)
         if req.stream:

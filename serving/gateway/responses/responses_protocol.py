@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from serving.gateway.http.errors import OpenAIError
@@ -56,9 +56,10 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
     "type": "object", "required": ["type"], "properties": {
-        "type": {"type": "string", "enum": list(_TEXT_PARTS)}, "text": {"type": "string"},
-        "refusal": {"type": "string"}}}}]}
-"""The schema of ``content`` and ``output``: a string or a list of text parts."""
+        "type": {"type": "string", "enum": [*_TEXT_PARTS, "input_image"]}, "text": {"type": "string"},
+        "refusal": {"type": "string"}, "image_url": {"type": "string"}, "detail": {"type": "string"}}}}]}
+"""The schema of ``content`` and ``output``: a string or a list of text parts (and, in a user
+message's content, ``input_image`` parts: ``image_url`` a data URL or an allowed URL)."""
 
 
 def _parts_text(v: Any) -> Any:
@@ -98,6 +99,47 @@ class InputItem(BaseModel):
     output: Annotated[Text | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
 
     _text_parts = field_validator("content", "output", mode="before")(lambda v: _parts_text(v))
+    _images: list[tuple[int, str]] = PrivateAttr(default_factory=list)
+    _part_order: list[str | None] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _image_parts_apart(cls, data: Any, handler) -> "InputItem":
+        """Takes a message's ``input_image`` parts (``{"type": "input_image", "image_url":
+        "data:image/...;base64,..."}``) out of its content before the text parts are joined;
+        keeps their URLs and the order of text and image parts."""
+        images: list[tuple[int, str]] = []
+        order: list[str | None] = []
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    url = part.get("image_url")
+                    if not isinstance(url, str):
+                        raise PydanticCustomError("image_url_missing", "Content part {index} of type "
+                                                  "'input_image' needs an 'image_url' string.", {"index": i})
+                    images.append((i, url))
+                    order.append(None)
+                else:
+                    texts.append(part)
+                    key = "refusal" if isinstance(part, dict) and part.get("type") == "refusal" else "text"
+                    order.append(part.get(key) if isinstance(part, dict) else None)
+            if images:
+                data = {**data, "content": texts}
+        item = handler(data)
+        item._images = images
+        item._part_order = order
+        return item
+
+    def chat_content(self) -> Any:
+        """The message's content as chat takes it: its text, or (with images) its parts in
+        order, images as ``image_url`` parts."""
+        if not self._images:
+            return self.content
+        urls = iter(url for _, url in self._images)
+        return [{"type": "image_url", "image_url": {"url": next(urls)}} if t is None
+                else {"type": "text", "text": t} for t in self._part_order]
 
     @model_validator(mode="before")
     @classmethod
@@ -197,6 +239,7 @@ class ResponseRequest(_Request):
     """
 
     model_config = ConfigDict(extra="ignore", json_schema_extra=lambda schema, cls: _input_schema(schema, cls))
+    _image_items: dict[int, int] = PrivateAttr(default_factory=dict)  # chat message index -> input index
     unsupported_fields = RESPONSES_FIELDS
     model: Text
     # A string is one user message (the schema says so: _input_schema).
@@ -265,7 +308,9 @@ class ResponseRequest(_Request):
         names = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls") or ()}
         for i, item in enumerate(self.input):
             if item.type == "message":
-                messages.append({"role": item.role, "content": item.content})
+                if item._images:  # an image's 400 names input[i].content[j] (responses_api.py)
+                    self._image_items[len(messages)] = i
+                messages.append({"role": item.role, "content": item.chat_content()})
             elif item.type == "function_call":
                 names[item.call_id] = item.name
                 call = {"id": item.call_id, "type": "function",
@@ -285,6 +330,16 @@ class ResponseRequest(_Request):
                                  "name": names[item.call_id]})
         return messages
 
+    def input_param(self, param: str | None) -> str | None:
+        """A chat error's ``param`` in this request's terms: ``messages[k].content[j]`` of a
+        message with images (from :meth:`chat_request`) is ``input[i].content[j]``."""
+        import re
+
+        m = re.fullmatch(r"messages\[(\d+)\](\..*)?", param or "")
+        if m is None or int(m.group(1)) not in self._image_items:
+            return param
+        return f"input[{self._image_items[int(m.group(1))]}]{m.group(2) or ''}"
+
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion this request means, after `history` (the earlier
         turns' messages, from ``previous_response_id``).
@@ -295,7 +350,10 @@ class ResponseRequest(_Request):
           OpenAIError: 400 when there is nothing to answer (only reasoning items).
         """
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
-        messages += history + self.input_messages(history)
+        messages += history
+        offset = len(messages)
+        messages += self.input_messages(history)
+        self._image_items = {offset + k: i for k, i in self._image_items.items()}
         if not messages:
             raise OpenAIError("'input' holds no message to answer.", param="input")
         body: dict[str, Any] = {

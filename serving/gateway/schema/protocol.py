@@ -27,6 +27,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -342,7 +343,9 @@ _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assis
 
 
 class ChatMessage(_Request):
-    """One chat message; text content only (a list of text parts is joined with "\\n").
+    """One chat message: text content, or a list of text parts (joined with "\\n") and
+    ``image_url`` parts (``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``;
+    kept in :attr:`image_urls`, in order; the served model decides whether it takes images).
 
     An assistant message may carry the ``tool_calls`` it made (and its
     ``reasoning_content``); a ``tool`` message carries a call's result, with
@@ -352,14 +355,56 @@ class ChatMessage(_Request):
     role: Annotated[str, WithJsonSchema({"type": "string", "enum": [*_CHAT_ROLES]})]
     content: Annotated[Text | None, WithJsonSchema({"anyOf": [
         {"type": "string"},
-        {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
+        {"type": "array", "items": {"anyOf": [
+            {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+            {"type": "object", "required": ["type", "image_url"],
+             "properties": {"type": {"const": "image_url"}, "image_url": {
+                 "type": "object", "required": ["url"],
+                 "properties": {"url": {"type": "string"}, "detail": {"type": "string"}}}}}]}},
         {"type": "null"}]})] = None
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: Text | None = Field(None, max_length=256)
     name: Text | None = Field(None, max_length=256)
     reasoning_content: Text | None = None
+    _image_parts: list[tuple[int, str]] = PrivateAttr(default_factory=list)
+    _part_order: list[str | None] = PrivateAttr(default_factory=list)
+
+    @property
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(content part index, URL) of each ``image_url`` part, in order."""
+        return self._image_parts
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _image_parts_apart(cls, data: Any, handler) -> "ChatMessage":
+        """Takes the ``image_url`` parts out of a content list before the text parts are
+        validated and joined; keeps their URLs and the order of text and image parts."""
+        images: list[tuple[int, str]] = []
+        order: list[str | None] = []
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            texts = []
+            for i, part in enumerate(data["content"]):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    ref = part.get("image_url")
+                    url = ref.get("url") if isinstance(ref, dict) else ref
+                    if not isinstance(url, str):
+                        raise PydanticCustomError(
+                            "image_url_missing", "Content part {index} of type 'image_url' needs "
+                            "'image_url': {{'url': ...}}.", {"index": i})
+                    images.append((i, url))
+                    order.append(None)
+                else:
+                    texts.append(part)
+                    order.append(part.get("text") if isinstance(part, dict) else None)
+            if images:
+                if data.get("role") not in ("user", None):
+                    raise PydanticCustomError("image_not_user", "Only user messages may hold images.", {})
+                data = {**data, "content": texts}
+        m = handler(data)
+        m._image_parts = images
+        m._part_order = order
+        return m
 
     @field_validator("role")
     @classmethod
@@ -382,7 +427,7 @@ class ChatMessage(_Request):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(
-                        f"Only text content parts are supported (part {i} has type {kind!r})."
+                        f"Only text and image_url content parts are supported (a part has type {kind!r})."
                     )
                 texts.append(part["text"])
             return "\n".join(texts)
@@ -408,6 +453,9 @@ class ChatMessage(_Request):
           ValueError: a tool call whose arguments are not a JSON object.
         """
         d: dict[str, Any] = {"role": _CHAT_ROLES[self.role], "content": self.content or ""}
+        if self._image_parts:  # the parts in order, images as the templates' {"type": "image"}
+            d["content"] = [{"type": "image"} if t is None else {"type": "text", "text": t}
+                            for t in self._part_order]
         if self.tool_calls:
             d["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {

@@ -13,7 +13,8 @@ The gateway's request path, as far as metering sees it::
 Tokens billed are the tokens used: the prompt counts once it reached prefill
 (a first token, or the prompt's log probabilities, came back), completion
 tokens as generated (reasoning tokens are completion tokens: billed as output, and
-counted apart in the row's ``reasoning_tokens``). An HTTP request with several completions (prompts times
+counted apart in the row's ``reasoning_tokens``; an input image's soft tokens are prompt tokens,
+and the images are counted apart in the trace's ``images``, priced by the table's ``per_image``). An HTTP request with several completions (prompts times
 choices) is one row: its prompts counted once each, all completions summed. A request
 rejected (rate limit, policy, engine) or cancelled while queued is recorded
 with zero tokens; what it asked for is in its trace.
@@ -79,6 +80,7 @@ class RequestMeter:
     replica_retries: tuple[ReplicaRetry, ...] = ()  # replicas the router left before that one
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    images: int = 0  # input images (their soft tokens are in prompt_tokens)
     itls: list[float] = dataclasses.field(default_factory=list)
     events: list[dict] = dataclasses.field(default_factory=list)
     finished: bool = False
@@ -237,8 +239,9 @@ class Metering:
         used = prompt_tokens + completion_tokens
         if m.admission is not None:
             m.admission.settle(used)
+        images = m.images if prompt_tokens else 0
         cost = self.prices.cost(m.model, prompt_tokens, cached_tokens, completion_tokens, m.priority,
-                                m.service_tier)
+                                m.service_tier, images=images)
         queue_time = None if m.scheduled_time is None else max(0.0, m.scheduled_time - m.arrival)
         ttft = None if m.first_token_time is None else m.first_token_time - m.arrival
         details = {}
@@ -268,6 +271,7 @@ class Metering:
             "region": m.region,
             "replica_retries": [dataclasses.asdict(h) for h in m.replica_retries],
             "cost_usd": cost,
+            "images": images,
             "kv_transfer_bytes": m.kv_transfer_bytes,
             "kv_transfer_seconds": m.kv_transfer_seconds,
             "num_preemptions": m.num_preemptions,
@@ -299,6 +303,7 @@ class Metering:
                 "xlaserve.replica_retries.replicas": [h.replica for h in m.replica_retries] or None,
                 "xlaserve.replica_retries.reasons": [h.reason for h in m.replica_retries] or None,
                 "xlaserve.cost_usd": cost,
+                "xlaserve.images": images or None,
                 "xlaserve.kv_transfer_bytes": m.kv_transfer_bytes or None,
                 "gen_ai.usage.input_tokens": prompt_tokens,
                 "gen_ai.usage.output_tokens": completion_tokens,

@@ -1,0 +1,158 @@
+"""An ``image_url`` content part -> a decoded, checked, preprocessed image.
+
+A part's URL is a data URL (``data:image/png;base64,...``) or, when the operator lists its
+host in ``--allowed-media-domains``, an ``http(s)`` URL fetched with a size and a time cap
+(httpx). Every refusal is an :class:`~serving.gateway.http.errors.OpenAIError` (400) whose
+``param`` names the content part (``messages[0].content[1]``), so nothing but that request
+is affected:
+
+* a URL that is neither a data URL nor an allowed ``http(s)`` URL (``--allowed-media-domains``
+  empty: remote URLs are refused), a remote fetch that fails, times out or exceeds the size;
+* a data URL that is not base64, whose media type is not one of :data:`MEDIA_TYPES`, or
+  whose bytes are not an image of that type (Pillow decides);
+* an image of more than ``max_image_bytes`` bytes or ``max_image_pixels`` pixels (checked
+  from the header, before the pixels are decoded);
+* more than ``max_images`` images in one request (:func:`check_image_count`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import urllib.parse
+
+from PIL import Image, UnidentifiedImageError
+
+from serving.gateway.http.errors import OpenAIError
+from serving.gateway.http.limits import MediaLimits
+
+__all__ = ["MEDIA_TYPES", "MediaLimits", "check_image_count", "decode_image", "load_image"]
+
+MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
+               "image/gif": "GIF", "image/bmp": "BMP"}
+"""Media types a data URL may declare -> the Pillow format its bytes must have."""
+
+_DATA_URL = re.compile(r"^data:([^;,]*)((?:;[^;,]*)*),(.*)$", re.DOTALL)
+
+
+def check_image_count(count: int, limits: MediaLimits, param: str) -> None:
+    """Raises OpenAIError 400 when ``count`` images exceed ``limits.max_images``."""
+    if count > limits.max_images:
+        raise OpenAIError(f"The request has {count} images; at most {limits.max_images} are allowed.",
+                          param=param, code="too_many_images")
+
+
+def _refuse(message: str, param: str, code: str = "invalid_image") -> OpenAIError:
+    return OpenAIError(f"{param}: {message}", param=param, code=code)
+
+
+def decode_image(data: bytes, media_type: str | None, limits: MediaLimits, param: str) -> Image.Image:
+    """The image in ``data`` (Pillow, pixels loaded), checked against ``limits`` and, when
+    ``media_type`` is given, against the type it declares.
+
+    Raises:
+      OpenAIError: 400 naming ``param``.
+    """
+    if len(data) > limits.max_image_bytes:
+        raise _refuse(f"The image is {len(data)} bytes; at most {limits.max_image_bytes} are allowed.",
+                      param, "image_too_large")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise _refuse(f"The image could not be decoded ({type(e).__name__}).", param) from None
+    want = MEDIA_TYPES.get(media_type) if media_type else None
+    if want is not None and image.format != want:
+        raise _refuse(f"The data URL declares {media_type} but holds {image.format or 'another format'}.", param)
+    if image.format not in set(MEDIA_TYPES.values()):
+        raise _refuse(f"Unsupported image format {image.format}; send one of "
+                      f"{', '.join(sorted(MEDIA_TYPES))}.", param)
+    w, h = image.size
+    if w * h > limits.max_image_pixels:
+        raise _refuse(f"The image is {w}x{h} = {w * h} pixels; at most {limits.max_image_pixels} are allowed.",
+                      param, "image_too_large")
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise _refuse(f"The image could not be decoded ({type(e).__name__}: {e}).", param) from None
+    return image
+
+
+def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
+    host = host.lower().rstrip(".")
+    for entry in allowed:
+        entry = entry.lower().rstrip(".")
+        if host == entry or (entry.startswith("*.") and host.endswith(entry[1:])):
+            return True
+    return False
+
+
+async def load_image(url: str, limits: MediaLimits, param: str, client=None) -> Image.Image:
+    """The image an ``image_url`` part names.
+
+    Args:
+      url: a data URL, or an ``http(s)`` URL on an allowed host.
+      param: the content part, for error messages (``messages[0].content[1]``).
+      client: an ``httpx.AsyncClient`` for remote fetches (tests pass one with a mock
+        transport); None: a fresh one per fetch.
+
+    Raises:
+      OpenAIError: 400 naming ``param`` (see the module docstring).
+    """
+    if not isinstance(url, str) or not url:
+        raise _refuse("An image_url part needs a non-empty 'url'.", param)
+    if url.startswith("data:"):
+        m = _DATA_URL.match(url)
+        if m is None:
+            raise _refuse("The data URL is malformed (want data:image/<type>;base64,<data>).", param)
+        media_type, params, payload = m.group(1).lower(), m.group(2).lower(), m.group(3)
+        if media_type not in MEDIA_TYPES:
+            raise _refuse(f"The data URL's media type {media_type or '(none)'!r} is not an image type this "
+                          f"server takes ({', '.join(sorted(MEDIA_TYPES))}).", param, "invalid_image_type")
+        if ";base64" not in params:
+            raise _refuse("The data URL must be base64-encoded (data:<type>;base64,...).", param)
+        if len(payload) > (limits.max_image_bytes * 4) // 3 + 8:
+            raise _refuse(f"The image is over {limits.max_image_bytes} bytes.", param, "image_too_large")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise _refuse("The data URL's payload is not valid base64.", param) from None
+        return decode_image(data, media_type, limits, param)
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise _refuse("An image URL must be a data URL (data:image/...;base64,...) or an http(s) URL.", param,
+                      "invalid_image_url")
+    if not _host_allowed(parsed.hostname, limits.allowed_media_domains):
+        raise _refuse(f"Images from {parsed.hostname!r} are not allowed; send the image as a data URL "
+                      "(the operator lists the hosts it fetches from with --allowed-media-domains).",
+                      param, "image_url_not_allowed")
+    data, media_type = await _fetch(url, limits, param, client)
+    return decode_image(data, media_type, limits, param)
+
+
+async def _fetch(url: str, limits: MediaLimits, param: str, client) -> tuple[bytes, str | None]:
+    """The body (at most ``max_image_bytes``) and media type of a GET of ``url``, without
+    following redirects (a redirect could leave the allowed hosts)."""
+    import httpx
+
+    own = client is None
+    client = client or httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False)
+    try:
+        async with client.stream("GET", url, timeout=limits.fetch_timeout_s) as resp:
+            if resp.status_code != 200:
+                raise _refuse(f"Fetching the image gave HTTP {resp.status_code}.", param, "image_fetch_failed")
+            body = bytearray()
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > limits.max_image_bytes:
+                    raise _refuse(f"The image is over {limits.max_image_bytes} bytes.", param, "image_too_large")
+            media_type = (resp.headers.get("content-type") or "").split(";")[0].strip().lower() or None
+            return bytes(body), media_type if media_type in MEDIA_TYPES else None
+    except httpx.TimeoutException:
+        raise _refuse(f"Fetching the image took over {limits.fetch_timeout_s} s.", param, "image_fetch_failed") from None
+    except httpx.HTTPError as e:
+        raise _refuse(f"Fetching the image failed ({type(e).__name__}).", param, "image_fetch_failed") from None
+    finally:
+        if own:
+            await client.aclose()
