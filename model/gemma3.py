@@ -55,7 +55,9 @@ from model.layers import (
     rms_norm,
     set_params,
     weight,
+    with_lora,
 )
+from model.lora import LoraInputs
 
 __all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
 
@@ -126,6 +128,7 @@ class Gemma3(nnx.Module):
         md: AttentionMetadata,
         logits_indices: jax.Array,
         compute: Compute = REFERENCE,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs the decoder over a step's tokens.
 
@@ -136,6 +139,8 @@ class Gemma3(nnx.Module):
           md: the step's attention metadata.
           logits_indices: [S] int32, the tokens whose logits are returned.
           compute: platform-dependent choices (static; see ``model.compute``).
+          lora: the resident LoRA adapters' stacks and each token's slot (``model.lora``;
+            None: the base model).
 
         Returns:
           (logits [S, vocab] float32, updated kv_cache).
@@ -159,24 +164,26 @@ class Gemma3(nnx.Module):
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
-            p, l, window, theta = xs[:4]
-            rope_scaled = xs[4] if scaled_rope else True
+            p, l, window, theta, lora_layer = xs[:5]
+            rope_scaled = xs[5] if scaled_rope else True
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
+            lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             h = rms_norm(x, p["attn_norm"], eps, compute)
             o, k_cache, v_cache = attention_block(
                 h, p, positions, k_cache, v_cache, md, l, cfg=cfg, theta=theta,
                 window=window if use_window else None, dtype=dtype, compute=compute,
-                rope_scaled=rope_scaled)
+                rope_scaled=rope_scaled, lora=lw)
             x = x + rms_norm(o, p["post_attn_norm"], eps, compute)
             h = rms_norm(x, p["ffw_norm"], eps, compute)
-            gate = compute.dot("td,df->tf", h, p["w_gate"], dtype)
-            up = compute.dot("td,df->tf", h, p["w_up"], dtype)
-            mlp = compute.dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
+            gate = with_lora(compute.dot("td,df->tf", h, p["w_gate"], dtype), h, lw, "w_gate", dtype, compute)
+            up = with_lora(compute.dot("td,df->tf", h, p["w_up"], dtype), h, lw, "w_up", dtype, compute)
+            act = jax.nn.gelu(gate, approximate=True) * up
+            mlp = with_lora(compute.dot("tf,fd->td", act, p["w_down"], dtype), act, lw, "w_down", dtype, compute)
             x = x + rms_norm(mlp, p["post_ffw_norm"], eps, compute)
             return (x, k_cache, v_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        xs = (layer_params, layer_ids, windows, thetas)
+        xs = (layer_params, layer_ids, windows, thetas, None if lora is None else lora.weights)
         if scaled_rope:
             xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)

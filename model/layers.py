@@ -270,9 +270,20 @@ def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     return table[...][tokens].astype(jnp.float32)
 
 
+def with_lora(y: jax.Array, x: jax.Array, lora, name: str, dtype, compute: Compute) -> jax.Array:
+    """``y`` [T, out] f32 plus each row's LoRA update of projection ``name`` for input ``x``
+    [T, in] (``model.lora``); ``y`` itself when ``lora`` is None.
+
+    ``lora``: (this layer's {name: (a [S, in, R], b [S, R, out])}, token_slots [T] int32) or None."""
+    if lora is None or name not in lora[0]:
+        return y
+    a, b = lora[0][name]
+    return y + compute.lora_dot(x, a, b, lora[1], dtype)
+
+
 def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Array,
                     v_cache: jax.Array, md: AttentionMetadata, layer, *, cfg: ModelConfig, theta,
-                    window, dtype, compute: Compute, rope_scaled=True
+                    window, dtype, compute: Compute, rope_scaled=True, lora=None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention sub-layer of one layer (inside the layer scan).
 
@@ -288,6 +299,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
       theta: this layer's RoPE base; window: its sliding window (None or int32, <= 0: global).
       rope_scaled: whether ``cfg``'s RoPE scaling applies to this layer (bool or traced bool).
       dtype: matmul-input dtype; compute: the dot and the attention implementation.
+      lora: this layer's LoRA stacks and the tokens' slots (see :func:`with_lora`), or None.
 
     Returns:
       (o [T, D] f32 before any post-norm, k_cache, v_cache).
@@ -296,9 +308,12 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     eps = cfg.rms_norm_eps
     T = h.shape[0]
     # Projections as plain 2-D matmuls, the heads folded into the columns.
-    q = compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
-    k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
-    v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
+    q = with_lora(compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype), h, lora, "wq", dtype,
+                  compute).reshape(T, N, H)
+    k = with_lora(compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype), h, lora, "wk", dtype,
+                  compute).reshape(T, K, H)
+    v = with_lora(compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype), h, lora, "wv", dtype,
+                  compute).reshape(T, K, H)
     if cfg.qkv_bias:
         q = q + p["bq"].astype(jnp.float32)
         k = k + p["bk"].astype(jnp.float32)
@@ -312,5 +327,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
         q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
         scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
         config=compute.attention, window_bound=cfg.sliding_window if window is not None else None)
-    o = compute.dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
+    attn = attn.reshape(T, N * H)
+    o = with_lora(compute.dot("te,ed->td", attn, p["wo"].reshape(N * H, D), dtype), attn, lora, "wo",
+                  dtype, compute)
     return o, k_cache, v_cache

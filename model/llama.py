@@ -47,7 +47,9 @@ from model.layers import (
     rms_norm,
     set_params,
     weight,
+    with_lora,
 )
+from model.lora import LoraInputs
 from model.moe import moe_ffn
 
 
@@ -133,13 +135,17 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, logits_indices: jax.Array,
-                 compute: Compute = REFERENCE) -> tuple[jax.Array, KVCache]:
+                 compute: Compute = REFERENCE, lora: LoraInputs | None = None) -> tuple[jax.Array, KVCache]:
         """Same contract as ``model.gemma3.Gemma3.__call__``.
 
         Args:
           tokens: [T] int32; positions: [T] int32; kv_cache: all layers' pages;
           md: attention metadata; logits_indices: [S] int32; compute: platform-dependent
-          choices (static; see ``model.compute``).
+          choices (static; see ``model.compute``); lora: the resident LoRA adapters' stacks
+          and each token's slot (``model.lora``; None: the base model; dense models only).
+
+        Raises:
+          ValueError: ``lora`` given for a mixture-of-experts model.
 
         Returns:
           (logits [S, vocab] f32, updated kv_cache).
@@ -151,29 +157,33 @@ class Llama(nnx.Module):
         eps = cfg.rms_norm_eps
         theta = cfg.rope_theta_global
         use_window = cfg.has_sliding_layers  # Mistral, Qwen3 with use_sliding_window
+        if lora is not None and cfg.is_moe:
+            raise ValueError(f"LoRA adapters on mixture-of-experts models ({cfg.name}) are not supported")
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
-            p, l = xs[:2]
-            window = xs[2] if use_window else None
+            p, l, window, lora_layer = xs
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
+            lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             o, k_cache, v_cache = attention_block(
                 rms_norm(x, p["attn_norm"], eps, compute), p, positions, k_cache, v_cache, md, l, cfg=cfg,
-                theta=theta, window=window, dtype=dtype, compute=compute)
+                theta=theta, window=window, dtype=dtype, compute=compute, lora=lw)
             h = x + o
             y = rms_norm(h, p["ffw_norm"], eps, compute)
             if cfg.is_moe:
                 y = moe_ffn(y, p, k=cfg.num_experts_per_tok, dtype=dtype, compute=compute)
             else:
                 dot = compute.dot
-                y = dot("tf,fd->td", jax.nn.silu(dot("td,df->tf", y, p["w_gate"], dtype))
-                        * dot("td,df->tf", y, p["w_up"], dtype), p["w_down"], dtype)
+                gate = with_lora(dot("td,df->tf", y, p["w_gate"], dtype), y, lw, "w_gate", dtype, compute)
+                up = with_lora(dot("td,df->tf", y, p["w_up"], dtype), y, lw, "w_up", dtype, compute)
+                act = jax.nn.silu(gate) * up
+                y = with_lora(dot("tf,fd->td", act, p["w_down"], dtype), act, lw, "w_down", dtype, compute)
             return (h + y, k_cache, v_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        xs = (layer_params, layer_ids)
-        if use_window:  # per-layer windows (models without sliding layers scan as before)
-            xs += (jnp.asarray(cfg.layer_windows(), jnp.int32),)
+        # per-layer windows and LoRA stacks (None: scanned as nothing, the same program as without)
+        xs = (layer_params, layer_ids, jnp.asarray(cfg.layer_windows(), jnp.int32) if use_window else None,
+              None if lora is None else lora.weights)
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), xs)
         x = rms_norm(x[logits_indices], self.final_norm[...], eps, compute)
         if cfg.tie_embeddings:

@@ -18,6 +18,7 @@ from flax import nnx
 from model.attention_metadata import AttentionMetadata
 from model.compute import REFERENCE, Compute
 from model.kv_cache import KVCache
+from model.lora import LoraInputs
 from tests.support.paths import TEST_DATA
 
 DATA = TEST_DATA / "hf_tiny"
@@ -30,15 +31,21 @@ def golden(case: str) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7))
-def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE):
+def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE, lora=None):
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache, md, logits_indices, compute)
+    if lora is None:
+        return model(tokens, positions, cache, md, logits_indices, compute)
+    weights, slot = lora
+    return model(tokens, positions, cache, md, logits_indices, compute,
+                 lora=LoraInputs(weights, jnp.full(tokens.shape, slot, jnp.int32)))
 
 
-def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE
+def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE, lora=None
                         ) -> tuple[np.ndarray, list[int], np.ndarray]:
     """(logits [T, V] at every prompt position, ``new`` greedy ids decoded through the cache,
-    the logits [new, V] each id was chosen from), every step run with ``compute``."""
+    the logits [new, V] each id was chosen from), every step run with ``compute``.
+
+    ``lora``: (LoRA stacks of ``model.lora``, the slot every token uses) or None."""
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     T = len(prompt)
@@ -52,7 +59,7 @@ def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = R
                            num_seqs=jnp.asarray(1, jnp.int32), mode="prefill")
     with jax.default_matmul_precision("highest"):
         logits, cache = _step(graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos),
-                              cache, md, jnp.asarray(pos), compute)
+                              cache, md, jnp.asarray(pos), compute, lora)
         logits = np.asarray(logits)
         rows = [logits[-1]]
         ids = [int(np.argmax(logits[-1]))]
@@ -64,7 +71,7 @@ def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = R
                 mode="decode")
             step, cache = _step(graphdef, state, jnp.asarray([ids[-1]], jnp.int32),
                                 jnp.asarray([p], jnp.int32), cache, md, jnp.asarray([0], jnp.int32),
-                                compute)
+                                compute, lora)
             rows.append(np.asarray(step)[0])
             ids.append(int(np.argmax(rows[-1])))
     return logits, ids, np.stack(rows)
