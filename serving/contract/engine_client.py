@@ -167,6 +167,7 @@ class EngineRequest:
         replica to pull; the final event's ``kv_transfer`` says where.
       kv_transfer: a decode replica's request: the pages to pull before the rest
         of the prompt is computed.
+      lora_name: the LoRA adapter that serves it (one the engine loaded); None: the base model.
     """
 
     request_id: str
@@ -178,6 +179,7 @@ class EngineRequest:
     parent_id: str | None = None
     kv_produce: bool = False
     kv_transfer: KvTransferParams | None = None
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +328,10 @@ class EngineOverloadedError(RuntimeError):
 
 class RequestRejectedError(ValueError):
     """The request can never be served as asked (e.g. longer than the KV cache)."""
+
+
+class LoraInUseError(RuntimeError):
+    """A LoRA adapter that running or waiting requests use cannot be unloaded now."""
 
 
 class EngineClient(Protocol):

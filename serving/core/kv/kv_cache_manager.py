@@ -87,6 +87,16 @@ def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> 
     return h.digest()
 
 
+def lora_salt(salt: str | None, adapter_digest: str | None) -> str | None:
+    """The prefix-cache salt of a request served through a LoRA adapter: its scope ``salt``
+    joined with the adapter's digest (of its weights and config, ``model.lora_adapter``),
+    so pages computed with one adapter are never a hit for another, nor for the base model,
+    nor for other weights loaded later under the same name. ``salt`` itself without one."""
+    if adapter_digest is None:
+        return salt
+    return f"{salt or ''}\x1flora:{adapter_digest}"
+
+
 def prompt_page_hashes(token_ids: Sequence[int], page_size: int, salt: str | None) -> list[bytes]:
     """The chained keys of the full pages of ``token_ids`` (what a router looks up in
     a replica's KV events); ``len(token_ids) // page_size`` of them."""

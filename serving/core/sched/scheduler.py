@@ -172,6 +172,7 @@ class SchedRequest:
       num_draft_tokens, num_accepted_tokens: drafts verified for it and accepted.
       queued_at: the scheduler's clock (seconds) when it was added.
       protected: a BATCH request the starvation guard promoted to INTERACTIVE.
+      lora_slot: the device slot of its LoRA adapter, copied into its plan rows (0: none).
     """
 
     request_id: str
@@ -199,6 +200,7 @@ class SchedRequest:
     num_accepted_tokens: int = 0
     queued_at: float = 0.0
     protected: bool = False
+    lora_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -388,7 +390,7 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             row = DecodeRow(req.request_id, req.slot, req.num_computed, self.kv.page_ids(req.request_id),
-                            req.sampling, num_generated=req.num_generated)
+                            req.sampling, num_generated=req.num_generated, lora_slot=req.lora_slot)
             if verify:
                 row = dataclasses.replace(row, last_token=req.token_ids()[-1], draft_ids=drafts)
                 plan.verify.append(row)
@@ -464,7 +466,7 @@ class Scheduler:
                                        samples=start + n == req.num_tokens, sampling=req.sampling,
                                        prompt_len=prompt_len, num_generated=req.num_generated,
                                        next_prompt_id=req.prompt_ids[start + n] if start + n < prompt_len else -1,
-                                       page_copy=page_copy))
+                                       page_copy=page_copy, lora_slot=req.lora_slot))
         return n
 
     def _commit(self, plan: StepPlan) -> StepPlan:
