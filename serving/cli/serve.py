@@ -169,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.config.server_config import load_server_config
     from serving.gateway.app import GatewayLimits, ServedModel, create_app
     from serving.gateway.batch.batch_runner import BatchSettings
+    from serving.gateway.openai.lora_routes import adapter_model
     from serving.gateway.services.service_tiers import FlexAdmission
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
 
@@ -205,13 +206,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
         reasoning_parser = pick_reasoning_parser(tokenizer, cfg.reasoning_parser)
         log.info("tool-call parser: %s; reasoning parser: %s", tool_parser, reasoning_parser)
-        app = create_app({name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
-                                             max_model_len=engine.max_model_len,
-                                             kv_capacity_tokens=engine.kv_capacity_tokens,
-                                             default_chat_max_tokens=cfg.default_chat_max_tokens,
-                                             tool_call_parser=tool_parser,
-                                             reasoning_parser=reasoning_parser)},
-                         services, limits, batches)
+        base = ServedModel(name=name, engine=engine, tokenizer=tokenizer, max_model_len=engine.max_model_len,
+                           kv_capacity_tokens=engine.kv_capacity_tokens,
+                           default_chat_max_tokens=cfg.default_chat_max_tokens,
+                           tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
+        models = {name: base}
+        for lora in loop.lora_names() if loop is not None else ():  # --lora-modules
+            if lora in models:
+                raise ValueError(f"LoRA adapter name {lora!r} is the base model's served name")
+            models[lora] = adapter_model(base, lora)
+        app = create_app(models, services, limits, batches)
         log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()
         try:

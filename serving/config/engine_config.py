@@ -97,7 +97,7 @@ class EngineConfig:
             speculative=SpeculativeConfig.from_settings(
                 server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
                 server.prompt_lookup_max, server.speculative_max_batch),
-            max_loras=server.max_loras or 0, max_lora_rank=server.max_lora_rank)
+            max_loras=server.lora_slots, max_lora_rank=server.max_lora_rank)
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:

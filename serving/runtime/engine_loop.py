@@ -304,6 +304,11 @@ class EngineLoop:
     async def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
+    @property
+    def serves_lora(self) -> bool:
+        """Whether LoRA adapters can be loaded (the engine has ``max_loras`` > 0)."""
+        return self.lora is not None
+
     def lora_names(self) -> list[str]:
         """The LoRA adapters served now (any thread; a snapshot)."""
         return [] if self.lora is None else list(self.lora.registry.names())

@@ -52,7 +52,8 @@ class Slot:
 
 def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
             per_prompt: int, *, priority: str = "interactive", cache_salt: str | None = None,
-            arrival_time: float | None = None) -> tuple[list[EngineRequest], list[Slot]]:
+            arrival_time: float | None = None, lora_name: str | None = None
+            ) -> tuple[list[EngineRequest], list[Slot]]:
     """The engine requests of every (prompt, choice), in submission order.
 
     Args:
@@ -60,6 +61,7 @@ def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: Sampli
       prompts: token ids of each prompt.
       sampling: the settings of every choice (``seed`` is the request's).
       per_prompt: completions per prompt (>= 1).
+      lora_name: the LoRA adapter that serves every choice (None: the base model).
 
     Returns:
       (requests, slots): parallel lists, prompt-major.
@@ -81,7 +83,7 @@ def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: Sampli
                 prompt_logprobs=sampling.prompt_logprobs if scores else None)
             requests.append(EngineRequest(
                 request_id=rid, prompt_ids=list(ids), sampling=sp, arrival_time=arrival,
-                priority=priority, cache_salt=cache_salt, parent_id=parent))
+                priority=priority, cache_salt=cache_salt, parent_id=parent, lora_name=lora_name))
             slots.append(Slot(i, j))
             if j == 0:
                 parent = rid

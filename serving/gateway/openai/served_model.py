@@ -29,6 +29,9 @@ class ServedModel:
         ``tool_parsers.TOOL_PARSERS``; None: it cannot choose to call tools).
       reasoning_parser: "think" when it thinks in ``<think>...</think>`` (the
         thinking is returned apart as ``reasoning_content``); None: it does not.
+      lora_name: a LoRA adapter the engine serves over its base model (the request's
+        ``EngineRequest.lora_name``); None: the base model itself.
+      parent: the base model's name, for an adapter (``/v1/models`` reports it).
     """
 
     name: str
@@ -40,6 +43,8 @@ class ServedModel:
     default_chat_max_tokens: int | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    lora_name: str | None = None
+    parent: str | None = None
 
     @property
     def max_request_tokens(self) -> int:
