@@ -95,3 +95,11 @@ def test_refusals():
     with pytest.raises(LoraAdapterError, match="--max-lora-rank 4"):
         small.add("r8", LORA / "llama_r8")
     assert small.names() == []
+
+
+def test_backend_policy_picks_the_lora_formulation():
+    from serving.engine.backend_policy import BackendPolicy
+
+    policy = BackendPolicy.for_platform("cpu")
+    assert policy.lora_formulation(5, 16) == "onehot"  # 80 columns: two dense dots over all slots
+    assert policy.lora_formulation(33, 16) == "gather"  # 528 columns: each row's own slot
