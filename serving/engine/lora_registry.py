@@ -19,7 +19,8 @@ Three tiers, as vLLM's ``--max-loras`` / ``--max-cpu-loras``:
 Slots are keyed by the adapter's digest (its weights and config), not its name: a
 name removed and added again with other weights gets a new digest, so neither its
 slot nor (through the prefix-cache salt, ``serving.core.kv.kv_cache_manager.lora_salt``)
-its cached KV pages are reused. Not thread-safe: the engine loop's thread calls it.
+its cached KV pages are reused. Not thread-safe: the engine loop's thread calls it
+(:meth:`names` alone may be read from any thread: a snapshot replaced, never mutated).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class LoraRegistry:
         self.max_loras = engine.cfg.max_loras
         self.max_cpu_loras = max(max_cpu_loras or self.max_loras, self.max_loras, 1)
         self._paths: dict[str, Path] = {}
+        self._names: tuple[str, ...] = ()  # the keys of _paths, replaced whole on every change
         self._digests: dict[str, str] = {}  # name -> digest of what was read when it was added
         self._host: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()  # by name, LRU first
         self._slot_digest: list[str | None] = [None] * (self.max_loras + 1)  # slot 0: the base model
@@ -67,8 +69,9 @@ class LoraRegistry:
 
     # -- names ----------------------------------------------------------------------
 
-    def names(self) -> list[str]:
-        return list(self._paths)
+    def names(self) -> tuple[str, ...]:
+        """The served names (any thread)."""
+        return self._names
 
     def digest(self, name: str) -> str | None:
         return self._digests.get(name)
@@ -87,6 +90,7 @@ class LoraRegistry:
         adapter = self._read(Path(path))
         self._paths[name] = Path(path)
         self._digests[name] = adapter.digest
+        self._names = tuple(self._paths)
         self._keep(name, adapter)
         return adapter
 
@@ -103,6 +107,7 @@ class LoraRegistry:
         if slot is not None and self._pins[slot] > 0:
             raise LoraInUseError(f"LoRA adapter {name!r} is in use by {self._pins[slot]} request(s)")
         del self._paths[name], self._digests[name]
+        self._names = tuple(self._paths)
         self._host.pop(name, None)
         if slot is not None and digest not in self._digests.values():
             self._slot_digest[slot] = None

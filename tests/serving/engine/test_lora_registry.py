@@ -94,7 +94,7 @@ def test_refusals():
     small = LoraRegistry(FakeEngine(EngineConfig(max_loras=1, max_lora_rank=4), model_cfg))
     with pytest.raises(LoraAdapterError, match="--max-lora-rank 4"):
         small.add("r8", LORA / "llama_r8")
-    assert small.names() == []
+    assert small.names() == ()
 
 
 def test_backend_policy_picks_the_lora_formulation():
