@@ -192,6 +192,9 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     services = services or GatewayServices()
     limits = limits or GatewayLimits()
     serving = OpenAIServing(models, services, limits)
+    for m in models.values():  # a LoRA adapter the price table does not name costs what its base does
+        if m.parent is not None:
+            services.metering.prices.parents[m.name] = m.parent
     # Engines that need the serving event loop (a router's gRPC channels) open in the lifespan.
     engines = list({id(m.engine): m.engine for m in models.values()}.values())
     async_engines = [e for e in engines if callable(getattr(e, "open", None))]

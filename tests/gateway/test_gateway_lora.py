@@ -1,6 +1,6 @@
 """LoRA adapters in the gateway over a fake engine: a request picks one by naming it as its
-model, ``/v1/models`` lists each with its parent, the ledger meters it (at its own price), and
-``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` are admin-only, refuse bad folders and
+model, ``/v1/models`` lists each with its parent, the ledger meters it (at its own price, else
+its base model's), and ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` are admin-only, refuse bad folders and
 in-use adapters with OpenAI-shaped errors."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class FakeLoraEngine(FakeEngine):
 @pytest.fixture
 def services(tmp_path):
     prices = tmp_path / "prices.yaml"
-    prices.write_text("models:\n  busy: {input: 1000000.0, cached_input: 0.0, output: 0.0}\n")
+    prices.write_text("models:\n  busy: {input: 1000000.0, cached_input: 0.0, output: 0.0}\n"
+                      f"  {BASE}: {{input: 2000000.0, cached_input: 0.0, output: 0.0}}\n")
     s = GatewayServices.open_server(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", prices_path=str(prices))
     yield s
     s.close()
@@ -55,7 +56,8 @@ def services(tmp_path):
 def setup(services):
     engine = FakeLoraEngine(text="ok")
     base = ServedModel(BASE, engine, FakeTokenizer(), 512, created=1)
-    app = create_app({BASE: base, "busy": adapter_model(base, "busy")}, services)
+    app = create_app({BASE: base, "busy": adapter_model(base, "busy"), "plain": adapter_model(base, "plain")},
+                     services)
     admin, _ = services.authenticator.key_store.create_key("ops", is_admin=True)
     user, _ = services.authenticator.key_store.create_key("acme")
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
@@ -67,19 +69,20 @@ async def test_models_list_adapters_with_parent_and_requests_name_them(setup, se
     async with client:
         r = await client.get("/v1/models", headers=user)
         cards = {c["id"]: c for c in r.json()["data"]}
-        assert cards[BASE]["parent"] is None and cards["busy"]["parent"] == BASE
+        assert cards[BASE]["parent"] is None and cards["busy"]["parent"] == BASE == cards["plain"]["parent"]
         r = await client.get("/v1/models/busy", headers=user)
         assert r.json()["parent"] == BASE
-        for model in ("busy", BASE):
+        for model in ("busy", BASE, "plain"):
             r = await client.post("/v1/completions", headers=user, json={"model": model, "prompt": "hi"})
             assert r.status_code == 200, r.text
             assert r.json()["model"] == model
-        assert [s.lora_name for s in engine.submitted] == ["busy", None]
+        assert [s.lora_name for s in engine.submitted] == ["busy", None, "plain"]
         r = await client.get("/v1/usage?group_by=model", headers=admin)
     rows = {row["group"]: row for row in r.json()["data"]}
     assert rows["busy"]["requests"] == 1 and rows[BASE]["requests"] == 1
     assert rows["busy"]["cost_usd"] == pytest.approx(rows["busy"]["prompt_tokens"])  # its own rate
-    assert rows[BASE]["cost_usd"] == 0.0
+    assert rows[BASE]["cost_usd"] == pytest.approx(2 * rows[BASE]["prompt_tokens"])
+    assert rows["plain"]["cost_usd"] == pytest.approx(2 * rows["plain"]["prompt_tokens"])  # its base's rate
 
 
 async def test_load_and_unload_at_run_time(setup):

@@ -98,6 +98,7 @@ def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None
         except ValueError as e:  # LoraAdapterError: the folder cannot be served, and why
             raise OpenAIError(str(e), param="lora_path", code="invalid_lora_adapter") from None
         serving.models[req.lora_name] = adapter_model(base, req.lora_name)
+        serving.services.metering.prices.parents[req.lora_name] = base.name
         return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "parent": base.name,
                              "status": "loaded"})
 
