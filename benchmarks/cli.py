@@ -19,6 +19,7 @@ _COMMANDS = {
     "load": ("benchmarks.load", "load generator for any OpenAI-compatible endpoint"),
     "kernels": ("benchmarks.kernels", "paged-attention kernels against the XLA reference"),
     "routing": ("benchmarks.routing", "kv-aware against round-robin routing over 2 replicas (shared prefixes)"),
+    "lora": ("benchmarks.lora", "32 streams over 4 LoRA adapters against 32 base streams, tokens/s ratio"),
     "vs-llamacpp": ("benchmarks.vs_llamacpp", "xlaserve serve variants through HTTP against llama.cpp's "
                     "batched decode"),
 }

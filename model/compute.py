@@ -10,7 +10,8 @@ backend policy (``serving.engine.backend_policy``):
   * how the MoE expert matmuls run and over which mesh axes (``moe``),
   * whether a row's reductions keep one order whatever shares its batch
     (``batch_invariant``: the norms here, the attention softmax in ``attention``),
-  * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``).
+  * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``),
+  * how each row's LoRA update is computed (``lora``, ``model.lora``).
 
 The defaults are the plain reference path (what a reader of the model expects):
 ``einsum`` dots, the pure-XLA attention, ``ragged_dot`` experts, no mesh axes.
@@ -32,6 +33,7 @@ from kernels_pallas.attention import AttentionConfig
 from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
+from model.lora import LORA_FORMULATIONS, lora_delta
 from model.quantization import DOT_FORMULATIONS, QuantizedArray, quantized_dot
 
 MOE_IMPLS = ("auto", "ragged", "capacity")
@@ -83,6 +85,8 @@ class Compute:
         (convert it to the matmul-input dtype; exact for any scale layout) or
         "int8" (dynamically quantized int8 activations, int32 accumulation;
         per-channel scales only). See ``model.quantization``.
+      lora: how :meth:`lora_dot` computes each row's LoRA update: "onehot" (dense
+        over every slot, masked) or "gather" (each row's own slot); ``model.lora``.
     """
 
     pad_single_row: bool = False
@@ -91,10 +95,25 @@ class Compute:
     batch_invariant: bool = False
     dot_rows: DotRows = DotRows()
     quantized_dot: str = "dequantize"
+    lora: str = "onehot"
 
     def __post_init__(self):
         if self.quantized_dot not in DOT_FORMULATIONS:
             raise ValueError(f"quantized_dot must be one of {DOT_FORMULATIONS}, got {self.quantized_dot!r}")
+        if self.lora not in LORA_FORMULATIONS:
+            raise ValueError(f"lora must be one of {LORA_FORMULATIONS}, got {self.lora!r}")
+
+    def lora_dot(self, x: jax.Array, a: jax.Array, b: jax.Array, token_slots: jax.Array, dtype) -> jax.Array:
+        """Each row's LoRA update ``(x[t] @ a[slot[t]]) @ b[slot[t]]`` (``model.lora.lora_delta``).
+
+        Args:
+          x: [T, in]; a: [S, in, R]; b: [S, R, out] (scaling folded in);
+          token_slots: [T] int32; dtype: the matmul-input dtype.
+
+        Returns:
+          [T, out] float32.
+        """
+        return lora_delta(x, a, b, token_slots, dtype, self.lora)
 
     def mean(self, x: jax.Array) -> jax.Array:
         """Mean over the last axis, keepdims: ``x: [..., n]`` -> ``[..., 1]`` in x's dtype

@@ -59,7 +59,9 @@ from model.layers import (
     rms_norm,
     set_params,
     weight,
+    with_lora,
 )
+from model.lora import LoraInputs
 
 __all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
 
@@ -131,6 +133,7 @@ class Gemma3(nnx.Module):
         logits_indices: jax.Array,
         compute: Compute = REFERENCE,
         image_embeds: jax.Array | None = None,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs the decoder over a step's tokens.
 
@@ -145,6 +148,8 @@ class Gemma3(nnx.Module):
             (``md.image_spans`` non-empty), used as it is (token embeddings are scaled by
             sqrt(D), image soft tokens are not: ``model.gemma3_vision``); other rows are
             ignored. Needs ``md.image_spans``.
+          lora: the resident LoRA adapters' stacks and each token's slot (``model.lora``;
+            None: the base model).
 
         Returns:
           (logits [S, vocab] float32, updated kv_cache).
@@ -156,10 +161,10 @@ class Gemma3(nnx.Module):
         cfg = self.cfg
         dtype = self.dtype
 
-        def attend(h, p, l, window, theta, rope_scaled, cache):
+        def attend(h, p, l, window, theta, rope_scaled, cache, lw):
             o, k_cache, v_cache = attention_block(
                 h, p, positions, cache[0], cache[1], md, l, cfg=cfg, theta=theta, window=window,
-                dtype=dtype, compute=compute, rope_scaled=rope_scaled)
+                dtype=dtype, compute=compute, rope_scaled=rope_scaled, lora=lw)
             return o, (k_cache, v_cache)
 
         image_rows = None
@@ -167,7 +172,7 @@ class Gemma3(nnx.Module):
             if md.image_spans is None:
                 raise ValueError("image_embeds needs the attention metadata's image_spans")
             image_rows = (md.image_spans[:, 1] > md.image_spans[:, 0], image_embeds)
-        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, image_rows)
+        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, image_rows, lora)
         x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
         logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
         if cfg.final_logit_softcap is not None:
@@ -193,7 +198,7 @@ class Gemma3(nnx.Module):
         B, S = tokens.shape
         positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
 
-        def attend(h, p, l, window, theta, rope_scaled, state):
+        def attend(h, p, l, window, theta, rope_scaled, state, lw):  # (no LoRA: lw is None)
             o = encode_attention_block(h, p, positions, lengths, cfg=cfg, theta=theta, window=window,
                                        dtype=self.dtype, compute=compute, rope_scaled=rope_scaled)
             return o, state
@@ -201,12 +206,15 @@ class Gemma3(nnx.Module):
         x, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute).reshape(B, S, -1)
 
-    def _layers(self, tokens: jax.Array, attend, state, compute: Compute, image_rows=None):
+    def _layers(self, tokens: jax.Array, attend, state, compute: Compute, image_rows=None,
+                lora: LoraInputs | None = None):
         """The embedding and the layer stack (one ``lax.scan``), attention by ``attend``.
 
-        ``attend(h [T, D], layer weights, layer id, window, theta, rope_scaled, state) ->
+        ``attend(h [T, D], layer weights, layer id, window, theta, rope_scaled, state, lw) ->
         (o [T, D], state)``: the paged cache threaded as ``state`` (``__call__``), or
-        nothing (``encode``). ``image_rows``: None, or (is_image [T] bool, embeds [T, D]):
+        nothing (``encode``); ``lw`` is this layer's LoRA (``layers.with_lora``) or None.
+        ``lora``: the LoRA stacks and token slots, or None. ``image_rows``: None, or
+        (is_image [T] bool, embeds [T, D]):
         the rows whose input embedding is an image soft token, taken as it is (unscaled).
         Returns (x [T, D] f32 before the final norm, state).
         """
@@ -232,21 +240,23 @@ class Gemma3(nnx.Module):
 
         def layer(carry, xs):
             x, state = carry
-            p, l, window, theta = xs[:4]
-            rope_scaled = xs[4] if scaled_rope else True
+            p, l, window, theta, lora_layer = xs[:5]
+            rope_scaled = xs[5] if scaled_rope else True
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
+            lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             h = rms_norm(x, p["attn_norm"], eps, compute)
-            o, state = attend(h, p, l, window if use_window else None, theta, rope_scaled, state)
+            o, state = attend(h, p, l, window if use_window else None, theta, rope_scaled, state, lw)
             x = x + rms_norm(o, p["post_attn_norm"], eps, compute)
             h = rms_norm(x, p["ffw_norm"], eps, compute)
-            gate = compute.dot("td,df->tf", h, p["w_gate"], dtype)
-            up = compute.dot("td,df->tf", h, p["w_up"], dtype)
-            mlp = compute.dot("tf,fd->td", jax.nn.gelu(gate, approximate=True) * up, p["w_down"], dtype)
+            gate = with_lora(compute.dot("td,df->tf", h, p["w_gate"], dtype), h, lw, "w_gate", dtype, compute)
+            up = with_lora(compute.dot("td,df->tf", h, p["w_up"], dtype), h, lw, "w_up", dtype, compute)
+            act = jax.nn.gelu(gate, approximate=True) * up
+            mlp = with_lora(compute.dot("tf,fd->td", act, p["w_down"], dtype), act, lw, "w_down", dtype, compute)
             x = x + rms_norm(mlp, p["post_ffw_norm"], eps, compute)
             return (x, state), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        xs = (layer_params, layer_ids, windows, thetas)
+        xs = (layer_params, layer_ids, windows, thetas, None if lora is None else lora.weights)
         if scaled_rope:
             xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)
         (x, state), _ = jax.lax.scan(layer, (x, state), xs)

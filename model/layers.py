@@ -274,13 +274,24 @@ def embed_tokens(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     return table[...][tokens].astype(jnp.float32)
 
 
+def with_lora(y: jax.Array, x: jax.Array, lora, name: str, dtype, compute: Compute) -> jax.Array:
+    """``y`` [T, out] f32 plus each row's LoRA update of projection ``name`` for input ``x``
+    [T, in] (``model.lora``); ``y`` itself when ``lora`` is None.
+
+    ``lora``: (this layer's {name: (a [S, in, R], b [S, R, out])}, token_slots [T] int32) or None."""
+    if lora is None or name not in lora[0]:
+        return y
+    a, b = lora[0][name]
+    return y + compute.lora_dot(x, a, b, lora[1], dtype)
+
+
 def project_qkv(h: jax.Array, p: dict, positions: jax.Array, *, cfg: ModelConfig, theta, dtype,
-                compute: Compute, rope_scaled=True) -> tuple[jax.Array, jax.Array, jax.Array]:
+                compute: Compute, rope_scaled=True, lora=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention sub-layer's projections: q, k, v with biases, QK-norm and RoPE applied.
 
     Args:
       h: [T, D] f32, the normed residual stream; positions: [T] int32.
-      p, cfg, theta, dtype, compute, rope_scaled: as in :func:`attention_block`.
+      p, cfg, theta, dtype, compute, rope_scaled, lora: as in :func:`attention_block`.
 
     Returns:
       (q [T, N, H], k [T, K, H], v [T, K, H]) float32.
@@ -289,9 +300,12 @@ def project_qkv(h: jax.Array, p: dict, positions: jax.Array, *, cfg: ModelConfig
     eps = cfg.rms_norm_eps
     T = h.shape[0]
     # Projections as plain 2-D matmuls, the heads folded into the columns.
-    q = compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype).reshape(T, N, H)
-    k = compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype).reshape(T, K, H)
-    v = compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype).reshape(T, K, H)
+    q = with_lora(compute.dot("td,de->te", h, p["wq"].reshape(D, N * H), dtype), h, lora, "wq", dtype,
+                  compute).reshape(T, N, H)
+    k = with_lora(compute.dot("td,de->te", h, p["wk"].reshape(D, K * H), dtype), h, lora, "wk", dtype,
+                  compute).reshape(T, K, H)
+    v = with_lora(compute.dot("td,de->te", h, p["wv"].reshape(D, K * H), dtype), h, lora, "wv", dtype,
+                  compute).reshape(T, K, H)
     if cfg.qkv_bias:
         q = q + p["bq"].astype(jnp.float32)
         k = k + p["bk"].astype(jnp.float32)
@@ -305,7 +319,7 @@ def project_qkv(h: jax.Array, p: dict, positions: jax.Array, *, cfg: ModelConfig
 
 def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Array,
                     v_cache: jax.Array, md: AttentionMetadata, layer, *, cfg: ModelConfig, theta,
-                    window, dtype, compute: Compute, rope_scaled=True
+                    window, dtype, compute: Compute, rope_scaled=True, lora=None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention sub-layer of one layer (inside the layer scan).
 
@@ -321,6 +335,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
       theta: this layer's RoPE base; window: its sliding window (None or int32, <= 0: global).
       rope_scaled: whether ``cfg``'s RoPE scaling applies to this layer (bool or traced bool).
       dtype: matmul-input dtype; compute: the dot and the attention implementation.
+      lora: this layer's LoRA stacks and the tokens' slots (see :func:`with_lora`), or None.
 
     Returns:
       (o [T, D] f32 before any post-norm, k_cache, v_cache).
@@ -335,14 +350,16 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
     D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     T = h.shape[0]
     q, k, v = project_qkv(h, p, positions, cfg=cfg, theta=theta, dtype=dtype, compute=compute,
-                          rope_scaled=rope_scaled)
+                          rope_scaled=rope_scaled, lora=lora)
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
     attn = paged_attention(
         q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
         scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
         config=compute.attention, window_bound=cfg.sliding_window if window is not None else None,
         bidirectional_spans=md.image_spans)
-    o = compute.dot("te,ed->td", attn.reshape(T, N * H), p["wo"].reshape(N * H, D), dtype)
+    attn = attn.reshape(T, N * H)
+    o = with_lora(compute.dot("te,ed->td", attn, p["wo"].reshape(N * H, D), dtype), attn, lora, "wo",
+                  dtype, compute)
     return o, k_cache, v_cache
 
 

@@ -51,7 +51,9 @@ from model.layers import (
     rms_norm,
     set_params,
     weight,
+    with_lora,
 )
+from model.lora import LoraInputs
 from model.moe import moe_ffn
 
 
@@ -137,30 +139,32 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, logits_indices: jax.Array,
-                 compute: Compute = REFERENCE) -> tuple[jax.Array, KVCache]:
+                 compute: Compute = REFERENCE, lora: LoraInputs | None = None) -> tuple[jax.Array, KVCache]:
         """Same contract as ``model.gemma3.Gemma3.__call__``.
 
         Args:
           tokens: [T] int32; positions: [T] int32; kv_cache: all layers' pages;
           md: attention metadata; logits_indices: [S] int32; compute: platform-dependent
-          choices (static; see ``model.compute``).
+          choices (static; see ``model.compute``); lora: the resident LoRA adapters' stacks
+          and each token's slot (``model.lora``; None: the base model; dense models only).
 
         Returns:
           (logits [S, vocab] f32, updated kv_cache).
 
         Raises:
-          ValueError: a bidirectional model (``cfg.causal`` False), which only encodes.
+          ValueError: a bidirectional model (``cfg.causal`` False), which only encodes;
+            ``lora`` given for a mixture-of-experts model.
         """
         cfg, dtype = self.cfg, self.dtype
         theta = cfg.rope_theta_global
 
-        def attend(h, p, l, window, cache):
+        def attend(h, p, l, window, cache, lw):
             o, k_cache, v_cache = attention_block(
                 h, p, positions, cache[0], cache[1], md, l, cfg=cfg, theta=theta, window=window,
-                dtype=dtype, compute=compute)
+                dtype=dtype, compute=compute, lora=lw)
             return o, (k_cache, v_cache)
 
-        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute)
+        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, lora)
         x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
         if cfg.tie_embeddings:
             logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
@@ -175,7 +179,7 @@ class Llama(nnx.Module):
         B, S = tokens.shape
         positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
 
-        def attend(h, p, l, window, state):
+        def attend(h, p, l, window, state, lw):  # (no LoRA: lw is None)
             o = encode_attention_block(h, p, positions, lengths, cfg=cfg, theta=cfg.rope_theta_global,
                                        window=window, dtype=self.dtype, compute=compute)
             return o, state
@@ -183,37 +187,45 @@ class Llama(nnx.Module):
         x, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute).reshape(B, S, -1)
 
-    def _layers(self, tokens: jax.Array, attend, state, compute: Compute):
+    def _layers(self, tokens: jax.Array, attend, state, compute: Compute, lora: LoraInputs | None = None):
         """The embedding and the layer stack (one ``lax.scan``), attention by
-        ``attend(h [T, D], layer weights, layer id, window, state) -> (o [T, D], state)``.
-        Returns (x [T, D] f32 before the final norm, state)."""
+        ``attend(h [T, D], layer weights, layer id, window, state, lw) -> (o [T, D], state)``
+        (``lw``: this layer's LoRA, ``layers.with_lora``, or None; ``lora``: the stacks and
+        token slots, or None). Returns (x [T, D] f32 before the final norm, state).
+
+        Raises:
+          ValueError: ``lora`` given for a mixture-of-experts model."""
         cfg, dtype = self.cfg, self.dtype
         x = embed_tokens(self, tokens)
         layout = param_layout(cfg)
         layer_params = {n: weight(self, n) for n in _LAYER_PARAMS if n in layout}
         eps = cfg.rms_norm_eps
         use_window = cfg.has_sliding_layers  # Mistral, Qwen3 with use_sliding_window
+        if lora is not None and cfg.is_moe:
+            raise ValueError(f"LoRA adapters on mixture-of-experts models ({cfg.name}) are not supported")
 
         def layer(carry, xs):
             x, state = carry
-            p, l = xs[:2]
-            window = xs[2] if use_window else None
+            p, l, window, lora_layer = xs
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
-            o, state = attend(rms_norm(x, p["attn_norm"], eps, compute), p, l, window, state)
+            lw = None if lora_layer is None else (lora_layer, lora.token_slots)
+            o, state = attend(rms_norm(x, p["attn_norm"], eps, compute), p, l, window, state, lw)
             h = x + o
             y = rms_norm(h, p["ffw_norm"], eps, compute)
             if cfg.is_moe:
                 y = moe_ffn(y, p, k=cfg.num_experts_per_tok, dtype=dtype, compute=compute)
             else:
                 dot = compute.dot
-                y = dot("tf,fd->td", jax.nn.silu(dot("td,df->tf", y, p["w_gate"], dtype))
-                        * dot("td,df->tf", y, p["w_up"], dtype), p["w_down"], dtype)
+                gate = with_lora(dot("td,df->tf", y, p["w_gate"], dtype), y, lw, "w_gate", dtype, compute)
+                up = with_lora(dot("td,df->tf", y, p["w_up"], dtype), y, lw, "w_up", dtype, compute)
+                act = jax.nn.silu(gate) * up
+                y = with_lora(dot("tf,fd->td", act, p["w_down"], dtype), act, lw, "w_down", dtype, compute)
             return (h + y, state), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        xs = (layer_params, layer_ids)
-        if use_window:  # per-layer windows (models without sliding layers scan as before)
-            xs += (jnp.asarray(cfg.layer_windows(), jnp.int32),)
+        # per-layer windows and LoRA stacks (None: scanned as nothing, the same program as without)
+        xs = (layer_params, layer_ids, jnp.asarray(cfg.layer_windows(), jnp.int32) if use_window else None,
+              None if lora is None else lora.weights)
         (x, state), _ = jax.lax.scan(layer, (x, state), xs)
         return x, state
 

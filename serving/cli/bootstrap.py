@@ -50,7 +50,8 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
                       max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer,
                       host_kv_cache_bytes=int(cfg.host_kv_cache_gib * GIB),
                       starvation_preemptions=cfg.flex_starvation_preemptions,
-                      starvation_seconds=cfg.flex_starvation_seconds)
+                      starvation_seconds=cfg.flex_starvation_seconds,
+                      lora_modules=dict(cfg.lora_modules), max_cpu_loras=cfg.max_cpu_loras)
     loop.start(warmup=warmup, warmup_decode=warmup_decode)
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)

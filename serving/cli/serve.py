@@ -186,11 +186,13 @@ def _uvicorn_log_config() -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     from serving.config.server_config import load_server_config
     from serving.gateway.app import ServedModel
+    from serving.gateway.openai.lora_routes import adapter_model
     from serving.gateway.services.service_tiers import FlexAdmission
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
     from serving.loading.model_source import resolve_task
 
-    overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port", "enable_prefix_caching", "allow_unauthenticated",
+    overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port",
+                                  "enable_prefix_caching", "allow_unauthenticated",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
@@ -228,12 +230,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
         reasoning_parser = pick_reasoning_parser(tokenizer, cfg.reasoning_parser)
         log.info("tool-call parser: %s; reasoning parser: %s", tool_parser, reasoning_parser)
-        models = {name: ServedModel(name=name, engine=engine, tokenizer=tokenizer,
-                                    max_model_len=engine.max_model_len,
-                                    kv_capacity_tokens=engine.kv_capacity_tokens,
-                                    default_chat_max_tokens=cfg.default_chat_max_tokens,
-                                    tool_call_parser=tool_parser,
-                                    reasoning_parser=reasoning_parser)}
+        base = ServedModel(name=name, engine=engine, tokenizer=tokenizer, max_model_len=engine.max_model_len,
+                           kv_capacity_tokens=engine.kv_capacity_tokens,
+                           default_chat_max_tokens=cfg.default_chat_max_tokens,
+                           tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
+        models = {name: base}
+        for lora in loop.lora_names() if loop is not None else ():  # --lora-modules
+            if lora in models:
+                raise ValueError(f"LoRA adapter name {lora!r} is the base model's served name")
+            models[lora] = adapter_model(base, lora)
         return _run_gateway(args, cfg, services, models, loop)
     finally:
         services.close()

@@ -39,6 +39,13 @@ _SETTINGS = [
     ("speculative_max_batch", int, "speculate only while at most this many requests run (default 2)"),
     ("flex_starvation_preemptions", int, "a flex request or batch line preempted more than this many "
                                          "times runs as default work from then on (default 3)"),
+    ("lora_modules", "NAME=PATH", "LoRA adapters served beside the model: PEFT folders "
+                                  "(adapter_config.json + adapter_model.safetensors), each picked by "
+                                  "naming it as the request's model"),
+    ("max_loras", int, "LoRA adapters resident on the device at once (default: as many as "
+                       "--lora-modules names, at most 4; 0: no LoRA)"),
+    ("max_lora_rank", int, "the largest LoRA rank served (default 16)"),
+    ("max_cpu_loras", int, "read LoRA adapters kept in host memory (default: --max-loras)"),
     ("flex_starvation_seconds", float, "a flex request or batch line waiting longer than this many seconds "
                                        "runs as default work from then on (default 60)"),
 ]
@@ -47,6 +54,10 @@ _SETTINGS = [
 def _add_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="server YAML (default: configs/server.yaml)")
     for name, typ, help_ in _SETTINGS:
+        if typ == "NAME=PATH":  # a list: --lora-modules a=/path/a b=/path/b
+            p.add_argument("--" + name.replace("_", "-"), dest=name, nargs="+", metavar=typ, default=None,
+                           help=help_)
+            continue
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
 
 

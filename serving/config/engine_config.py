@@ -40,6 +40,9 @@ class EngineConfig:
         policy decides how it is stored.
       speculative: n-gram speculative decoding (None: off); its ``num_tokens`` (K)
         shapes the verify step, T = rows * (K + 1) tokens (``serving.engine.verify_step``).
+      max_loras: LoRA adapters resident on the device at once (0: no LoRA; the stacks
+        have ``max_loras + 1`` slots, ``model.lora``).
+      max_lora_rank: the largest adapter rank served (the stacks' R).
     """
 
     max_slots: int = 32
@@ -51,8 +54,13 @@ class EngineConfig:
     min_decode_batch: int | None = None
     kv_dtype: str = "float32"
     speculative: SpeculativeConfig | None = None
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
         if self.max_model_len % self.page_size:
@@ -88,7 +96,8 @@ class EngineConfig:
             min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype,
             speculative=SpeculativeConfig.from_settings(
                 server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
-                server.prompt_lookup_max, server.speculative_max_batch))
+                server.prompt_lookup_max, server.speculative_max_batch),
+            max_loras=server.lora_slots, max_lora_rank=server.max_lora_rank)
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:

@@ -89,8 +89,18 @@ class ServerConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     speculative_max_batch: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_modules", _lora_modules(self.lora_modules))
+        if (self.max_loras or 0) < 0 or self.max_lora_rank < 1 or (self.max_cpu_loras or 1) < 1:
+            raise ValueError(f"max_loras must be >= 0, max_lora_rank and max_cpu_loras >= 1; got "
+                             f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
+        if self.lora_modules and self.max_loras == 0:
+            raise ValueError("lora_modules need max_loras >= 1 (adapters resident on the device at once)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.quantization not in ("none", "int8"):  # model.quantization.QUANTIZATIONS (no JAX here)
@@ -131,6 +141,12 @@ class ServerConfig:
                                         self.prompt_lookup_min, self.prompt_lookup_max,
                                         self.speculative_max_batch)
 
+    @property
+    def lora_slots(self) -> int:
+        """Adapters resident on the device at once: ``max_loras``, or when unset as many as
+        ``lora_modules`` names, at most 4 (0: no LoRA)."""
+        return min(len(self.lora_modules), 4) if self.max_loras is None else self.max_loras
+
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ServerConfig":
         """Returns a copy with the non-None overrides applied. Raises ValueError on unknown keys."""
         known = {f.name for f in dataclasses.fields(self)}
@@ -138,6 +154,30 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"unknown server settings {sorted(unknown)}; known: {sorted(known)}")
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """``lora_modules`` ({name: folder}, ["NAME=PATH", ...] or pairs) as (name, folder) pairs.
+
+    Raises:
+      ValueError: an entry without a name and a path, or a name given twice.
+    """
+    if isinstance(value, Mapping):
+        value = list(value.items())
+    if isinstance(value, str):
+        value = [value]
+    pairs = []
+    for item in value or ():
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            item = (name.strip(), path.strip()) if sep else ("", "")
+        if len(item) != 2 or not all(isinstance(v, str) and v for v in item):
+            raise ValueError(f"lora_modules entries are NAME=PATH, got {item!r}")
+        pairs.append(tuple(item))
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules names a LoRA adapter twice: {names}")
+    return tuple(pairs)
 
 
 def _groups(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:

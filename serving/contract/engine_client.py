@@ -212,6 +212,7 @@ class EngineRequest:
         of the prompt is computed.
       images: the prompt's images in prompt order (Gemma 3 vision), their spans disjoint
         and inside the prompt; () for text. An engine without a vision tower refuses them.
+      lora_name: the LoRA adapter that serves it (one the engine loaded); None: the base model.
     """
 
     request_id: str
@@ -224,6 +225,7 @@ class EngineRequest:
     kv_produce: bool = False
     kv_transfer: KvTransferParams | None = None
     images: tuple[ImageInput, ...] = ()
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +378,10 @@ class EngineOverloadedError(RuntimeError):
 
 class RequestRejectedError(ValueError):
     """The request can never be served as asked (e.g. longer than the KV cache)."""
+
+
+class LoraInUseError(RuntimeError):
+    """A LoRA adapter that running or waiting requests use cannot be unloaded now."""
 
 
 class EngineClient(Protocol):

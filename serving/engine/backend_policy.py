@@ -91,6 +91,8 @@ class BackendPolicy:
       quantized_dot: how a dot with an int8 weight runs, "int8x2", "int8" or
         "dequantize" (``model.quantization``); with the int8 ones,
         :meth:`store_params` requantizes block-scaled weights per channel.
+      lora_onehot_max_columns: the LoRA update runs as the one-hot einsum while
+        slots x rank is at most this, else as a gather (:meth:`lora_formulation`).
     """
 
     platform: str
@@ -104,6 +106,13 @@ class BackendPolicy:
     batch_invariant: bool = False
     invariant_dot_rows: DotRows = DotRows()
     quantized_dot: str = "dequantize"
+    lora_onehot_max_columns: int = 256
+
+    def lora_formulation(self, num_slots: int, max_rank: int) -> str:
+        """How each row's LoRA update is computed (``model.lora``): "onehot" (two dense dots
+        over all ``num_slots`` x ``max_rank`` columns, masked) while that is at most
+        ``lora_onehot_max_columns``, else "gather" (each row's own slot)."""
+        return "onehot" if num_slots * max_rank <= self.lora_onehot_max_columns else "gather"
 
     @classmethod
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",

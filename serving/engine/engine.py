@@ -52,6 +52,14 @@ layer's expert-parallel ``shard_map`` reads; its mesh axis names come from
 the sharding rules through ``Compute``). XLA's SPMD partitioner inserts the
 tensor-parallel collectives. Batches are replicated.
 
+LoRA (``cfg.max_loras`` > 0): the engine also holds the stacked adapter buffers of
+``model.lora`` (``[layers, max_loras + 1, ...]`` per projection, slot 0 zeros, in the
+model's dtype; not donated), written outside the steps one slot at a time
+(:meth:`Engine.write_lora_slot`, called by ``serving.engine.lora_registry``); each
+batch carries its rows' slots, so one compiled step serves any mix of adapters and
+base rows. The backend policy picks the update's formulation
+(:meth:`BackendPolicy.lora_formulation`). Not on a mesh yet (refused).
+
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
 processes run the same step from what they receive (:meth:`Engine.run_published`),
@@ -74,6 +82,7 @@ from flax import nnx
 
 from model.compute import Compute
 from model.kv_cache import KVCache
+from model.lora import LoraInputs, slot_weights, write_slot, zero_stacks
 from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket
 from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow
 from serving.engine import kv_pages
@@ -123,17 +132,21 @@ def _select(logits: jax.Array, positions: jax.Array, s: SamplingArrays, counts: 
     return token_logprobs(logits, tokens, s.num_logprobs)
 
 
+def _lora(stacks, token_slots) -> LoraInputs | None:
+    return None if stacks is None else LoraInputs(stacks, token_slots)
+
+
 def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                    batch: PrefillBatch, all_logits: bool):
+                    batch: PrefillBatch, all_logits: bool, lora_stacks=None):
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
     indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
     kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
-    if batch.image_embeds is None:
-        logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute)
-    else:
-        logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute,
-                                 image_embeds=batch.image_embeds)
+    lora = _lora(lora_stacks, batch.token_lora_slots)
+    extra = {} if lora is None else {"lora": lora}
+    if batch.image_embeds is not None:
+        extra["image_embeds"] = batch.image_embeds
+    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute, **extra)
     row_logits = logits[batch.logits_indices] if all_logits else logits
     starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
     counts, seen = token_counts.count_prefill(
@@ -145,26 +158,30 @@ def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: Dev
 
 
 def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                  batch: PrefillBatch):
-    state, out, _ = _prefill_common(graphdef, compute, argmax_block, params, state, batch, False)
+                  batch: PrefillBatch, lora_stacks=None):
+    state, out, _ = _prefill_common(graphdef, compute, argmax_block, params, state, batch, False,
+                                    lora_stacks)
     return state, out
 
 
 def _prefill_logprobs_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                           batch: PromptLogprobsBatch):
+                           batch: PromptLogprobsBatch, lora_stacks=None):
     """A prefill that also scores every token's successor (logits at all T tokens)."""
-    state, out, logits = _prefill_common(graphdef, compute, argmax_block, params, state, batch, True)
+    state, out, logits = _prefill_common(graphdef, compute, argmax_block, params, state, batch, True,
+                                         lora_stacks)
     return state, (out, prompt_logprobs(logits, batch.next_ids))
 
 
 def _decode_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                 batch: DecodeBatch):
+                 batch: DecodeBatch, lora_stacks=None):
     model = nnx.merge(graphdef, params)
     rows = batch.slot_ids.shape[0]
     tokens = state.slot_tokens[jnp.minimum(batch.slot_ids, state.slot_tokens.shape[0] - 1)]
     md = batch.attention_metadata(state.kv_cache.page_size)
+    lora = _lora(lora_stacks, batch.lora_slots)
     logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
-                             jnp.arange(rows, dtype=jnp.int32), compute=compute)
+                             jnp.arange(rows, dtype=jnp.int32), compute=compute,
+                             **({} if lora is None else {"lora": lora}))
     counts = token_counts.count_decode(state.output_counts, batch.slot_ids, batch.real_rows, tokens)
     out = _select(logits, batch.lengths, batch.sampling, counts, state.prompt_seen, batch.slot_ids,
                   argmax_block)
@@ -191,7 +208,8 @@ class Engine:
 
         Raises:
           ValueError: the mesh cannot split the model (e.g. tensor does not divide heads);
-            a vision tower with a mesh or a lockstep, or with an attention kernel other than "xla".
+            a vision tower with a mesh or a lockstep, or with an attention kernel other than "xla";
+            LoRA (``cfg.max_loras``) on a mesh, a multi-host engine or a mixture of experts.
         """
         self.policy = policy or BackendPolicy.detect(mesh)
         self.vision = None
@@ -235,6 +253,13 @@ class Engine:
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.bool_, rep))
             out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
             compute = self.policy.compute(rules, dtype=model.dtype)
+        self.lora_stacks = None
+        if cfg.max_loras > 0:
+            if mesh is not None or lockstep is not None or model.cfg.is_moe:
+                raise ValueError("LoRA adapters are served by a single-device engine of a dense model")
+            self.lora_stacks = zero_stacks(model.cfg, cfg.max_loras, cfg.max_lora_rank, model.dtype)
+            compute = dataclasses.replace(compute, lora=self.policy.lora_formulation(
+                cfg.max_loras + 1, cfg.max_lora_rank))
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
         self._steps = {
@@ -319,6 +344,18 @@ class Engine:
         T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
         return self.run(VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words)))
 
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Writes ``adapter`` (a ``model.lora_adapter.LoraAdapter``, None: zeros) into LoRA slot
+        ``slot`` (1..max_loras) of the device stacks, ordered before every later step.
+
+        Raises:
+          ValueError: no LoRA on this engine, a slot out of range or a rank above max_lora_rank.
+        """
+        if self.lora_stacks is None:
+            raise ValueError("this engine was built without LoRA (max_loras 0)")
+        contents = slot_weights(adapter, self.model_cfg, self.cfg.max_lora_rank)
+        self.lora_stacks = write_slot(self.lora_stacks, slot, contents)
+
     # -- whole pages (KV transfer, host tier) ----------------------------------------
 
     def read_pages(self, page_ids: Sequence[int], chunk_pages: int) -> tuple[jax.Array, jax.Array]:
@@ -382,7 +419,10 @@ class Engine:
         t0 = time.perf_counter()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
-            self.state, out = self._steps[batch.kind](self.params, self.state, batch)
+            if batch.kind == "verify":
+                self.state, out = self._steps[batch.kind](self.params, self.state, batch)
+            else:
+                self.state, out = self._steps[batch.kind](self.params, self.state, batch, self.lora_stacks)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
             # persistent-cache hit); dispatch of later calls is asynchronous.

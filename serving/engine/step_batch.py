@@ -16,9 +16,10 @@ T, B and P are buckets)::
                                                    (read by the prompt-logprobs variant only)
               copy_src [S]  copy_dst [S]           pages copied before the model call (forked
                                                    requests' partial pages; unused: 0 onto 0)
+              lora_slots [S]                       each row's LoRA adapter slot (0: the base model)
     decode    slot_ids [B]  positions [B]          padding rows: slot max_slots (dropped), length 0
               page_table [B, P]  lengths [B]       lengths = position + 1
-              sampling [B]
+              sampling [B]  lora_slots [B]
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class PrefillBatch:
       next_ids: [T] int32 the prompt token that follows each token (-1: none known).
       copy_src, copy_dst: [S] int32 page copies run before the model call
         (``PrefillRow.page_copy``; at most one per row); unused entries are 0, 0.
+      lora_slots: [S] int32 each row's LoRA adapter slot (``model.lora``; 0: none).
       image_embeds: [T, D] float32 or None: image soft tokens at the image tokens
         (``serving.engine.vision_inputs.pack_images``); an engine with a vision tower
         always sends them (zeros without images), one without never does.
@@ -85,6 +87,7 @@ class PrefillBatch:
     next_ids: jax.Array
     copy_src: jax.Array
     copy_dst: jax.Array
+    lora_slots: jax.Array
     image_embeds: jax.Array | None = None
     image_spans: jax.Array | None = None
 
@@ -119,6 +122,7 @@ class PrefillBatch:
         next_ids = np.full(T, -1, np.int32)
         copy_src = np.zeros(S, np.int32)
         copy_dst = np.zeros(S, np.int32)
+        lora_slots = np.zeros(S, np.int32)
         off = 0
         for i, r in enumerate(rows):
             n = len(r.token_ids)
@@ -135,6 +139,7 @@ class PrefillBatch:
             page_table[i, :used] = r.page_ids[:used]
             logits_indices[i] = off + n - 1
             slot_ids[i] = r.slot
+            lora_slots[i] = r.lora_slot
             if r.page_copy is not None:
                 copy_src[i], copy_dst[i] = r.page_copy.src, r.page_copy.dst
             off += n
@@ -143,7 +148,7 @@ class PrefillBatch:
                                             token_mask)
         embeds, spans = images(rows, T) if images is not None else (None, None)
         return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), logits_indices,
-                   slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst, embeds, spans)
+                   slot_ids, sampling, prompt_lens, next_ids, copy_src, copy_dst, lora_slots, embeds, spans)
 
     @property
     def shape_key(self) -> tuple:
@@ -157,6 +162,11 @@ class PrefillBatch:
             slot_mapping=_slot_mapping(self.page_table, seq, self.positions, real, page_size),
             page_table=self.page_table, kv_lens=self.kv_lens, cu_q_lens=self.cu_q_lens,
             num_seqs=self.num_seqs, image_spans=self.image_spans, mode="prefill")
+
+    @property
+    def token_lora_slots(self) -> jax.Array:
+        """[T] int32: each token's LoRA slot, its row's (traced; padding tokens: the last row's)."""
+        return self.lora_slots[self.token_rows]
 
     @property
     def token_rows(self) -> jax.Array:
@@ -203,6 +213,7 @@ class DecodeBatch:
       page_table: [B, P] int32 each row's pages.
       lengths: [B] int32 tokens in the cache after this step (position + 1; 0: padding).
       sampling: [B] per-row sampling settings.
+      lora_slots: [B] int32 each row's LoRA adapter slot (0: none; padding rows 0).
     """
 
     slot_ids: jax.Array
@@ -210,6 +221,7 @@ class DecodeBatch:
     page_table: jax.Array
     lengths: jax.Array
     sampling: SamplingArrays
+    lora_slots: jax.Array
 
     kind: ClassVar[str] = "decode"
 
@@ -231,15 +243,17 @@ class DecodeBatch:
         positions = np.zeros(B, np.int32)
         lengths = np.zeros(B, np.int32)
         page_table = np.zeros((B, P), np.int32)
+        lora_slots = np.zeros(B, np.int32)
         for i, r in enumerate(rows):
             slot_ids[i] = r.slot
+            lora_slots[i] = r.lora_slot
             positions[i] = r.position
             lengths[i] = r.position + 1
             used = _pages_for(r.position + 1, cfg.page_size)
             page_table[i, :used] = r.page_ids[:used]
         return cls(slot_ids, positions, page_table, lengths,
                    SamplingArrays.from_rows([r.sampling for r in rows], B, [r.num_generated for r in rows],
-                                           token_mask))
+                                           token_mask), lora_slots)
 
     @property
     def shape_key(self) -> tuple:

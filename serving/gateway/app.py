@@ -5,8 +5,9 @@ Routes:
     be sent as ``application/json``, else 415),
   POST /v1/embeddings (an embedding model's vectors: ``embeddings.py``; other
     models' names get 400, as an embedding model's does on the generation routes),
-  GET /v1/models (OpenAI list shape), GET /v1/models/{id} (one model; ids may
-    contain '/'; 404 for a model the caller may not use, as the list hides it),
+  GET /v1/models (OpenAI list shape; a LoRA adapter with its ``parent``), GET /v1/models/{id}
+    (one model; ids may contain '/'; 404 for a model the caller may not use, as the list hides it),
+  POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (admin keys; ``lora_routes.py``),
   GET /v1/usage?start=&end=&group_by=model|key|day|tenant|status|service_tier (the caller's
     tenant; admin keys see every tenant, or one with ``tenant=``),
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
@@ -71,6 +72,7 @@ from serving.gateway.http.request_scope import (
     REQUEST_ID_SCOPE_KEY,
 )
 from serving.gateway.openai.embeddings import EMBEDDINGS_PATH, EmbeddingServing
+from serving.gateway.openai.lora_routes import LoadLoraRequest, UnloadLoraRequest, install_lora_routes
 from serving.gateway.openai.openai_serving import OpenAIServing
 from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.openai.tokenizer_routes import DetokenizeRequest, TokenizeRequest, install_tokenizer_routes
@@ -194,6 +196,9 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     services = services or GatewayServices()
     limits = limits or GatewayLimits()
     serving = OpenAIServing(models, services, limits)
+    for m in models.values():  # a LoRA adapter the price table does not name costs what its base does
+        if m.parent is not None:
+            services.metering.prices.parents[m.name] = m.parent
     # Engines that need the serving event loop (a router's gRPC channels) open in the lifespan.
     engines = list({id(m.engine): m.engine for m in models.values()}.values())
     async_engines = [e for e in engines if callable(getattr(e, "open", None))]
@@ -265,17 +270,19 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
                        EMBEDDINGS_PATH: embeddings.create_embedding}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
+    install_lora_routes(app, serving, principal)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
-                          DetokenizeRequest, CreateBatchRequest, EmbeddingRequest],
+                          DetokenizeRequest, CreateBatchRequest, EmbeddingRequest, LoadLoraRequest,
+                          UnloadLoraRequest],
                     stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent])
 
     def card(name: str) -> ModelCard:
         m = serving.models[name]
-        return ModelCard(id=name, created=m.created, max_model_len=m.max_model_len)
+        return ModelCard(id=name, created=m.created, max_model_len=m.max_model_len, parent=m.parent)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403, 413))
     async def list_models(caller: Principal = Depends(principal)) -> Response:
-        cards = [card(name) for name in serving.models if caller.may_use(name)]
+        cards = [card(name) for name in list(serving.models) if caller.may_use(name)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,

@@ -48,6 +48,11 @@ pool are copied to a host-memory LRU and prefix hits there reloaded
 (``serving.runtime.host_tier_steps``: reads before anything writes the evicted pages,
 loads before the steps, the host copies after them).
 
+LoRA adapters (an engine with ``max_loras`` > 0): a request naming one waits for
+its adapter's device slot and is salted with the adapter's digest
+(``serving.runtime.lora_admission``); :meth:`EngineLoop.load_lora` and
+:meth:`EngineLoop.unload_lora` change the served adapters between steps.
+
 Disaggregated serving (``connector``: a ``serving.replica.kv_connector.KvConnector``, set by
 ``xlaserve engine``): a request with ``kv_transfer`` waits outside the scheduler, its
 pages reserved, while they are pulled, and is queued once they are in its prefix
@@ -97,10 +102,12 @@ from serving.core.kv.kv_events import KvEventJournal
 from serving.core.sched.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
 from serving.core.sched.step_plan import StepPlan
 from serving.engine.engine import Engine
+from serving.engine.lora_registry import LoraRegistry
 from serving.engine.sample.logprobs import HostLogprobs, PromptLogprobs
 from serving.engine.verify_step import VerifyOutput
 from serving.runtime import sampling_request
 from serving.runtime.host_tier_steps import HostTier, host_kv_stats
+from serving.runtime.lora_admission import LoraAdmission
 from serving.runtime.speculative_steps import SpecCounters, dispatch_verify, process_verify
 from serving.runtime.structured_steps import request_matcher, step_mask
 from serving.runtime.turn_profile import TurnProfile
@@ -136,6 +143,7 @@ class _Sequence:
     armed_by: int | None = None  # the token whose generation arms the matcher (until then: unconstrained)
     kv_bytes: int = 0  # KV pages pulled for it (disaggregated decode side)
     kv_seconds: float = 0.0
+    lora: object = None  # the LoraGrant (device slot) it holds while queued or running
 
 
 class EngineLoop:
@@ -160,9 +168,14 @@ class EngineLoop:
       starvation_preemptions, starvation_seconds: the scheduler's starvation guard for
         flex-class (``"flex"``/``"batch"``) work: promoted to default once preempted more
         than this many times or waiting this long (None: that bound is off).
+      lora_modules: {name: PEFT adapter folder} served from the start (the engine needs
+        ``max_loras`` > 0).
+      max_cpu_loras: read adapters kept in host memory (``serving.engine.lora_registry``).
 
     Raises:
-      ValueError: `max_queued_events` below 2 (a token event and the final one).
+      ValueError: `max_queued_events` below 2 (a token event and the final one); LoRA
+        modules for an engine without LoRA.
+      model.lora_adapter.LoraAdapterError: a LoRA module that cannot be served.
     """
 
     def __init__(self, engine: Engine, max_waiting: int = 256, max_waiting_tokens: int | None = None,
@@ -170,7 +183,8 @@ class EngineLoop:
                  max_queued_events: int | None = DEFAULT_MAX_QUEUED_EVENTS,
                  tokenizer: TextTokenizer | None = None, host_kv_cache_bytes: int = 0,
                  starvation_preemptions: int | None = DEFAULT_STARVATION_PREEMPTIONS,
-                 starvation_seconds: float | None = DEFAULT_STARVATION_SECONDS):
+                 starvation_seconds: float | None = DEFAULT_STARVATION_SECONDS,
+                 lora_modules: dict[str, str] | None = None, max_cpu_loras: int | None = None):
         if max_queued_events is not None and max_queued_events < 2:
             raise ValueError(f"max_queued_events must be >= 2, got {max_queued_events}")
         self.engine = engine
@@ -211,6 +225,14 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.on_step = None  # optional hook(plan) for tests and tracing, called on the loop thread
         self.connector = None  # serving.replica.kv_connector.KvConnector of a replica in disaggregated serving
+        self.lora: LoraAdmission | None = None
+        if cfg.max_loras > 0:
+            self.lora = LoraAdmission(LoraRegistry(engine, max_cpu_loras), lambda seq: self.scheduler.add(seq.sched),
+                                      lambda seq, why: self._finish(seq, "error", why))
+        for name, path in (lora_modules or {}).items():
+            if self.lora is None:
+                raise ValueError("LoRA modules need an engine with max_loras > 0")
+            self.lora.registry.add(name, path)
 
     # -- EngineClient ------------------------------------------------------------
 
@@ -274,7 +296,7 @@ class EngineLoop:
             max_tokens=s.max_tokens, stop_token_ids=stop_ids,
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
-            parent_id=request.parent_id, speculate=matcher is None,
+            parent_id=request.parent_id, speculate=matcher is None and request.lora_name is None,
             images=tuple((im.start, im.end, im.digest) for im in request.images))
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
                         matcher=matcher, armed_by=None if matcher is None else s.structured_output.after_token_id)
@@ -296,6 +318,39 @@ class EngineLoop:
 
     async def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether LoRA adapters can be loaded (the engine has ``max_loras`` > 0)."""
+        return self.lora is not None
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters served now (any thread; a snapshot)."""
+        return [] if self.lora is None else list(self.lora.registry.names())
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter in folder ``path`` as ``name`` from the next step on.
+
+        Raises:
+          ValueError: no LoRA on this engine, or the name is taken;
+          model.lora_adapter.LoraAdapterError: the folder cannot be served (says why).
+        """
+        await self._lora_control("load", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stops serving ``name`` (its cached KV pages are never reused: see ``lora_admission``).
+
+        Raises:
+          KeyError: not served; serving.engine.lora_registry.LoraInUseError: requests use it.
+        """
+        await self._lora_control("unload", name, None)
+
+    async def _lora_control(self, op: str, name: str, path: str | None) -> None:
+        if self.lora is None:
+            raise ValueError("this server was started without LoRA (--max-loras 0)")
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("lora", (op, name, path, fut)))
+        await fut
 
     def wake(self) -> None:
         """Makes an idle loop turn now (any thread)."""
@@ -363,6 +418,11 @@ class EngineLoop:
             # an image is computed in one step: it must fit what one step's prompt budget can be
             sampling_request.validate_images(request, self.engine.vision,
                                              min(cfg.prefill_chunk, self.scheduler.token_budget - cfg.max_slots))
+        if request.lora_name is not None:
+            if self.lora is None or request.lora_name not in self.lora.registry.names():
+                raise RequestRejectedError(f"LoRA adapter {request.lora_name!r} is not loaded")
+            if request.kv_produce or request.kv_transfer is not None:
+                raise RequestRejectedError("KV transfer of LoRA requests is not supported")
         if request.kv_produce or request.kv_transfer is not None:
             if self.connector is None:
                 raise RequestRejectedError("this engine takes no part in KV transfer (xlaserve engine does)")
@@ -418,6 +478,10 @@ class EngineLoop:
         """Ends a request: frees its slot and pages, sends the final event (with ``ids``)."""
         if seq.sched.status is Status.FINISHED:
             return
+        if self.lora is not None:
+            if self.lora.drop(seq):  # waiting for an adapter slot: never queued
+                seq.sched.status = Status.FINISHED
+            self.lora.release(seq)
         offer = None
         if self.connector is not None:  # disaggregated serving (serving.replica.kv_connector)
             if self.connector.drop(seq.req.request_id):  # still waiting for its KV pages
@@ -447,7 +511,9 @@ class EngineLoop:
                 self._by_id[item.req.request_id] = item
                 if item.matcher is not None:
                     self._constrained.add(item)
-                if item.req.kv_transfer is None or not self.connector.receive(
+                if item.req.lora_name is not None:
+                    self.lora.admit(item)  # queued once its adapter holds a device slot
+                elif item.req.kv_transfer is None or not self.connector.receive(
                         item, self.scheduler.watermark_pages if self.scheduler.running else 0):
                     self.scheduler.add(item.sched)  # (no pages to receive into: it computes the prompt)
             elif kind == "cancel":
@@ -456,6 +522,15 @@ class EngineLoop:
                     self._finish(seq, "cancelled")
             elif kind == "ping":
                 self._pings.append(item)
+            elif kind == "lora":
+                op, name, path, fut = item
+                try:
+                    self.lora.control(op, name, path)
+                    result = (fut.set_result, None)
+                except Exception as e:  # refused: the caller's error, not the loop's
+                    result = (fut.set_exception, e)
+                fut.get_loop().call_soon_threadsafe(
+                    lambda f=fut, r=result: f.done() or r[0](r[1]))
 
     def _run(self) -> None:
         pending: list = []
@@ -478,6 +553,8 @@ class EngineLoop:
         sched, prof = self.scheduler, self.profile
         idle = not pending and not sched.waiting and not sched.running
         self._drain_inbox(block=idle)
+        if self.lora is not None and self.lora.waiting:  # slots freed by requests that ended
+            self.lora.retry()
         prof.start_turn()
         had_pending = bool(pending)
         if self.host_tier is not None:  # evicted pages out before the connector writes any

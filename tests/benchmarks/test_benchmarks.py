@@ -87,7 +87,8 @@ def test_device_script_imports_no_gateway_dependencies():
     assert res.stdout.strip().endswith("True")
 
 
-@pytest.mark.parametrize("argv", [["bench", "engine", "--help"], ["bench", "load", "--help"]])
+@pytest.mark.parametrize("argv", [["bench", "engine", "--help"], ["bench", "load", "--help"],
+                                  ["bench", "lora", "--help"]])
 def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
     from serving.cli.main import main
 
@@ -95,7 +96,7 @@ def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
         main(argv)
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert ("--slots" in out) if argv[1] == "engine" else ("--concurrency" in out)
+    assert {"engine": "--slots", "load": "--concurrency", "lora": "--adapters"}[argv[1]] in out
 
 
 def test_batch_interference_runs_on_the_tiny_model(tmp_path):
@@ -167,3 +168,16 @@ def test_real_size_benchmark_runs_on_the_tiny_shape(tmp_path, monkeypatch):
     assert out["rss_before_load"] > 0 and out["peak_rss_after_load"] >= out["rss_after_load"]
     assert out["peak_rss_end"] >= out["peak_rss_after_load"]
     assert json.loads((tmp_path / "out.json").read_text())["args"]["shape"] == "tiny"
+
+
+def test_lora_benchmark_writes_adapters_the_server_reads(tmp_path):
+    """benchmarks/lora.py's random adapters are PEFT folders that ``model.lora_adapter`` serves."""
+    from benchmarks.lora import write_random_adapter
+    from model.hf_config import read_hf_config
+    from model.lora_adapter import TARGETS, read_peft_adapter
+    from tests.support.paths import TEST_DATA
+
+    cfg = read_hf_config(TEST_DATA / "hf_tiny" / "gemma3_text")
+    write_random_adapter(tmp_path / "a", cfg, rank=4, seed=0)
+    adapter = read_peft_adapter(tmp_path / "a", cfg, max_rank=4)
+    assert adapter.rank == 4 and set(adapter.weights) == set(TARGETS.values()) and adapter.scaling == 2.0

@@ -351,7 +351,7 @@ async def test_models_and_health(client, engine):
     assert r.json() == {
         "object": "list",
         "data": [{"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "xlaserve",
-                  "max_model_len": 512}],
+                  "max_model_len": 512, "parent": None}],
     }
     r = await client.get("/health")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})

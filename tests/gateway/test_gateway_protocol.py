@@ -323,7 +323,7 @@ async def test_retrieve_model():
         r = await client.get(f"/v1/models/{MODEL}")
         assert r.status_code == 200
         assert r.json() == {"id": MODEL, "object": "model", "created": 1700000000,
-                            "owned_by": "xlaserve", "max_model_len": 512}
+                            "owned_by": "xlaserve", "max_model_len": 512, "parent": None}
         r = await client.get("/v1/models/org/model-b")
         assert (r.status_code, r.json()["id"]) == (200, "org/model-b")
         r = await client.get("/v1/models/org%2Fmodel-b")

@@ -18,6 +18,7 @@ from flax import nnx
 from model.attention_metadata import AttentionMetadata
 from model.compute import REFERENCE, Compute
 from model.kv_cache import KVCache
+from model.lora import LoraInputs
 from tests.support.paths import TEST_DATA
 
 DATA = TEST_DATA / "hf_tiny"
@@ -30,21 +31,27 @@ def golden(case: str) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7))
-def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE,
+def _step(graphdef, state, tokens, positions, cache, md, logits_indices, compute=REFERENCE, lora=None,
           image_embeds=None):
     model = nnx.merge(graphdef, state)
-    if image_embeds is None:
-        return model(tokens, positions, cache, md, logits_indices, compute)
-    return model(tokens, positions, cache, md, logits_indices, compute, image_embeds=image_embeds)
+    extra = {}
+    if lora is not None:
+        weights, slot = lora
+        extra["lora"] = LoraInputs(weights, jnp.full(tokens.shape, slot, jnp.int32))
+    if image_embeds is not None:
+        extra["image_embeds"] = image_embeds
+    return model(tokens, positions, cache, md, logits_indices, compute, **extra)
 
 
-def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE, *,
+def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = REFERENCE, lora=None, *,
                         image_embeds: np.ndarray | None = None, image_spans: np.ndarray | None = None
                         ) -> tuple[np.ndarray, list[int], np.ndarray]:
     """(logits [T, V] at every prompt position, ``new`` greedy ids decoded through the cache,
     the logits [new, V] each id was chosen from), every step run with ``compute``; the prompt's
     image soft tokens ``image_embeds`` [T, D] at the tokens whose ``image_spans`` [T, 2] are
-    not empty (Gemma 3's vision input, ``model.attention_metadata``)."""
+    not empty (Gemma 3's vision input, ``model.attention_metadata``).
+
+    ``lora``: (LoRA stacks of ``model.lora``, the slot every token uses) or None."""
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     T = len(prompt)
@@ -59,7 +66,7 @@ def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = R
                            image_spans=None if image_spans is None else jnp.asarray(image_spans, jnp.int32))
     with jax.default_matmul_precision("highest"):
         logits, cache = _step(graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos),
-                              cache, md, jnp.asarray(pos), compute,
+                              cache, md, jnp.asarray(pos), compute, lora,
                               None if image_embeds is None else jnp.asarray(image_embeds, jnp.float32))
         logits = np.asarray(logits)
         rows = [logits[-1]]
@@ -72,7 +79,7 @@ def prefill_then_greedy(model, prompt: list[int], new: int, compute: Compute = R
                 mode="decode")
             step, cache = _step(graphdef, state, jnp.asarray([ids[-1]], jnp.int32),
                                 jnp.asarray([p], jnp.int32), cache, md, jnp.asarray([0], jnp.int32),
-                                compute)
+                                compute, lora)
             rows.append(np.asarray(step)[0])
             ids.append(int(np.argmax(rows[-1])))
     return logits, ids, np.stack(rows)

@@ -96,6 +96,16 @@ def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None, ext
     return h.digest()
 
 
+def lora_salt(salt: str | None, adapter_digest: str | None) -> str | None:
+    """The prefix-cache salt of a request served through a LoRA adapter: its scope ``salt``
+    joined with the adapter's digest (of its weights and config, ``model.lora_adapter``),
+    so pages computed with one adapter are never a hit for another, nor for the base model,
+    nor for other weights loaded later under the same name. ``salt`` itself without one."""
+    if adapter_digest is None:
+        return salt
+    return f"{salt or ''}\x1flora:{adapter_digest}"
+
+
 def page_extra(images: ImageSpans, page: int, page_size: int) -> str:
     """The digests of the images with a token in page ``page`` (its positions
     [page * page_size, (page + 1) * page_size)), joined; "" when none. Pages after an

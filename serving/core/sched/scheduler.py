@@ -176,6 +176,7 @@ class SchedRequest:
         chunk never ends inside one (its tokens attend to each other, so they are
         computed in one step: :meth:`Scheduler._fit_images`), and the digests are hashed
         into the prefix-cache pages that hold their tokens.
+      lora_slot: the device slot of its LoRA adapter, copied into its plan rows (0: none).
     """
 
     request_id: str
@@ -204,6 +205,7 @@ class SchedRequest:
     queued_at: float = 0.0
     protected: bool = False
     images: tuple[tuple[int, int, str], ...] = ()
+    lora_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -393,7 +395,7 @@ class Scheduler:
                     return self._abort(plan)
                 continue
             row = DecodeRow(req.request_id, req.slot, req.num_computed, self.kv.page_ids(req.request_id),
-                            req.sampling, num_generated=req.num_generated)
+                            req.sampling, num_generated=req.num_generated, lora_slot=req.lora_slot)
             if verify:
                 row = dataclasses.replace(row, last_token=req.token_ids()[-1], draft_ids=drafts)
                 plan.verify.append(row)
@@ -484,7 +486,7 @@ class Scheduler:
                                        samples=start + n == req.num_tokens, sampling=req.sampling,
                                        prompt_len=prompt_len, num_generated=req.num_generated,
                                        next_prompt_id=req.prompt_ids[start + n] if start + n < prompt_len else -1,
-                                       page_copy=page_copy))
+                                       page_copy=page_copy, lora_slot=req.lora_slot))
         return n
 
     def _commit(self, plan: StepPlan) -> StepPlan:

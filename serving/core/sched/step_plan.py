@@ -96,6 +96,8 @@ class PrefillRow:
         the prompt's end (prompt log probabilities score it from the chunk's last logits).
       page_copy: a forked request's first row: the page the engine copies
         (every layer's K and V) before the step's model call; None otherwise.
+      lora_slot: the device slot of the request's LoRA adapter (0: the base model;
+        ``serving.engine.lora_registry``).
     """
 
     request_id: str
@@ -109,6 +111,7 @@ class PrefillRow:
     prompt_len: int = 0
     num_generated: int = 0
     next_prompt_id: int = -1
+    lora_slot: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -137,6 +140,7 @@ class DecodeRow:
         verify rows, which feed it from the host.
       draft_ids: a verify row's draft tokens, fed at positions position + 1, ...
         (``page_ids`` cover them too); () on a plain decode row.
+      lora_slot: as ``PrefillRow.lora_slot`` (a LoRA request is never verified with drafts).
     """
 
     request_id: str
@@ -147,6 +151,7 @@ class DecodeRow:
     num_generated: int = 0
     last_token: int = -1
     draft_ids: tuple[int, ...] = ()
+    lora_slot: int = 0
 
 
 @dataclasses.dataclass

@@ -42,12 +42,17 @@ class ModelPrice:
 @dataclasses.dataclass(frozen=True)
 class PriceTable:
     """Per-model prices, the batch-priority discount (a fraction in [0, 1]) and the
-    service tiers' price multipliers (>= 0)."""
+    service tiers' price multipliers (>= 0).
+
+    ``parents`` maps a LoRA adapter's name to its base model's (filled by the gateway as
+    adapters are served): an adapter the table does not name is charged its base model's
+    price, then the default."""
 
     models: Mapping[str, ModelPrice]
     default: ModelPrice = ModelPrice()
     batch_discount: float = 0.0
     service_tiers: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    parents: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if not 0.0 <= self.batch_discount <= 1.0:
@@ -58,7 +63,10 @@ class PriceTable:
             raise ValueError(f"service_tiers maps default, flex and priority to multipliers >= 0; got {bad}")
 
     def price(self, model: str) -> ModelPrice:
-        return self.models.get(model, self.default)
+        """``model``'s price; for an adapter not named, its base model's; else the default."""
+        if model in self.models:
+            return self.models[model]
+        return self.models.get(self.parents.get(model), self.default)
 
     def cost(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
              priority: str = "interactive", service_tier: str | None = None, images: int = 0) -> float:

@@ -52,7 +52,8 @@ class Slot:
 
 def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
             per_prompt: int, *, priority: str = "interactive", cache_salt: str | None = None,
-            arrival_time: float | None = None, images: tuple = ()) -> tuple[list[EngineRequest], list[Slot]]:
+            arrival_time: float | None = None, images: tuple = (), lora_name: str | None = None
+            ) -> tuple[list[EngineRequest], list[Slot]]:
     """The engine requests of every (prompt, choice), in submission order.
 
     Args:
@@ -61,6 +62,7 @@ def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: Sampli
       sampling: the settings of every choice (``seed`` is the request's).
       per_prompt: completions per prompt (>= 1).
       images: the ``ImageInput``s of a single prompt (a chat's), passed to each of its choices.
+      lora_name: the LoRA adapter that serves every choice (None: the base model).
 
     Returns:
       (requests, slots): parallel lists, prompt-major.
@@ -82,7 +84,8 @@ def fan_out(response_id: str, prompts: Sequence[Sequence[int]], sampling: Sampli
                 prompt_logprobs=sampling.prompt_logprobs if scores else None)
             requests.append(EngineRequest(
                 request_id=rid, prompt_ids=list(ids), sampling=sp, arrival_time=arrival,
-                priority=priority, cache_salt=cache_salt, parent_id=parent, images=tuple(images)))
+                priority=priority, cache_salt=cache_salt, parent_id=parent, images=tuple(images),
+                lora_name=lora_name))
             slots.append(Slot(i, j))
             if j == 0:
                 parent = rid

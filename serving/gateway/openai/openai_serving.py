@@ -268,7 +268,8 @@ class OpenAIServing:
         engine_requests, slots = fan_out(
             response_id, prompt_ids, sampling, per_prompt,
             priority="batch" if req.priority == "batch" else ENGINE_PRIORITY[tier],
-            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt), images=images)
+            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt), images=images,
+            lora_name=served.lora_name)
         rid, _ = request_id_of(request)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         logger.info("request %s (X-Request-ID %s): model=%s prompts=%d choices=%d prompt_tokens=%d "

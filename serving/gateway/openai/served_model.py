@@ -37,6 +37,9 @@ class ServedModel:
       matryoshka_dims: the smaller sizes an embedding model was trained to be truncated to
         (``dimensions``); empty: not Matryoshka.
       vocab_size: the model's vocabulary (token-id inputs must lie in it); None: the tokenizer's.
+      lora_name: a LoRA adapter the engine serves over its base model (the request's
+        ``EngineRequest.lora_name``); None: the base model itself.
+      parent: the base model's name, for an adapter (``/v1/models`` reports it).
     """
 
     name: str
@@ -52,6 +55,8 @@ class ServedModel:
     embedding_dim: int | None = None
     matryoshka_dims: tuple[int, ...] = ()
     vocab_size: int | None = None
+    lora_name: str | None = None
+    parent: str | None = None
 
     @property
     def max_request_tokens(self) -> int:

@@ -234,13 +234,15 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models`` (``max_model_len`` in tokens, as vLLM reports it)."""
+    """An entry of ``GET /v1/models`` (``max_model_len`` in tokens, as vLLM reports it; a LoRA
+    adapter names its base model as ``parent``, null for a base model)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "xlaserve"
     max_model_len: int | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

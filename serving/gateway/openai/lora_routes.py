@@ -1,0 +1,122 @@
+"""LoRA adapters at run time, vLLM's routes: ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter``.
+
+- ``load_lora_adapter``: ``{"lora_name", "lora_path", "base_model"?}`` serves the PEFT
+  adapter folder ``lora_path`` (on the server's machine) as model ``lora_name`` over the
+  base model (``base_model``, or the one model that serves LoRA); it is listed by
+  ``/v1/models`` with its ``parent`` from then on. 400 for a name already served or a
+  folder that cannot be served (the message says why: DoRA, ``modules_to_save``, a rank
+  above ``--max-lora-rank``, ...), 404 for an unknown ``base_model``, 400 when no served
+  model takes adapters.
+- ``unload_lora_adapter``: ``{"lora_name"}`` stops serving it. 404 for a name that is no
+  adapter; 409 ``lora_in_use`` while requests run on it (the adapter is never dropped
+  under a running request). KV pages computed with it are never reused, not even by
+  other weights loaded later under the same name (the engine salts them with the
+  adapter's digest).
+
+Admin keys only (403 ``forbidden`` otherwise); errors in OpenAI's shape. The engine
+does the loading (``EngineLoop.load_lora``; an engine takes adapters when its ``serves_lora``);
+an engine behind a router takes none.
+"""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from serving.contract.engine_client import LoraInUseError
+from serving.gateway.accounts.api_keys import Principal
+from serving.gateway.http.errors import OpenAIError, model_not_found
+from serving.gateway.http.openapi import error_responses, json_request_body
+from serving.gateway.openai.openai_serving import OpenAIServing, read_json
+from serving.gateway.openai.served_model import ServedModel
+from serving.gateway.schema.protocol import Text, _Request
+
+
+class LoadLoraRequest(_Request):
+    """``POST /v1/load_lora_adapter``."""
+
+    lora_name: Text
+    lora_path: Text
+    base_model: Text | None = None
+
+
+class UnloadLoraRequest(_Request):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: Text
+
+
+def _admin(caller: Principal) -> None:
+    if not caller.is_admin:
+        raise OpenAIError("Only admin keys may load or unload LoRA adapters.", status_code=403,
+                          code="forbidden")
+
+
+def _base(serving: OpenAIServing, name: str | None) -> ServedModel:
+    """The base model an adapter is loaded over (``name``, or the only one that takes LoRA)."""
+    if name is not None:
+        served = serving.models.get(name)
+        if served is None or served.lora_name is not None:
+            raise model_not_found(name)
+        if not getattr(served.engine, "serves_lora", False):
+            raise OpenAIError(f"The model `{name}` serves no LoRA adapters.", param="base_model",
+                              code="lora_not_supported")
+        return served
+    bases = [m for m in serving.models.values() if m.lora_name is None and getattr(m.engine, "serves_lora", False)]
+    if len(bases) != 1:
+        raise OpenAIError("No served model takes LoRA adapters here (started without --max-loras or "
+                          "--lora-modules; an engine behind a router takes none)"
+                          if not bases else "Several models take LoRA adapters: name one as `base_model`.",
+                          param="base_model", code="lora_not_supported")
+    return bases[0]
+
+
+def adapter_model(base: ServedModel, lora_name: str) -> ServedModel:
+    """The served model of adapter ``lora_name`` over ``base`` (same engine and tokenizer)."""
+    return ServedModel(name=lora_name, engine=base.engine, tokenizer=base.tokenizer,
+                       max_model_len=base.max_model_len, kv_capacity_tokens=base.kv_capacity_tokens,
+                       default_chat_max_tokens=base.default_chat_max_tokens,
+                       tool_call_parser=base.tool_call_parser, reasoning_parser=base.reasoning_parser,
+                       lora_name=lora_name, parent=base.name)
+
+
+def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None:
+    """Adds the two routes; they change ``serving.models`` (what requests and ``/v1/models`` see)."""
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=json_request_body(LoadLoraRequest),
+              responses=error_responses(400, 401, 403, 404, 413, 415))
+    async def load_lora_adapter(request: Request, caller: Principal = Depends(principal)) -> Response:
+        _admin(caller)
+        req = LoadLoraRequest.model_validate(await read_json(request))
+        base = _base(serving, req.base_model)
+        if req.lora_name in serving.models:
+            raise OpenAIError(f"A model named `{req.lora_name}` is already served.", param="lora_name",
+                              code="lora_name_taken")
+        try:
+            await base.engine.load_lora(req.lora_name, req.lora_path)
+        except ValueError as e:  # LoraAdapterError: the folder cannot be served, and why
+            raise OpenAIError(str(e), param="lora_path", code="invalid_lora_adapter") from None
+        serving.models[req.lora_name] = adapter_model(base, req.lora_name)
+        serving.services.metering.prices.parents[req.lora_name] = base.name
+        return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "parent": base.name,
+                             "status": "loaded"})
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=json_request_body(UnloadLoraRequest),
+              responses=error_responses(400, 401, 403, 404, 409, 413, 415))
+    async def unload_lora_adapter(request: Request, caller: Principal = Depends(principal)) -> Response:
+        _admin(caller)
+        req = UnloadLoraRequest.model_validate(await read_json(request))
+        served = serving.models.get(req.lora_name)
+        if served is None or served.lora_name is None:
+            raise OpenAIError(f"No LoRA adapter named `{req.lora_name}` is served.", status_code=404,
+                              param="lora_name", code="lora_not_found")
+        try:
+            await served.engine.unload_lora(served.lora_name)
+        except LoraInUseError as e:
+            raise OpenAIError(f"{e}; retry once they finish.", status_code=409, param="lora_name",
+                              code="lora_in_use") from None
+        except KeyError:
+            pass  # already gone from the engine: drop the name here too
+        serving.models.pop(req.lora_name, None)
+        return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"})

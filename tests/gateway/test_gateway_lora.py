@@ -1,0 +1,121 @@
+"""LoRA adapters in the gateway over a fake engine: a request picks one by naming it as its
+model, ``/v1/models`` lists each with its parent, the ledger meters it (at its own price, else
+its base model's), and ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` are admin-only, refuse bad folders and
+in-use adapters with OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import pytest
+
+from serving.contract.engine_client import LoraInUseError
+from serving.gateway.app import ServedModel, create_app
+from serving.gateway.openai.lora_routes import adapter_model
+from serving.gateway.services.gateway_services import GatewayServices
+from tests.support.gateway_fakes import FakeEngine, FakeTokenizer
+from tests.support.gateway_harness import assert_openai_error
+
+pytestmark = pytest.mark.anyio
+BASE = "tiny-base"
+
+
+@dataclasses.dataclass(eq=False)
+class FakeLoraEngine(FakeEngine):
+    """A FakeEngine that serves adapters by name (an adapter "busy" is in use; a path with
+    "dora" in it is refused as the engine's reader refuses DoRA)."""
+
+    adapters: set = dataclasses.field(default_factory=lambda: {"busy"})
+    serves_lora: bool = True
+
+    async def load_lora(self, name, path):
+        if "dora" in path:
+            raise ValueError(f"LoRA adapter {path}: DoRA adapters (use_dora) are not supported")
+        if name in self.adapters:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        self.adapters.add(name)
+
+    async def unload_lora(self, name):
+        if name == "busy":
+            raise LoraInUseError(f"LoRA adapter {name!r} is in use by 1 request(s)")
+        self.adapters.remove(name)
+
+
+@pytest.fixture
+def services(tmp_path):
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("models:\n  busy: {input: 1000000.0, cached_input: 0.0, output: 0.0}\n"
+                      f"  {BASE}: {{input: 2000000.0, cached_input: 0.0, output: 0.0}}\n")
+    s = GatewayServices.open_server(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", prices_path=str(prices))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def setup(services):
+    engine = FakeLoraEngine(text="ok")
+    base = ServedModel(BASE, engine, FakeTokenizer(), 512, created=1)
+    app = create_app({BASE: base, "busy": adapter_model(base, "busy"), "plain": adapter_model(base, "plain")},
+                     services)
+    admin, _ = services.authenticator.key_store.create_key("ops", is_admin=True)
+    user, _ = services.authenticator.key_store.create_key("acme")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    return engine, client, {"Authorization": f"Bearer {admin}"}, {"Authorization": f"Bearer {user}"}
+
+
+async def test_models_list_adapters_with_parent_and_requests_name_them(setup, services):
+    engine, client, admin, user = setup
+    async with client:
+        r = await client.get("/v1/models", headers=user)
+        cards = {c["id"]: c for c in r.json()["data"]}
+        assert cards[BASE]["parent"] is None and cards["busy"]["parent"] == BASE == cards["plain"]["parent"]
+        r = await client.get("/v1/models/busy", headers=user)
+        assert r.json()["parent"] == BASE
+        for model in ("busy", BASE, "plain"):
+            r = await client.post("/v1/completions", headers=user, json={"model": model, "prompt": "hi"})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+        assert [s.lora_name for s in engine.submitted] == ["busy", None, "plain"]
+        r = await client.get("/v1/usage?group_by=model", headers=admin)
+    rows = {row["group"]: row for row in r.json()["data"]}
+    assert rows["busy"]["requests"] == 1 and rows[BASE]["requests"] == 1
+    assert rows["busy"]["cost_usd"] == pytest.approx(rows["busy"]["prompt_tokens"])  # its own rate
+    assert rows[BASE]["cost_usd"] == pytest.approx(2 * rows[BASE]["prompt_tokens"])
+    assert rows["plain"]["cost_usd"] == pytest.approx(2 * rows["plain"]["prompt_tokens"])  # its base's rate
+
+
+async def test_load_and_unload_at_run_time(setup):
+    engine, client, admin, user = setup
+    body = {"lora_name": "fresh", "lora_path": "/adapters/fresh"}
+    async with client:
+        assert_openai_error(await client.post("/v1/load_lora_adapter", headers=user, json=body), 403,
+                            code="forbidden")
+        r = await client.post("/v1/load_lora_adapter", headers=admin, json=body)
+        assert r.status_code == 200 and r.json()["parent"] == BASE
+        assert "fresh" in {c["id"] for c in (await client.get("/v1/models", headers=user)).json()["data"]}
+        r = await client.post("/v1/completions", headers=user, json={"model": "fresh", "prompt": "hi"})
+        assert r.status_code == 200 and engine.submitted[-1].lora_name == "fresh"
+        assert_openai_error(await client.post("/v1/load_lora_adapter", headers=admin, json=body), 400,
+                            code="lora_name_taken")
+        err = assert_openai_error(await client.post("/v1/load_lora_adapter", headers=admin, json={
+            "lora_name": "d", "lora_path": "/adapters/dora"}), 400, param="lora_path", code="invalid_lora_adapter")
+        assert "DoRA" in err["message"]
+        assert_openai_error(await client.post("/v1/load_lora_adapter", headers=admin, json={
+            **body, "lora_name": "x", "base_model": "nope"}), 404, code="model_not_found")
+        assert_openai_error(await client.post("/v1/load_lora_adapter", headers=admin, json={"lora_name": "x"}),
+                            400)
+        engine.serves_lora = False
+        assert_openai_error(await client.post("/v1/load_lora_adapter", headers=admin, json={
+            "lora_name": "y", "lora_path": "/p"}), 400, code="lora_not_supported")
+        engine.serves_lora = True
+        assert_openai_error(await client.post("/v1/unload_lora_adapter", headers=user,
+                                              json={"lora_name": "fresh"}), 403)
+        assert_openai_error(await client.post("/v1/unload_lora_adapter", headers=admin,
+                                              json={"lora_name": "busy"}), 409, code="lora_in_use")
+        assert_openai_error(await client.post("/v1/unload_lora_adapter", headers=admin,
+                                              json={"lora_name": BASE}), 404, code="lora_not_found")
+        r = await client.post("/v1/unload_lora_adapter", headers=admin, json={"lora_name": "fresh"})
+        assert r.status_code == 200 and "fresh" not in engine.adapters
+        assert_openai_error(await client.post("/v1/completions", headers=user,
+                                              json={"model": "fresh", "prompt": "hi"}), 404, code="model_not_found")
