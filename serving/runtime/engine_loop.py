@@ -85,8 +85,6 @@ import threading
 import time
 from typing import AsyncIterator
 
-import numpy as np
-
 from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
@@ -100,15 +98,14 @@ from serving.core.kv.host_kv_cache import HostKVCache
 from serving.core.kv.kv_cache_manager import KVCacheManager
 from serving.core.kv.kv_events import KvEventJournal
 from serving.core.sched.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
-from serving.core.sched.step_plan import StepPlan
 from serving.engine.engine import Engine
 from serving.engine.lora_registry import LoraRegistry
-from serving.engine.sample.logprobs import HostLogprobs, PromptLogprobs
 from serving.engine.verify_step import VerifyOutput
 from serving.runtime import sampling_request
 from serving.runtime.host_tier_steps import HostTier, host_kv_stats
 from serving.runtime.lora_admission import LoraAdmission
-from serving.runtime.speculative_steps import SpecCounters, dispatch_verify, process_verify
+from serving.runtime.speculative_steps import SpecCounters, dispatch_verify
+from serving.runtime.step_dispatch import dispatch_decode, dispatch_prefill, process_step
 from serving.runtime.structured_steps import request_matcher, step_mask
 from serving.runtime.turn_profile import TurnProfile
 
@@ -580,7 +577,7 @@ class EngineLoop:
             # A constrained request's next mask needs its last token, drafts need the
             # host's tokens, a verify step settles its computed counts: read back first.
             for step in pending:
-                self._process(*step)
+                process_step(self, *step)
             pending = []
             if burst:
                 self._drain_inbox(block=False)
@@ -589,7 +586,7 @@ class EngineLoop:
         prof.add("plan", time.perf_counter() - t)
         if plan.needs_sync:  # preemption needs every token id: read back first
             for step in pending:
-                self._process(*step)
+                process_step(self, *step)
             pending = []
             t = time.perf_counter()
             plan = sched.schedule()
@@ -624,9 +621,9 @@ class EngineLoop:
         if self.host_tier is not None:
             self.host_tier.before_dispatch()
         t0 = time.perf_counter()
-        prefill = self._dispatch_prefill(plan, failed)
+        prefill = dispatch_prefill(self, plan, failed)
         t1 = time.perf_counter()
-        decode = self._dispatch_decode(plan, failed)
+        decode = dispatch_decode(self, plan, failed)
         prof.add("dispatch_prefill", t1 - t0)
         prof.add("dispatch_decode", time.perf_counter() - t1)
         dispatched = [d for d in (prefill, decode, dispatch_verify(self, plan)) if d]
@@ -634,7 +631,7 @@ class EngineLoop:
             self._finish(seq, "error", error)
         # Read back the previous turn's tokens while this turn's steps run.
         for step in pending:
-            self._process(*step)
+            process_step(self, *step)
         if self.host_tier is not None:  # and the evicted pages' copies into host memory
             self.host_tier.after_dispatch()
         if dispatched or had_pending:  # (an idle turn is not counted)
@@ -646,106 +643,3 @@ class EngineLoop:
         if not self._constrained:
             return None
         return step_mask(self.tokenizer, self.engine.model_cfg.vocab_size, seqs, samples, failed)
-
-    def _dispatch_prefill(self, plan: StepPlan, failed: list):
-        """Dispatches the plan's prefill rows; returns (output, [(seq, i)] for rows that sample,
-        [(seq, first token's index, row)] for rows whose prompt tokens are scored)."""
-        if not plan.prefill:
-            return None
-        seqs = [self._by_id[row.request_id] for row in plan.prefill]
-        try:
-            mask = self._token_mask(seqs, [row.samples for row in plan.prefill], failed)
-            images = {seq.req.request_id: seq.req.images for seq in seqs if seq.req.images}
-            kwargs = {"images": images} if images else {}
-            out = (self.engine.prefill(plan.prefill, **kwargs) if mask is None
-                   else self.engine.prefill(plan.prefill, token_mask=mask, **kwargs))
-        except Exception as e:  # a failed step fails its requests, not the server
-            log.exception("prefill step failed")
-            for seq in seqs:
-                self._finish(seq, "error", f"prefill failed: {e}")
-            return None
-        offsets = np.cumsum([0] + [len(row.token_ids) for row in plan.prefill])
-        scored = [(seq, int(offsets[i]), row) for i, (row, seq) in enumerate(zip(plan.prefill, seqs))
-                  if row.wants_prompt_logprobs]
-        return out, [(seq, i) for i, (row, seq) in enumerate(zip(plan.prefill, seqs)) if row.samples], scored
-
-    def _dispatch_decode(self, plan: StepPlan, failed: list):
-        """Dispatches one decode step over the plan's decode rows.
-
-        A request whose prompt finished in this turn's prefill decodes next
-        turn; its first token is already on device in its slot.
-        """
-        if not plan.decode:
-            return None
-        seqs = [self._by_id[row.request_id] for row in plan.decode]
-        try:
-            mask = self._token_mask(seqs, [True] * len(seqs), failed)
-            out = (self.engine.decode(plan.decode) if mask is None
-                   else self.engine.decode(plan.decode, token_mask=mask))
-        except Exception as e:
-            log.exception("decode step failed")
-            for seq in seqs:
-                self._finish(seq, "error", f"decode failed: {e}")
-            return None
-        return out, [(seq, i) for i, seq in enumerate(seqs)]
-
-    def _process(self, out, owners: list[tuple[_Sequence, int]], scored=()) -> None:
-        """Reads back one step's output: streams its tokens (with log probabilities where
-        asked) and collects its scored prompt tokens."""
-        if isinstance(out, VerifyOutput):
-            return process_verify(self, out, owners, self.spec_counters)
-        try:
-            prompt_out = None
-            if isinstance(out, tuple):
-                out, prompt_out = out
-            t = time.perf_counter()
-            tokens = np.asarray(out.tokens)
-            t_host = time.perf_counter()
-            self.profile.add("readback_wait", t_host - t)
-            wanted = [seq.sched.sampling.logprobs >= 0 for seq, _ in owners]
-            lp = HostLogprobs(out) if any(wanted) else None
-            if scored:
-                self._collect_prompt_logprobs(prompt_out, scored)
-        except Exception as e:
-            log.exception("step failed")
-            for seq in [seq for seq, _ in owners] + [seq for seq, _, _ in scored]:
-                self._finish(seq, "error", f"step failed: {e}")
-            return
-        now = time.time()
-        for seq, i in owners:
-            if seq.sched.status is Status.FINISHED:
-                continue  # finished or cancelled while this step was in flight
-            tok = int(tokens[i])
-            if seq.req.sampling.max_tokens == 0:  # prompt scoring only: no token
-                self._finish(seq, "length")
-                continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.armed_by is not None:
-                seq.armed_by = None if tok == seq.armed_by else seq.armed_by  # the thinking ended
-            elif seq.matcher is not None and not seq.matcher.consume_token(tok):
-                self._finish(seq, "error", f"structured output failed at token {tok}: "
-                                           f"{seq.matcher.get_error()}")
-                continue
-            k = seq.sched.sampling.logprobs
-            entry = (lp.entry(i, tok, k),) if k >= 0 else None
-            reason = self.scheduler.on_token(seq.sched, tok)
-            if reason is None:
-                self._emit(seq, (tok,), logprobs=entry)
-            else:
-                self._finish(seq, reason, ids=(tok,), logprobs=entry)
-        self.profile.add("readback_host", time.perf_counter() - t_host)
-
-    @staticmethod
-    def _collect_prompt_logprobs(prompt_out: PromptLogprobs, scored) -> None:
-        """Stores each scored row's entries at the positions of the tokens they score."""
-        host = HostLogprobs(prompt_out)
-        for seq, offset, row in scored:
-            if seq.sched.status is Status.FINISHED or seq.first_event_sent:
-                continue
-            k = seq.sched.sampling.prompt_logprobs
-            prompt = seq.sched.prompt_ids
-            for j in range(min(row.end, row.prompt_len - 1) - row.start):
-                pos = row.start + j + 1  # the token scored by the logits at position pos - 1
-                seq.prompt_logprobs[pos] = host.entry(offset + j, prompt[pos], k)
-
