@@ -60,7 +60,6 @@ def test_profile_round_trips_through_the_metrics_exposition():
     assert d["turns.mixed"] == 1 and d["turns.decode"] == 2 and d["turns.prefill"] == 1 and d["turns.other"] == 0
     assert d["prefill_tokens"] == 136 and d["decode_rows"] == 95
     assert d["seconds.plan"] == pytest.approx(0.004) and d["seconds.readback_wait"] == pytest.approx(0.016)
-    assert d["seconds.other"] >= 0
     text = format_profile(d)
     assert text.startswith("4 turns, ") and "plan 1.00 ms" in text and "readback_wait 4.00 ms" in text
     assert "mixed 1, prefill 1, decode 2, other 0" in text
