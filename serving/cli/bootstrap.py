@@ -29,6 +29,9 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     t0 = time.perf_counter()
     model, tokenizer, mesh = load_for_serving(cfg)
     policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl)
+    advice = policy.advice(cfg.dtype, cfg.quantization != "none")
+    if advice:
+        log.warning(advice)
     vision = None
     if getattr(model.cfg, "architecture", None) == "gemma3" and cfg.checkpoint is None:
         from serving.loading.model_registry import load_vision

@@ -22,6 +22,10 @@ piece what it needs:
                                   pool and can deadlock when queued)
     batch-invariant reductions    on (bfloat16 serving only)            on (bfloat16 serving only;
                                                                         untested on hardware)
+    batch-invariant matmul rows   by the CPU (``cpu_features``): at    (none)
+                                  least 4 a tile where bf16 dots are
+                                  native (AMX kernels differ below 4
+                                  rows), at least 2 where they are not
     dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
       (--quantization int8)       activations split in two terms        converted to the matmul
                                   (one dot, int32 accumulation):        dtype inside the dot
@@ -63,11 +67,13 @@ from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.kv_storage import storage_dtype, to_storage
 from model.compute import MOE_IMPLS, Compute, MoEConfig
 from model.quantization import DOT_FORMULATIONS, QuantizedArray, requantize_per_channel
+from serving.engine.cpu_features import CpuFeatures, host_cpu
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
+CPU_WIDENED_BF16_DOT_ROWS = DotRows(min_rows=2, tile=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,7 @@ class BackendPolicy:
         :meth:`store_params` requantizes block-scaled weights per channel.
       lora_onehot_max_columns: the LoRA update runs as the one-hot einsum while
         slots x rank is at most this, else as a gather (:meth:`lora_formulation`).
+      cpu: the host CPU's features the CPU entries were chosen by (None off the CPU).
     """
 
     platform: str
@@ -107,6 +114,7 @@ class BackendPolicy:
     invariant_dot_rows: DotRows = DotRows()
     quantized_dot: str = "dequantize"
     lora_onehot_max_columns: int = 256
+    cpu: CpuFeatures | None = None
 
     def lora_formulation(self, num_slots: int, max_rank: int) -> str:
         """How each row's LoRA update is computed (``model.lora``): "onehot" (two dense dots
@@ -117,7 +125,7 @@ class BackendPolicy:
     @classmethod
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
                      moe_impl: str = "auto", batch_invariant: bool | None = None,
-                     quantized_dot: str = "auto") -> "BackendPolicy":
+                     quantized_dot: str = "auto", cpu: CpuFeatures | None = None) -> "BackendPolicy":
         """The policy for a platform.
 
         Args:
@@ -128,6 +136,8 @@ class BackendPolicy:
             unless the attention is a Pallas kernel, which has no such mode).
           quantized_dot: "auto" (the table above), "int8x2", "int8" or "dequantize"
             (benchmarks compare them).
+          cpu: the CPU's features, for the "cpu" platform (default: this host's,
+            ``cpu_features.host_cpu``).
 
         Raises:
           ValueError: an unknown platform, attention_impl, moe_impl or quantized_dot.
@@ -148,11 +158,13 @@ class BackendPolicy:
         elif batch_invariant and attention.kernel != "xla":
             raise ValueError("batch invariance needs attention_impl xla (or auto)")
         if platform == "cpu":
+            cpu = cpu or host_cpu()
+            dot_rows = CPU_INVARIANT_DOT_ROWS if cpu.bf16_dot else CPU_WIDENED_BF16_DOT_ROWS
             return cls(platform, pad_single_row=True, argmax_block=CPU_ARGMAX_BLOCK,
                        attention=attention, moe_impl=moe_impl,
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
-                       batch_invariant=batch_invariant, invariant_dot_rows=CPU_INVARIANT_DOT_ROWS,
-                       quantized_dot=quantized_dot)
+                       batch_invariant=batch_invariant, invariant_dot_rows=dot_rows,
+                       quantized_dot=quantized_dot, cpu=cpu)
         return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant,
                    quantized_dot=quantized_dot)
 
@@ -165,6 +177,15 @@ class BackendPolicy:
         """
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         return cls.for_platform(platform, **kwargs)
+
+    def advice(self, dtype, quantized: bool) -> str | None:
+        """A line for the operator when the served format is slow on this machine, else None:
+        a bfloat16 model without ``--quantization int8`` on a CPU with no native bf16 dot
+        (there int8 weights decode one stream ~1.6x faster; benchmarks/RESULTS.md, issue 34)."""
+        if self.cpu is None or self.cpu.bf16_dot or quantized or jnp.dtype(dtype) != jnp.bfloat16:
+            return None
+        return ("this CPU has no native bfloat16 dot (%s): bf16 matmuls are widened on the fly; "
+                "--quantization int8 decodes a stream ~1.6x faster here" % self.cpu.describe())
 
     # -- what the pieces receive ------------------------------------------------------
 
