@@ -18,7 +18,7 @@ import pytest
 from tests.support import hf_dir_fixtures as hfx
 from tests.support.hf_tiny_parity import golden
 from tests.support.paths import TEST_DATA
-from tests.support.replica_processes import start_engine, trace, wait_healthy
+from tests.support.replica_processes import metric, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
 
 BASE = "tiny-llama-lora"
@@ -102,6 +102,27 @@ def test_concurrent_a8_requests_all_go_to_its_replica(processes):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         rids = [r[2] for r in pool.map(lambda _: greedy(gateway, "a8"), range(4))]
     assert {trace(gateway, rid)["replica"] for rid in rids} == {urls[1]}
+
+
+def cached_pages(gateway: str) -> dict[str, float]:
+    return {dict(k)["replica"]: v for k, v in metric(gateway, "xlaserve:replica_cached_pages").items()}
+
+
+def test_an_adapters_follow_ups_go_where_its_pages_are(processes):
+    """Both replicas serve a4: follow-ups of an a4 prompt go to the replica that computed it (the
+    router hashes them with a4's digest, as that replica's KV events report its pages) and hit
+    its cache; hashed as base-model pages they would match nowhere and alternate replicas."""
+    gateway, _, _ = processes
+    p = [(11 * i) % 90 + 5 for i in range(24)]  # 3 pages of 8, new to both replicas
+    before = cached_pages(gateway)
+    with client(gateway) as c:
+        first = c.completions.create(model="a4", prompt=p, max_tokens=2, temperature=0)
+        home = trace(gateway, first.id)["replica"]
+        wait_for(lambda: cached_pages(gateway)[home] > before[home], "the first prompt's KV events")
+        for k in range(4):
+            r = c.completions.create(model="a4", prompt=p + [k + 3], max_tokens=2, temperature=0)
+            assert trace(gateway, r.id)["replica"] == home
+            assert r.usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def test_load_and_unload_through_the_router_reach_every_replica(processes):
