@@ -4,7 +4,8 @@ replicas of hf_tiny's Llama (with a character tokenizer), one serving adapter ``
 ``xlaserve serve`` with both adapters as the reference, driven with the official ``openai``
 client: ``/v1/models`` lists the replicas' adapters with their parent, an adapter request through
 the router gets the single server's greedy tokens (and not the base model's), ``a8`` only ever
-goes to the replica serving it, and a load / unload through the gateway reaches every replica."""
+goes to the replica serving it, follow-ups of an adapter's prompt go where its pages are, and a
+load / unload through the gateway reaches every replica."""
 
 from __future__ import annotations
 
