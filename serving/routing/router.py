@@ -360,6 +360,7 @@ class Router:
 
         Raises:
           ValueError: no such replica, or one refused it (the message names it and says why).
+          EngineOverloadedError: a replica did not answer (none refused it; retry).
         """
         targets = [r for r in self.replicas if r.up and r.serves_lora]
         if not targets:
@@ -369,8 +370,12 @@ class Router:
         if failed:
             took = [r for r, e in zip(targets, results) if not isinstance(e, BaseException)]
             await asyncio.gather(*(r.unload_lora(name) for r in took), return_exceptions=True)
+            refused = [(r, e) for r, e in failed if isinstance(e, ValueError)]
+            if refused:
+                r, e = refused[0]
+                raise ValueError(f"engine replica {r.url}: {e}")
             r, e = failed[0]
-            raise ValueError(f"engine replica {r.url}: {e}")
+            raise EngineOverloadedError(f"engine replica {r.url} did not load the LoRA adapter ({e}); retry")
 
     async def unload_lora(self, name: str) -> None:
         """Unloads adapter ``name`` from every up replica serving it.
@@ -378,6 +383,7 @@ class Router:
         Raises:
           KeyError: no replica serves it.
           LoraInUseError: requests use it on some replica (those without any unloaded it).
+          EngineOverloadedError: a replica did not answer (retry).
         """
         targets = [r for r in self.replicas if r.up and name in r.loras]
         if not targets:
@@ -386,9 +392,10 @@ class Router:
         for e in results:
             if isinstance(e, LoraInUseError):
                 raise e
-        for e in results:
+        for r, e in zip(targets, results):
             if isinstance(e, BaseException) and not isinstance(e, KeyError):
-                raise e
+                raise EngineOverloadedError(f"engine replica {r.url} did not unload the LoRA adapter ({e}); "
+                                            f"retry")
 
     @contextlib.asynccontextmanager
     async def track(self, rid: str, replica: RemoteEngine, hashes: tuple[bytes, ...], pages: int):

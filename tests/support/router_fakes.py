@@ -66,6 +66,8 @@ class FakeReplica:
         self.aborted.append(request_id)
 
     async def load_lora(self, name, path):
+        if self.fail_before_first:
+            raise ConnectionError(f"{self.url}: UNAVAILABLE")  # stands for grpc's AioRpcError
         if self.refuse_lora is not None:
             raise ValueError(self.refuse_lora)
         self.loras = {**self.loras, name: f"digest-of-{path}"}

@@ -124,6 +124,14 @@ def test_routed_lora_names_and_load_unload_fan_out():
         asyncio.run(router.unload_lora("chat"))
 
 
+def test_a_replica_that_does_not_answer_a_load_is_a_retry_not_a_refusal():
+    a, b = _pair()
+    b.fail_before_first = True
+    with pytest.raises(EngineOverloadedError, match=f"engine replica {b.url} did not load"):
+        asyncio.run(Router([a, b]).load_lora("chat", "/adapters/chat"))
+    assert "chat" not in a.loras
+
+
 def test_load_needs_a_replica_that_takes_adapters():
     with pytest.raises(ValueError, match="no engine replica up takes LoRA adapters"):
         asyncio.run(Router([FakeReplica("a")]).load_lora("sql", "/x"))
