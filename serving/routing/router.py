@@ -301,11 +301,18 @@ class Router:
             return up[least], "imbalance", 0
         pages = -(-len(request.prompt_ids) // up[0].page_size)
         best, best_cost, best_hit, best_host = None, None, 0, 0
+        by_digest: dict[str | None, tuple[bytes, ...]] = {}  # replicas of one adapter digest hash alike
         for r in up:
             # Pages it holds, or will once the requests in flight there are computed, then
             # the pages its host tier holds right after them (hashed as it hashes them: an
             # adapter request's with the digest of that replica's adapter).
-            mine = hashes if hashes is not None else self.page_hashes(request, r)
+            if hashes is not None:
+                mine = hashes
+            else:
+                digest = r.loras.get(request.lora_name) if request.lora_name is not None else None
+                if digest not in by_digest:
+                    by_digest[digest] = self.page_hashes(request, r)
+                mine = by_digest[digest]
             hit, host = r.kv_index.matched_tiers(mine, self._pending[id(r)])
             cost = self.prefill_weight * (pages - hit - self.host_page_weight * host) + self._pages_on(r)
             if best_cost is None or cost < best_cost:
