@@ -186,7 +186,7 @@ def _uvicorn_log_config() -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     from serving.config.server_config import load_server_config
     from serving.gateway.app import ServedModel
-    from serving.gateway.openai.lora_routes import adapter_model
+    from serving.gateway.openai.served_model import adapter_model
     from serving.gateway.services.service_tiers import FlexAdmission
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
     from serving.loading.model_source import resolve_task
@@ -235,7 +235,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            default_chat_max_tokens=cfg.default_chat_max_tokens,
                            tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
         models = {name: base}
-        for lora in loop.lora_names() if loop is not None else ():  # --lora-modules
+        # --lora-modules; behind a router, what the replicas serve (followed from then on)
+        for lora in loop.lora_names() if loop is not None else engine.routed_lora_names():
             if lora in models:
                 raise ValueError(f"LoRA adapter name {lora!r} is the base model's served name")
             models[lora] = adapter_model(base, lora)

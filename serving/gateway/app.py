@@ -282,12 +282,14 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403, 413))
     async def list_models(caller: Principal = Depends(principal)) -> Response:
+        serving.follow_adapters()
         cards = [card(name) for name in list(serving.models) if caller.may_use(name)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
              responses=error_responses(401, 403, 404, 413))
     async def retrieve_model(model_id: str, caller: Principal = Depends(principal)) -> Response:
+        serving.follow_adapters()
         if model_id not in serving.models or not caller.may_use(model_id):
             raise model_not_found(model_id)
         return JSONResponse(card(model_id).model_dump(mode="json"))

@@ -14,7 +14,11 @@ Implements ``serving/rpc/engine.proto`` over an
   within ``health_timeout`` seconds (a wedged loop is not healthy, however
   well its socket answers).
 - ``GetModelInfo``, ``GetLoad``: the model, its limits and tokenizer files;
-  the loop's load from its last turn.
+  the loop's load from its last turn; both name the LoRA adapters served now with
+  their digests (the router follows them through ``GetLoad``).
+- ``LoadLora``, ``UnloadLora``: the loop's ``load_lora`` / ``unload_lora`` (the gateway
+  sends them to every replica); refusals as gRPC status codes (INVALID_ARGUMENT, NOT_FOUND,
+  FAILED_PRECONDITION while requests use the adapter).
 - ``SubscribeKvEvents``: the prefix cache's page hashes (``serving.core.kv.kv_events``).
 - ``PullKv``, ``ReleaseKv``: KV transfer (``serving.replica.kv_connector``): the chunks of
   an offer, as host bytes (the ``grpc`` transport), and the decode side's word
@@ -37,7 +41,7 @@ from typing import Any
 
 import grpc
 
-from serving.contract.engine_client import EngineOverloadedError, RequestRejectedError
+from serving.contract.engine_client import EngineOverloadedError, LoraInUseError, RequestRejectedError
 from serving.replica.port_security import PortSecurity
 from serving.rpc import convert
 from serving.rpc import engine_pb2 as pb
@@ -98,10 +102,34 @@ class EngineService(pb_grpc.EngineServiceServicer):
         return pb.HealthResponse(ready=True)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfo:
-        return self.model_info
+        info = pb.ModelInfo()
+        info.CopyFrom(self.model_info)
+        info.serves_lora = bool(getattr(self.engine, "serves_lora", False))
+        info.loras.extend(convert.loras_to_proto(lora_digests(self.engine)))
+        return info
 
     async def GetLoad(self, request: pb.LoadRequest, context) -> pb.Load:
-        return convert.load_to_proto(self.engine.stats())
+        load = convert.load_to_proto(self.engine.stats())
+        load.loras.extend(convert.loras_to_proto(lora_digests(self.engine)))
+        return load
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context) -> pb.LoraAdapter:
+        try:
+            await self.engine.load_lora(request.name, request.path)
+        except ValueError as e:  # no LoRA here, the name is taken, LoraAdapterError (says why)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.LoraAdapter(name=request.name, digest=lora_digests(self.engine).get(request.name, ""))
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context) -> pb.UnloadLoraResponse:
+        try:
+            await self.engine.unload_lora(request.name)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.name!r} is served")
+        except LoraInUseError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:  # no LoRA on this engine
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return pb.UnloadLoraResponse()
 
     async def PullKv(self, request: pb.PullKvRequest, context):
         from serving.replica.kv_transport import chunk_messages
@@ -133,6 +161,17 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                       host_stored=b.host_stored, host_removed=b.host_removed)
         finally:
             sub.close()
+
+
+def lora_digests(engine: Any) -> dict[str, str]:
+    """{adapter name: digest of its weights and config} the engine loop serves now ({} without
+    LoRA): the digest its requests' prefix-cache salts join (``lora_salt``)."""
+    admission = getattr(engine, "lora", None)
+    if admission is None:
+        return {}
+    registry = admission.registry
+    digests = {n: registry.digest(n) for n in registry.names()}
+    return {n: d for n, d in digests.items() if d is not None}
 
 
 def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",

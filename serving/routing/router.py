@@ -63,6 +63,16 @@ metrics.
 
 Neither the hashes nor the decisions cross tenants: a tenant's prompt pages
 hash with its own salt, so another tenant's requests never match them.
+
+LoRA adapters: each replica reports the adapters it serves with the digest of their
+weights and config (``RemoteEngine.loras``, from every ``GetLoad``). A request naming an
+adapter (``EngineRequest.lora_name``) goes only to replicas serving it, whole (KV transfer
+carries no adapter requests); none does: ``RequestRejectedError``. Its page hashes are
+salted as the replica's engine salts them (``lora_salt`` with the digest that replica
+reports), so a base-model prefix cached on one replica does not attract it, and requests
+of one adapter with one prompt go where that adapter's pages are.
+:meth:`Router.load_lora` and :meth:`Router.unload_lora` send the gateway's load and unload
+to every replica (up) that takes adapters.
 """
 
 from __future__ import annotations
@@ -82,10 +92,12 @@ from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
     EngineStats,
+    LoraInUseError,
     ReplicaRetry,
+    RequestRejectedError,
     TokenEvent,
 )
-from serving.core.kv.kv_cache_manager import prompt_page_hashes
+from serving.core.kv.kv_cache_manager import lora_salt, prompt_page_hashes
 from serving.routing import disaggregation
 from serving.rpc.remote_engine import RemoteEngine, ReplicaUnavailable, info_mismatch
 
@@ -287,19 +299,110 @@ class Router:
         hi, lo = max(loads), loads[least]
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return up[least], "imbalance", 0
-        if hashes is None:
-            hashes = prompt_page_hashes(request.prompt_ids, up[0].page_size, request.cache_salt)
         pages = -(-len(request.prompt_ids) // up[0].page_size)
         best, best_cost, best_hit, best_host = None, None, 0, 0
+        by_digest: dict[str | None, tuple[bytes, ...]] = {}  # replicas of one adapter digest hash alike
         for r in up:
             # Pages it holds, or will once the requests in flight there are computed, then
-            # the pages its host tier holds right after them.
-            hit, host = r.kv_index.matched_tiers(hashes, self._pending[id(r)])
+            # the pages its host tier holds right after them (hashed as it hashes them: an
+            # adapter request's with the digest of that replica's adapter).
+            if hashes is not None:
+                mine = hashes
+            else:
+                digest = r.loras.get(request.lora_name) if request.lora_name is not None else None
+                if digest not in by_digest:
+                    by_digest[digest] = self.page_hashes(request, r)
+                mine = by_digest[digest]
+            hit, host = r.kv_index.matched_tiers(mine, self._pending[id(r)])
             cost = self.prefill_weight * (pages - hit - self.host_page_weight * host) + self._pages_on(r)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit, best_host = r, cost, hit, host
         reason = "cache_hit" if best_hit else "host_cache_hit" if best_host else "load"
         return best, reason, best_hit
+
+    def page_hashes(self, request: EngineRequest, replica: RemoteEngine) -> tuple[bytes, ...]:
+        """The request's prompt page hashes as ``replica``'s prefix cache computes them: salted
+        with the request's ``cache_salt`` and, for an adapter request, the digest of the
+        adapter ``replica`` serves under that name (``lora_salt``)."""
+        digest = replica.loras.get(request.lora_name) if request.lora_name is not None else None
+        if request.lora_name is not None and digest is None:
+            return ()  # not served there: nothing cached there is its
+        return tuple(prompt_page_hashes(request.prompt_ids, replica.page_size,
+                                        lora_salt(request.cache_salt, digest)))
+
+    def adapter_pool(self, request: EngineRequest,
+                     candidates: Sequence[RemoteEngine] | None) -> list[RemoteEngine] | None:
+        """The replicas that may serve ``request``: ``candidates`` (None: all) serving its LoRA
+        adapter; ``candidates`` as given for a base-model request.
+
+        Raises:
+          RequestRejectedError: no replica serves the adapter.
+          EngineOverloadedError: only replicas that are down (or not among ``candidates``) serve it.
+        """
+        name = request.lora_name
+        if name is None:
+            return None if candidates is None else list(candidates)
+        pool = [r for r in (self.replicas if candidates is None else candidates) if name in r.loras]
+        if not pool:
+            if any(name in r.loras for r in self.replicas):
+                raise EngineOverloadedError(f"no engine replica serving the LoRA adapter {name!r} is "
+                                            f"available; retry later")
+            raise RequestRejectedError(f"no engine replica serves the LoRA adapter {name!r}")
+        return pool
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether some replica takes LoRA adapters."""
+        return any(r.serves_lora for r in self.replicas)
+
+    def routed_lora_names(self) -> list[str]:
+        """The adapters some replica serves (as last reported), sorted: the gateway lists them."""
+        return sorted({n for r in self.replicas for n in r.loras})
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT folder ``path`` as ``name`` on every up replica that takes adapters; when
+        one refuses, those that took it unload it again.
+
+        Raises:
+          ValueError: no such replica, or one refused it (the message names it and says why).
+          EngineOverloadedError: a replica did not answer (none refused it; retry).
+        """
+        targets = [r for r in self.replicas if r.up and r.serves_lora]
+        if not targets:
+            raise ValueError("no engine replica up takes LoRA adapters (started without --max-loras)")
+        results = await asyncio.gather(*(r.load_lora(name, path) for r in targets), return_exceptions=True)
+        failed = [(r, e) for r, e in zip(targets, results) if isinstance(e, BaseException)]
+        if failed:
+            took = [r for r, e in zip(targets, results) if not isinstance(e, BaseException)]
+            await asyncio.gather(*(r.unload_lora(name) for r in took), return_exceptions=True)
+            refused = [(r, e) for r, e in failed if isinstance(e, ValueError)]
+            if refused:
+                r, e = refused[0]
+                raise ValueError(f"engine replica {r.url}: {e}")
+            r, e = failed[0]
+            raise EngineOverloadedError(f"engine replica {r.url} did not load the LoRA adapter ({e}); retry")
+
+    async def unload_lora(self, name: str) -> None:
+        """Unloads adapter ``name`` from every up replica serving it.
+
+        Raises:
+          KeyError: no replica serves it.
+          LoraInUseError: requests use it on some replica (those without any unloaded it).
+          EngineOverloadedError: a replica did not answer (retry).
+        """
+        targets = [r for r in self.replicas if r.up and name in r.loras]
+        if not targets:
+            raise KeyError(name)
+        results = await asyncio.gather(*(r.unload_lora(name) for r in targets), return_exceptions=True)
+        for e in results:
+            if isinstance(e, LoraInUseError):
+                raise e
+        for r, e in zip(targets, results):
+            if isinstance(e, BaseException) and not isinstance(e, KeyError):
+                raise EngineOverloadedError(f"engine replica {r.url} did not unload the LoRA adapter ({e}); "
+                                            f"retry")
 
     @contextlib.asynccontextmanager
     async def track(self, rid: str, replica: RemoteEngine, hashes: tuple[bytes, ...], pages: int):
@@ -323,18 +426,22 @@ class Router:
         ps = self.replicas[0].page_size
         prefills, decodes = disaggregation.pools(self.replicas)
         pd = bool(prefills and decodes)
+        lora = request.lora_name is not None  # hashed per replica (its adapter's digest)
         hashes = (tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
-                  if self.policy == "kv-aware" or pd else ())
-        if pd and not disaggregation.wants_colocated(request):
+                  if (self.policy == "kv-aware" or pd) and not lora else ())
+        if pd and not lora and not disaggregation.wants_colocated(request):
             async for ev in disaggregation.disaggregated(self, request, hashes):
                 yield ev
             return
         # Whole requests go to replicas of role both, else decode (each replica is a whole engine).
         whole = [r for r in self.replicas if r.up and r.role == "both"] or decodes or None
+        whole = self.adapter_pool(request, whole)
         prompt_pages = -(-len(request.prompt_ids) // ps)
         hops: list[ReplicaRetry] = []
         while True:
-            replica, reason, hit = self.pick(request, tried, hashes, pool=whole)
+            replica, reason, hit = self.pick(request, tried, None if lora else hashes, pool=whole)
+            if lora and self.policy == "kv-aware":
+                hashes = self.page_hashes(request, replica)
             crossed = reason.startswith("cross_region")
             self.decisions[(replica.url, "retry" if tried and not crossed else reason)] += 1
             pages = prompt_pages - hit + -(-request.sampling.max_tokens // ps)

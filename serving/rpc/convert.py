@@ -86,6 +86,8 @@ def request_to_proto(r: EngineRequest) -> pb.GenerateRequest:
         m.cache_salt = r.cache_salt
     if r.parent_id is not None:
         m.parent_id = r.parent_id
+    if r.lora_name is not None:
+        m.lora_name = r.lora_name
     return m
 
 
@@ -95,6 +97,7 @@ def request_from_proto(m: pb.GenerateRequest) -> EngineRequest:
         arrival_time=m.arrival_time, priority=m.priority or "interactive",
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
         parent_id=m.parent_id if m.HasField("parent_id") else None, kv_produce=m.kv_produce,
+        lora_name=m.lora_name if m.HasField("lora_name") else None,
         kv_transfer=kv_transfer_from_proto(m.kv_transfer) if m.HasField("kv_transfer") else None)
 
 
@@ -176,6 +179,16 @@ def load_from_proto(m: pb.Load) -> EngineStats:
         kv_pages_used=m.kv_pages_used, kv_pages_total=m.kv_pages_total,
         prefix_cache_queries=m.prefix_cache_queries, prefix_cache_hits=m.prefix_cache_hits,
         num_preemptions=m.num_preemptions, **_host_kv(m))
+
+
+def loras_to_proto(digests: dict[str, str]) -> list[pb.LoraAdapter]:
+    """{adapter name: digest} as ``LoraAdapter`` messages (sorted by name)."""
+    return [pb.LoraAdapter(name=n, digest=d) for n, d in sorted(digests.items())]
+
+
+def loras_from_proto(adapters) -> dict[str, str]:
+    """``LoraAdapter`` messages as {adapter name: digest}."""
+    return {a.name: a.digest for a in adapters}
 
 
 _HOST_KV_FIELDS = ("host_kv_hits", "host_kv_stores", "host_kv_evictions", "host_kv_usage_bytes",

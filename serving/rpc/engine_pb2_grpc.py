@@ -74,6 +74,16 @@ class EngineServiceStub:
                 request_serializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/xlaserve.engine.v1.EngineService/LoadLora',
+                request_serializer=serving_dot_rpc_dot_engine__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=serving_dot_rpc_dot_engine__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/xlaserve.engine.v1.EngineService/UnloadLora',
+                request_serializer=serving_dot_rpc_dot_engine__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=serving_dot_rpc_dot_engine__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -134,6 +144,22 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters at run time (the gateway's load/unload routes, sent to every replica).
+        LoadLora: INVALID_ARGUMENT when the folder cannot be served, the name is taken or the engine
+        has no LoRA. UnloadLora: NOT_FOUND for a name it does not serve, FAILED_PRECONDITION while
+        requests use it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +202,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvRequest.FromString,
                     response_serializer=serving_dot_rpc_dot_engine__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=serving_dot_rpc_dot_engine__pb2.LoadLoraRequest.FromString,
+                    response_serializer=serving_dot_rpc_dot_engine__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=serving_dot_rpc_dot_engine__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=serving_dot_rpc_dot_engine__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +430,60 @@ class EngineService:
             '/xlaserve.engine.v1.EngineService/ReleaseKv',
             serving_dot_rpc_dot_engine__pb2.ReleaseKvRequest.SerializeToString,
             serving_dot_rpc_dot_engine__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xlaserve.engine.v1.EngineService/LoadLora',
+            serving_dot_rpc_dot_engine__pb2.LoadLoraRequest.SerializeToString,
+            serving_dot_rpc_dot_engine__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xlaserve.engine.v1.EngineService/UnloadLora',
+            serving_dot_rpc_dot_engine__pb2.UnloadLoraRequest.SerializeToString,
+            serving_dot_rpc_dot_engine__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,11 @@ served by ``xlaserve engine``): ``Generate`` as an async stream of
   :attr:`kv_index`; a gap in the batch numbers (a batch lost) is noticed and
   answered by subscribing again, which brings a fresh snapshot.
 
+The LoRA adapters a replica serves (:attr:`RemoteEngine.loras`: name -> digest of its
+weights and config) come with its ``GetModelInfo`` and every ``GetLoad``, so the router
+follows adapters loaded or unloaded there within a probe interval; :meth:`RemoteEngine.load_lora`
+and :meth:`RemoteEngine.unload_lora` change them (and update :attr:`loras` at once).
+
 A replica is taken out (:attr:`up` False) when a call fails with a transport
 error or a stream breaks; a request it was running ends with an "error" event
 saying so, never a hang: keepalive pings (every 10 s, 5 s to answer) notice a
@@ -38,6 +43,7 @@ from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
     EngineStats,
+    LoraInUseError,
     RequestRejectedError,
     TokenEvent,
 )
@@ -62,6 +68,8 @@ CHANNEL_OPTIONS = [
 
 RPC_TIMEOUT_S = 5.0
 """Deadline of the unary calls (Abort, Health, GetLoad)."""
+LORA_TIMEOUT_S = 120.0
+"""Deadline of LoadLora / UnloadLora (the replica reads and checks the adapter's folder)."""
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -165,6 +173,7 @@ class RemoteEngine:
       info: as given.
       up: whether requests may be sent to it.
       load: its last ``GetLoad`` answer.
+      loras: the LoRA adapters it serves, {name: digest} (its last ``GetModelInfo`` or ``GetLoad``).
       kv_index: its cached page hashes (:class:`ReplicaKvIndex`).
       drop_next_kv_batch: testing aid: discard the next KV batch received, as
         if it were lost on the way (the follower must notice the gap).
@@ -186,6 +195,7 @@ class RemoteEngine:
         self.probe_interval = probe_interval
         self.up = False
         self.load = EngineStats()
+        self.loras: dict[str, str] = convert.loras_from_proto(self.info.loras) if info is not None else {}
         self.kv_index = ReplicaKvIndex()
         self.drop_next_kv_batch = False
         self._channel: grpc.aio.Channel | None = None
@@ -212,6 +222,11 @@ class RemoteEngine:
     def region(self) -> str:
         """Its ``region`` label ("" when it has none or has not answered yet)."""
         return self.labels.get("region", "")
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether it takes LoRA adapters (``GetModelInfo``)."""
+        return self.info.serves_lora
 
     @property
     def kv_transport(self) -> str:
@@ -256,7 +271,7 @@ class RemoteEngine:
         while True:
             try:
                 if self.up or (await self._verify() and (await self.health()).ready):
-                    self.load = await self.get_load()
+                    self.load, self.loras = await self._get_load_and_loras()
                     self._mark_up()
             except grpc.aio.AioRpcError as e:
                 self.mark_down(f"{e.code().name}: {e.details()}")
@@ -274,6 +289,7 @@ class RemoteEngine:
                 self._refused = why
                 return False
             self.info, self._verified, self._refused, self._answered = info, True, None, True
+            self.loras = convert.loras_from_proto(info.loras)
         return True
 
     async def _follow_kv(self) -> None:
@@ -361,5 +377,47 @@ class RemoteEngine:
         return await self._stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S, metadata=self._metadata)
 
     async def get_load(self) -> EngineStats:
-        return convert.load_from_proto(await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S,
-                                                                metadata=self._metadata))
+        return (await self._get_load_and_loras())[0]
+
+    async def _get_load_and_loras(self) -> tuple[EngineStats, dict[str, str]]:
+        m = await self._stub.GetLoad(pb.LoadRequest(), timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+        return convert.load_from_proto(m), convert.loras_from_proto(m.loras)
+
+    async def load_lora(self, name: str, path: str) -> str:
+        """Serves the PEFT folder ``path`` (on the replica's machine) as adapter ``name`` there;
+        returns its digest.
+
+        Raises:
+          ValueError: the replica refused it (the folder cannot be served, the name is taken,
+            no LoRA there; the message says why).
+          grpc.aio.AioRpcError: the call failed otherwise (the replica is down).
+        """
+        try:
+            m = await self._stub.LoadLora(pb.LoadLoraRequest(name=name, path=path), timeout=LORA_TIMEOUT_S,
+                                          metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            raise
+        self.loras = {**self.loras, name: m.digest}
+        return m.digest
+
+    async def unload_lora(self, name: str) -> None:
+        """Stops serving adapter ``name`` there.
+
+        Raises:
+          KeyError: the replica does not serve it.
+          LoraInUseError: requests there use it (retry once they finish).
+          grpc.aio.AioRpcError: the call failed otherwise.
+        """
+        try:
+            await self._stub.UnloadLora(pb.UnloadLoraRequest(name=name), timeout=LORA_TIMEOUT_S,
+                                        metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                self.loras = {n: d for n, d in self.loras.items() if n != name}
+                raise KeyError(name) from None
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LoraInUseError(e.details()) from None
+            raise
+        self.loras = {n: d for n, d in self.loras.items() if n != name}

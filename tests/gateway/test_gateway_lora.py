@@ -119,3 +119,33 @@ async def test_load_and_unload_at_run_time(setup):
         assert r.status_code == 200 and "fresh" not in engine.adapters
         assert_openai_error(await client.post("/v1/completions", headers=user,
                                               json={"model": "fresh", "prompt": "hi"}), 404, code="model_not_found")
+
+
+@dataclasses.dataclass(eq=False)
+class FakeRoutedEngine(FakeLoraEngine):
+    """A FakeLoraEngine standing for a router: it reports the adapters its replicas serve."""
+
+    def routed_lora_names(self):
+        return sorted(self.adapters)
+
+
+async def test_models_follow_the_adapters_replicas_report(services):
+    """Behind a router the gateway lists what the replicas serve now (loaded or unloaded on a
+    replica, not through this gateway): added with their parent and base price, dropped (404)."""
+    engine = FakeRoutedEngine(text="ok", adapters={"busy"})
+    app = create_app({BASE: ServedModel(BASE, engine, FakeTokenizer(), 512, created=1)}, services)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    async with client:
+        async def cards():
+            return {c["id"]: c["parent"] for c in (await client.get("/v1/models")).json()["data"]}
+
+        assert await cards() == {BASE: None, "busy": BASE}
+        engine.adapters.add("late")  # loaded on the replicas by someone else
+        r = await client.post("/v1/completions", json={"model": "late", "prompt": "hi"})
+        assert r.status_code == 200 and engine.submitted[-1].lora_name == "late"
+        assert (await client.get("/v1/models/late")).json()["parent"] == BASE
+        engine.adapters.discard("late")
+        assert await cards() == {BASE: None, "busy": BASE}
+        assert_openai_error(await client.post("/v1/completions", json={"model": "late", "prompt": "hi"}), 404,
+                            code="model_not_found")
+    assert services.metering.prices.parents["late"] == BASE

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.contract.engine_client import EngineOverloadedError, EngineRequest, EngineStats, SamplingParams, TokenEvent
+from serving.contract.engine_client import (
+    EngineOverloadedError,
+    EngineRequest,
+    EngineStats,
+    LoraInUseError,
+    SamplingParams,
+    TokenEvent,
+)
 from serving.core.kv.kv_cache_manager import prompt_page_hashes
 from serving.rpc import engine_pb2 as pb
 from serving.rpc.remote_engine import ReplicaKvIndex, ReplicaUnavailable
@@ -35,6 +42,10 @@ class FakeReplica:
         self.gate: asyncio.Event | None = None  # set: generate waits for it before finishing
         self.aborted: list[str] = []
         self.served: list[str] = []
+        self.loras: dict[str, str] = {}  # LoRA adapter name -> digest, as RemoteEngine.loras
+        self.serves_lora = False
+        self.refuse_lora: str | None = None  # set: load_lora raises ValueError with it
+        self.lora_in_use: set[str] = set()  # unload_lora raises LoraInUseError for these
 
     def cache(self, prompt, salt=None):
         self.kv_index.keys.update(prompt_page_hashes(prompt, PS, salt))
@@ -54,9 +65,25 @@ class FakeReplica:
     async def abort(self, request_id):
         self.aborted.append(request_id)
 
+    async def load_lora(self, name, path):
+        if self.fail_before_first:
+            raise ConnectionError(f"{self.url}: UNAVAILABLE")  # stands for grpc's AioRpcError
+        if self.refuse_lora is not None:
+            raise ValueError(self.refuse_lora)
+        self.loras = {**self.loras, name: f"digest-of-{path}"}
+        return self.loras[name]
 
-def req(prompt, rid="r", salt=None, parent=None, max_tokens=2):
-    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens), cache_salt=salt, parent_id=parent)
+    async def unload_lora(self, name):
+        if name not in self.loras:
+            raise KeyError(name)
+        if name in self.lora_in_use:
+            raise LoraInUseError(f"LoRA adapter {name!r} has requests running")
+        self.loras = {n: d for n, d in self.loras.items() if n != name}
+
+
+def req(prompt, rid="r", salt=None, parent=None, max_tokens=2, lora=None):
+    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens), cache_salt=salt, parent_id=parent,
+                         lora_name=lora)
 
 
 def prompt(n, offset=0):

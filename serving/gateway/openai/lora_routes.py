@@ -16,7 +16,9 @@
 
 Admin keys only (403 ``forbidden`` otherwise); errors in OpenAI's shape. The engine
 does the loading (``EngineLoop.load_lora``; an engine takes adapters when its ``serves_lora``);
-an engine behind a router takes none.
+behind ``serve --engines`` the router sends the load or unload to every replica up that takes
+adapters (``Router.load_lora``: one refusing a load undoes it on the others), and the gateway
+lists what the replicas report (``OpenAIServing.follow_adapters``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from serving.gateway.http.errors import OpenAIError, model_not_found
 from serving.gateway.http.openapi import error_responses, json_request_body
 from serving.gateway.openai.openai_serving import OpenAIServing, read_json
 from serving.gateway.openai.served_model import ServedModel
+from serving.gateway.openai.served_model import adapter_model as adapter_model  # re-exported
 from serving.gateway.schema.protocol import Text, _Request
 
 
@@ -66,19 +69,10 @@ def _base(serving: OpenAIServing, name: str | None) -> ServedModel:
     bases = [m for m in serving.models.values() if m.lora_name is None and getattr(m.engine, "serves_lora", False)]
     if len(bases) != 1:
         raise OpenAIError("No served model takes LoRA adapters here (started without --max-loras or "
-                          "--lora-modules; an engine behind a router takes none)"
+                          "--lora-modules; behind a router: no replica was)"
                           if not bases else "Several models take LoRA adapters: name one as `base_model`.",
                           param="base_model", code="lora_not_supported")
     return bases[0]
-
-
-def adapter_model(base: ServedModel, lora_name: str) -> ServedModel:
-    """The served model of adapter ``lora_name`` over ``base`` (same engine and tokenizer)."""
-    return ServedModel(name=lora_name, engine=base.engine, tokenizer=base.tokenizer,
-                       max_model_len=base.max_model_len, kv_capacity_tokens=base.kv_capacity_tokens,
-                       default_chat_max_tokens=base.default_chat_max_tokens,
-                       tool_call_parser=base.tool_call_parser, reasoning_parser=base.reasoning_parser,
-                       lora_name=lora_name, parent=base.name)
 
 
 def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None:
@@ -89,6 +83,7 @@ def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None
     async def load_lora_adapter(request: Request, caller: Principal = Depends(principal)) -> Response:
         _admin(caller)
         req = LoadLoraRequest.model_validate(await read_json(request))
+        serving.follow_adapters()
         base = _base(serving, req.base_model)
         if req.lora_name in serving.models:
             raise OpenAIError(f"A model named `{req.lora_name}` is already served.", param="lora_name",
@@ -107,6 +102,7 @@ def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None
     async def unload_lora_adapter(request: Request, caller: Principal = Depends(principal)) -> Response:
         _admin(caller)
         req = UnloadLoraRequest.model_validate(await read_json(request))
+        serving.follow_adapters()
         served = serving.models.get(req.lora_name)
         if served is None or served.lora_name is None:
             raise OpenAIError(f"No LoRA adapter named `{req.lora_name}` is served.", status_code=404,

@@ -56,7 +56,7 @@ from serving.gateway.openai.choices import Slot, fan_out, pick_best
 from serving.gateway.openai.generation import MeteredGeneration
 from serving.gateway.openai.prompts import PromptWorkers
 from serving.gateway.openai.sampling_params import sampling_params
-from serving.gateway.openai.served_model import ServedModel
+from serving.gateway.openai.served_model import ServedModel, adapter_model
 from serving.gateway.openai.token_text import token_texts
 from serving.gateway.schema.protocol import ChatCompletionRequest, CompletionRequest
 from serving.gateway.schema.response_models import (
@@ -148,12 +148,30 @@ class OpenAIServing:
         self.prompts = PromptWorkers(self.limits.max_prompt_chars, self.limits.tokenizer_threads)
         self.streams = ChoiceStreams(self.services, self.limits)
 
+    def follow_adapters(self) -> None:
+        """Brings the LoRA adapters of models served through a router (an engine with
+        ``routed_lora_names``: the adapters its replicas report) into :attr:`models`, each with
+        its base as ``parent``, and drops those no replica serves any more. Models of an
+        in-process engine are unchanged (the load and unload routes keep them)."""
+        for base in [m for m in self.models.values() if m.lora_name is None]:
+            names = getattr(base.engine, "routed_lora_names", None)
+            if names is None:
+                continue
+            served = set(names())
+            for n, m in list(self.models.items()):
+                if m.lora_name is not None and m.engine is base.engine and n not in served:
+                    del self.models[n]
+            for n in sorted(served - self.models.keys()):
+                self.models[n] = adapter_model(base, n)
+                self.services.metering.prices.parents[n] = base.name
+
     def model(self, name: str, principal: Principal = ANONYMOUS) -> ServedModel:
         """The served model called `name`, if `principal` may use it.
 
         Raises:
           OpenAIError: 404 ``model_not_found``, 403 ``model_not_allowed``.
         """
+        self.follow_adapters()
         served = self.models.get(name)
         if served is None:
             raise model_not_found(name)

@@ -65,3 +65,12 @@ class ServedModel:
         if self.kv_capacity_tokens is None:
             return self.max_model_len
         return min(self.max_model_len, self.kv_capacity_tokens)
+
+
+def adapter_model(base: ServedModel, lora_name: str) -> ServedModel:
+    """The served model of LoRA adapter ``lora_name`` over ``base`` (same engine and tokenizer)."""
+    return ServedModel(name=lora_name, engine=base.engine, tokenizer=base.tokenizer,
+                       max_model_len=base.max_model_len, kv_capacity_tokens=base.kv_capacity_tokens,
+                       default_chat_max_tokens=base.default_chat_max_tokens,
+                       tool_call_parser=base.tool_call_parser, reasoning_parser=base.reasoning_parser,
+                       lora_name=lora_name, parent=base.name)
