@@ -181,11 +181,11 @@ class BackendPolicy:
     def advice(self, dtype, quantized: bool) -> str | None:
         """A line for the operator when the served format is slow on this machine, else None:
         a bfloat16 model without ``--quantization int8`` on a CPU with no native bf16 dot
-        (there int8 weights decode one stream ~1.6x faster; benchmarks/RESULTS.md, issue 34)."""
+        (there int8 weights decode one stream ~1.8x faster; benchmarks/RESULTS.md, 2026-12-05)."""
         if self.cpu is None or self.cpu.bf16_dot or quantized or jnp.dtype(dtype) != jnp.bfloat16:
             return None
         return ("this CPU has no native bfloat16 dot (%s): bf16 matmuls are widened on the fly; "
-                "--quantization int8 decodes a stream ~1.6x faster here" % self.cpu.describe())
+                "--quantization int8 decodes a stream ~1.8x faster here" % self.cpu.describe())
 
     # -- what the pieces receive ------------------------------------------------------
 
