@@ -42,6 +42,10 @@ LORA_FORMULATIONS = ("onehot", "gather")
 PARAMS = tuple(TARGETS.values())
 """Every projection a stack holds, in order."""
 
+_FEATURE_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
+                 "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
+                 "w_down": ("mlp", "embed")}
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,21 @@ def stack_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, t
         d_in, d_out = target_dims(cfg, p)
         out[p] = ((L, S, d_in, R), (L, S, R, d_out))
     return out
+
+
+def stack_axes(param: str) -> tuple[tuple, tuple]:
+    """The logical axes of ``param``'s stacks, (a's, b's): ``a [L, S, in, R]``, ``b [L, S, R, out]``,
+    with ``in`` and ``out`` named as the adapted projection's own input and output features
+    (heads folded into them: "heads" / "kv_heads" for N x H / K x H features, "mlp", "embed").
+
+    Sharded by ``sharding.rules`` as the projection is: a column-parallel projection's
+    (q/k/v/gate/up, output features split over ``tensor``) b is split over its output and its
+    a replicated; a row-parallel one's (o/down, input features split) a is split over its
+    input and its b replicated, so each device's partial ``(x a) b`` joins the projection's
+    own reduction. Folded head features split in whole heads (``sharding.placement.lora_shardings``).
+    """
+    i, o = _FEATURE_AXES[param]
+    return ("layers", None, i, None), ("layers", None, None, o)
 
 
 def zero_stacks(cfg: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32) -> dict:

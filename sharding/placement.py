@@ -50,6 +50,29 @@ def place_params(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.Stat
     return nnx.from_flat_state(placed)
 
 
+def lora_shardings(stacks: dict, cfg, mesh: Mesh, rules: ShardingRules) -> dict:
+    """``{param: (a's NamedSharding, b's)}`` for LoRA stacks (``model.lora``) on ``mesh``: by
+    ``model.lora.stack_axes``, features folded from heads split only in whole heads (a "heads"
+    or "kv_heads" dimension is checked as ``cfg``'s head count: Gemma 3 270M's one KV head
+    leaves k/v's b replicated, as its K/V projections are).
+
+    Raises:
+      ValueError: a mesh axis that does not divide what it would split (as for the weights).
+    """
+    from model.lora import stack_axes
+
+    heads = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+    sizes = dict(mesh.shape)
+    out = {}
+    for p, arrays in stacks.items():
+        pair = []
+        for arr, axes in zip(arrays, stack_axes(p)):
+            counted = tuple(heads.get(ax, d) for d, ax in zip(arr.shape, axes))
+            pair.append(NamedSharding(mesh, rules.spec(counted, axes, sizes, what=f"LoRA stack {p}")))
+        out[p] = tuple(pair)
+    return out
+
+
 def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh, rules: ShardingRules) -> NamedSharding:
     """The KV cache ``[layers, kv_heads, num_pages, page_size, head_dim]``: kv heads over
     tensor where they divide it (else replicated), pages over data (each replica

@@ -58,7 +58,9 @@ model's dtype; not donated), written outside the steps one slot at a time
 (:meth:`Engine.write_lora_slot`, called by ``serving.engine.lora_registry``); each
 batch carries its rows' slots, so one compiled step serves any mix of adapters and
 base rows. The backend policy picks the update's formulation
-(:meth:`BackendPolicy.lora_formulation`). Not on a mesh yet (refused).
+(:meth:`BackendPolicy.lora_formulation`). On a mesh the stacks are sharded like the
+projections they adapt (``sharding.placement.lora_shardings``); multi-host engines and
+mixtures of experts refuse LoRA.
 
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
@@ -209,7 +211,7 @@ class Engine:
         Raises:
           ValueError: the mesh cannot split the model (e.g. tensor does not divide heads);
             a vision tower with a mesh or a lockstep, or with an attention kernel other than "xla";
-            LoRA (``cfg.max_loras``) on a mesh, a multi-host engine or a mixture of experts.
+            LoRA (``cfg.max_loras``) on a multi-host engine or a mixture of experts.
         """
         self.policy = policy or BackendPolicy.detect(mesh)
         self.vision = None
@@ -254,10 +256,17 @@ class Engine:
             out_shardings = (DeviceState(KVCache(kv_sh, kv_sh), rep, rep, rep), rep)
             compute = self.policy.compute(rules, dtype=model.dtype)
         self.lora_stacks = None
+        self._lora_shardings = None
         if cfg.max_loras > 0:
-            if mesh is not None or lockstep is not None or model.cfg.is_moe:
-                raise ValueError("LoRA adapters are served by a single-device engine of a dense model")
+            if lockstep is not None or model.cfg.is_moe:
+                raise ValueError("LoRA adapters are served by a single-host engine of a dense model "
+                                 "(not multi-host, not a mixture of experts)")
             self.lora_stacks = zero_stacks(model.cfg, cfg.max_loras, cfg.max_lora_rank, model.dtype)
+            if mesh is not None:
+                from sharding.placement import lora_shardings
+
+                self._lora_shardings = lora_shardings(self.lora_stacks, model.cfg, mesh, rules)
+                self.lora_stacks = jax.device_put(self.lora_stacks, self._lora_shardings)
             compute = dataclasses.replace(compute, lora=self.policy.lora_formulation(
                 cfg.max_loras + 1, cfg.max_lora_rank))
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
@@ -354,7 +363,10 @@ class Engine:
         if self.lora_stacks is None:
             raise ValueError("this engine was built without LoRA (max_loras 0)")
         contents = slot_weights(adapter, self.model_cfg, self.cfg.max_lora_rank)
-        self.lora_stacks = write_slot(self.lora_stacks, slot, contents)
+        stacks = write_slot(self.lora_stacks, slot, contents)
+        if self._lora_shardings is not None:  # as placed (a no-op where the update kept them)
+            stacks = jax.device_put(stacks, self._lora_shardings)
+        self.lora_stacks = stacks
 
     # -- whole pages (KV transfer, host tier) ----------------------------------------
 

@@ -144,3 +144,14 @@ def test_unload_refused_while_a_request_runs(engine):
         assert loop.lora_names() == ["a4"]
     finally:
         loop.stop()
+
+
+def test_lora_is_refused_for_a_mixture_of_experts_with_the_reason(jax_cache):
+    from flax import nnx
+
+    from model.config import ModelConfig
+    from serving.loading.model_registry import known_models
+
+    cfg = ModelConfig.from_dict(known_models()["tiny-moe"]["config"])
+    with pytest.raises(ValueError, match="mixture of experts"):
+        Engine(build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32), CFG)
