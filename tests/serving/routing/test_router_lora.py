@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from serving.contract.engine_client import EngineOverloadedError, LoraInUseError, RequestRejectedError
-from serving.core.kv.kv_cache_manager import KVCacheManager, lora_salt, prompt_page_hashes
+from serving.core.kv.kv_cache_manager import KVCacheManager, lora_salt
 from serving.routing.router import Router
 from serving.rpc import convert
 from tests.support.router_fakes import PS, FakeReplica, drain, prompt, req
