@@ -11,7 +11,8 @@ another kernel than a tile of 3 to 16 rows: that row's result differs from the
 same row's at any other M (measured 2026-12-01 for K, N of the tiny test model
 and of Gemma 3 270M, and for the per-(slot, KV head) attention dots; with K = 16
 the smaller kernel reached up to 4 rows). On an AMD Zen 4 machine every M gave
-the same result. :class:`DotRows` says how many rows to compute instead: the
+the same result; on an AMD EPYC without AVX-512 (bf16 widened to float32, no
+native bf16 dot) every M from 2 up did, and M = 1 did not (measured 2026-12-05). :class:`DotRows` says how many rows to compute instead: the
 rows are padded by repeating the last row (the padding rows' results are
 dropped), so every tile holds at least ``min_rows`` rows::
 
@@ -20,7 +21,8 @@ dropped), so every tile holds at least ``min_rows`` rows::
     otherwise                            -> M
 
 The backend policy (``serving.engine.backend_policy``) picks the numbers for its
-platform when batch invariance is on; the default (1, no tile) pads nothing.
+platform, and on a CPU by its features (``serving.engine.cpu_features``), when batch
+invariance is on; the default (1, no tile) pads nothing.
 This is the fixed-kernel half of the batch-invariant matmul of "Defeating
 Nondeterminism in LLM Inference" (Horace He, Thinking Machines Lab, 2025):
 keep every row on one kernel whatever the batch.
