@@ -45,10 +45,10 @@ class CpuFeatures:
                    amx=amx, int8_dot=bool(flags.get("AVX512VNNI")))
 
     def describe(self) -> str:
-        """One line for logs: e.g. "avx512 bf16-dot int8-dot" or "avx2 (no bf16 dot)"."""
+        """The features for logs: e.g. "avx512 bf16-dot int8-dot", or "no avx512"."""
         names = [n for n, on in (("avx512", self.avx512), ("bf16-dot", self.bf16_dot), ("amx", self.amx),
                                  ("int8-dot", self.int8_dot)) if on]
-        return " ".join(names) if names else "no avx512 (no bf16 dot)"
+        return " ".join(names) if names else "no avx512"
 
 
 @functools.cache
