@@ -33,13 +33,13 @@ def _engine(mesh=None) -> Engine:
     return Engine(build_model(cfg, params=params, dtype=jnp.float32), CFG, mesh=mesh)
 
 
-def _serve(engine: Engine) -> list[list[int]]:
-    """Six concurrent requests, base and both adapters twice (prompts of 5-10 tokens), then
-    the ids of each; the stacks' shardings are checked after the adapters were written."""
+def _serve(engine: Engine) -> tuple[list[list[int]], np.ndarray]:
+    """Six concurrent requests, base and both adapters twice (prompts of 5-10 tokens): the
+    greedy ids of each and the log probability of every token, [6 x 8] float32."""
     rng = np.random.default_rng(0)
     names = [None, "a4", "a8", "a8", None, "a4"]
-    reqs = [dataclasses.replace(request(rng.integers(3, 250, 5 + i).tolist(), max_tokens=8, ignore_eos=True),
-                                lora_name=n) for i, n in enumerate(names)]
+    reqs = [dataclasses.replace(request(rng.integers(3, 250, 5 + i).tolist(), max_tokens=8, ignore_eos=True,
+                                        logprobs=0), lora_name=n) for i, n in enumerate(names)]
     loop = EngineLoop(engine, lora_modules=ADAPTERS)
     loop.start(warmup=False)
 
@@ -47,23 +47,28 @@ def _serve(engine: Engine) -> list[list[int]]:
         return await asyncio.gather(*(collect(loop, r) for r in reqs))
 
     try:
-        return [ids for ids, _ in asyncio.run(main())]
+        out = asyncio.run(main())
     finally:
         loop.stop()
+    logprobs = np.array([[lp.logprob for ev in events for lp in ev.logprobs] for _, events in out], np.float32)
+    return [ids for ids, _ in out], logprobs
 
 
-def _reference() -> list[list[int]]:
-    if "ids" not in _single:
-        _single["ids"] = _serve(_engine())
-    return _single["ids"]
+def _reference() -> tuple[list[list[int]], np.ndarray]:
+    if "ref" not in _single:
+        _single["ref"] = _serve(_engine())
+    return _single["ref"]
 
 
 @pytest.mark.parametrize("mesh", ["1x2x1", "2x2x1", "1x4x1"])
 def test_mixed_adapters_on_a_mesh_equal_one_device(mesh):
     d, t, e = map(int, mesh.split("x"))
     engine = _engine(build_mesh(MeshConfig(d, t, e)))
-    got = _serve(engine)
-    assert got == _reference(), mesh
+    got, logprobs = _serve(engine)
+    ref, ref_logprobs = _reference()
+    assert got == ref, mesh
+    assert logprobs.shape == (6, 8)
+    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)  # float32, other reduction orders
     assert len({tuple(i) for i in got[:3]}) == 3  # base, a4 and a8 differ: the adapters were applied
     spec = {p: (_axes(a.sharding.spec), _axes(b.sharding.spec)) for p, (a, b) in engine.lora_stacks.items()}
     split = "tensor"
