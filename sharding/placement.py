@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model.lora import stack_axes
 from sharding.rules import KV_CACHE_AXES, ShardingRules
 
 
@@ -59,8 +60,6 @@ def lora_shardings(stacks: dict, cfg, mesh: Mesh, rules: ShardingRules) -> dict:
     Raises:
       ValueError: a mesh axis that does not divide what it would split (as for the weights).
     """
-    from model.lora import stack_axes
-
     heads = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
     sizes = dict(mesh.shape)
     out = {}

@@ -164,14 +164,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
 
 
 def lora_digests(engine: Any) -> dict[str, str]:
-    """{adapter name: digest of its weights and config} the engine loop serves now ({} without
-    LoRA): the digest its requests' prefix-cache salts join (``lora_salt``)."""
-    admission = getattr(engine, "lora", None)
-    if admission is None:
-        return {}
-    registry = admission.registry
-    digests = {n: registry.digest(n) for n in registry.names()}
-    return {n: d for n, d in digests.items() if d is not None}
+    """{adapter name: digest} the engine loop serves now (``EngineLoop.lora_digests``; {} for
+    an engine without that method)."""
+    return getattr(engine, "lora_digests", dict)()
 
 
 def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",

@@ -325,6 +325,14 @@ class EngineLoop:
         """The LoRA adapters served now (any thread; a snapshot)."""
         return [] if self.lora is None else list(self.lora.registry.names())
 
+    def lora_digests(self) -> dict[str, str]:
+        """{adapter name: digest of its weights and config} served now ({} without LoRA): the
+        digest its requests' prefix-cache salts join (``lora_salt``; any thread, a snapshot)."""
+        if self.lora is None:
+            return {}
+        reg = self.lora.registry
+        return {n: d for n in reg.names() if (d := reg.digest(n)) is not None}
+
     async def load_lora(self, name: str, path: str) -> None:
         """Serves the PEFT adapter in folder ``path`` as ``name`` from the next step on.
 

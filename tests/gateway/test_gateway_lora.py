@@ -12,7 +12,7 @@ import pytest
 
 from serving.contract.engine_client import LoraInUseError
 from serving.gateway.app import ServedModel, create_app
-from serving.gateway.openai.lora_routes import adapter_model
+from serving.gateway.openai.served_model import adapter_model
 from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.gateway_fakes import FakeEngine, FakeTokenizer
 from tests.support.gateway_harness import assert_openai_error

@@ -31,8 +31,7 @@ from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.http.errors import OpenAIError, model_not_found
 from serving.gateway.http.openapi import error_responses, json_request_body
 from serving.gateway.openai.openai_serving import OpenAIServing, read_json
-from serving.gateway.openai.served_model import ServedModel
-from serving.gateway.openai.served_model import adapter_model as adapter_model  # re-exported
+from serving.gateway.openai.served_model import ServedModel, adapter_model
 from serving.gateway.schema.protocol import Text, _Request
 
 

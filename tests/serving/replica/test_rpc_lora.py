@@ -20,33 +20,20 @@ from serving.rpc.remote_engine import RemoteEngine
 INFO = pb.ModelInfo(model="m", tokenizer_id="t", page_size=16, max_model_len=64, kv_capacity_tokens=64)
 
 
-class _Registry:
-    def __init__(self, digests):
-        self.digests = dict(digests)
-
-    def names(self):
-        return tuple(self.digests)
-
-    def digest(self, name):
-        return self.digests.get(name)
-
-
-class _Admission:
-    def __init__(self, digests):
-        self.registry = _Registry(digests)
-
-
 class FakeLoraLoop:
     """The parts of an engine loop the engine service uses, with LoRA adapters {name: digest}."""
 
     serves_lora = True
 
     def __init__(self, digests):
-        self.lora = _Admission(digests)
+        self.digests = dict(digests)  # name -> digest
         self.kv_events = KvEventJournal()
         self.submitted: list[EngineRequest] = []
         self.in_use: set[str] = set()
         self.connector = None
+
+    def lora_digests(self):
+        return dict(self.digests)
 
     def is_ready(self):
         return True
@@ -69,18 +56,18 @@ class FakeLoraLoop:
         pass
 
     async def load_lora(self, name, path):
-        if name in self.lora.registry.digests:
+        if name in self.digests:
             raise ValueError(f"a LoRA adapter named {name!r} is already served")
         if path.endswith("dora"):
             raise LoraAdapterError(f"{path}: DoRA (use_dora) is not supported")
-        self.lora.registry.digests[name] = f"digest:{path}"
+        self.digests[name] = f"digest:{path}"
 
     async def unload_lora(self, name):
-        if name not in self.lora.registry.digests:
+        if name not in self.digests:
             raise KeyError(name)
         if name in self.in_use:
             raise LoraInUseError(f"LoRA adapter {name!r} has 1 request running")
-        del self.lora.registry.digests[name]
+        del self.digests[name]
 
 
 @contextlib.asynccontextmanager
@@ -111,9 +98,9 @@ def test_replica_reports_its_adapters_and_the_client_follows_them():
     async def main():
         async with served(engine) as remote:
             assert remote.serves_lora and remote.loras == {"sql": "d1"}  # from GetModelInfo
-            engine.lora.registry.digests["chat"] = "d2"  # loaded there by someone else
+            engine.digests["chat"] = "d2"  # loaded there by someone else
             await _until(lambda: remote.loras == {"sql": "d1", "chat": "d2"})  # GetLoad carries it
-            del engine.lora.registry.digests["sql"]
+            del engine.digests["sql"]
             await _until(lambda: remote.loras == {"chat": "d2"})
 
     asyncio.run(main())
@@ -148,7 +135,7 @@ def test_load_and_unload_over_the_wire():
                 await remote.unload_lora("sql")
             engine.in_use = set()
             await remote.unload_lora("sql")
-            assert "sql" not in remote.loras and "sql" not in engine.lora.registry.digests
+            assert "sql" not in remote.loras and "sql" not in engine.digests
             with pytest.raises(KeyError):
                 await remote.unload_lora("sql")
             assert remote.up  # refusals are answers, not failures
