@@ -100,24 +100,32 @@ METRIC_WORDS = ("spec", "draft", "accept")
 
 @dataclass(frozen=True)
 class Variant:
-    """A server configuration: a label and the extra ``xlaserve serve`` flags."""
+    """A server configuration: a label, the extra ``xlaserve serve`` flags and, optionally,
+    another source tree to serve from (a baseline checkout: ``git worktree add``)."""
 
     name: str
     flags: tuple[str, ...]
+    server_dir: Path | None = None
 
 
 def parse_variant(text: str) -> Variant:
-    """``NAME=FLAGS`` (FLAGS split as a shell would; may be empty) -> Variant.
+    """``NAME=FLAGS`` or ``NAME@DIR=FLAGS`` (FLAGS split as a shell would; may be empty;
+    DIR: the source tree that variant serves from, e.g. a worktree of the baseline commit) -> Variant.
 
     Raises:
-      argparse.ArgumentTypeError: no ``=``, an empty name, or unbalanced quotes in FLAGS.
+      argparse.ArgumentTypeError: no ``=``, an empty name, an empty DIR or one that is not a
+        directory, or unbalanced quotes in FLAGS.
     """
-    name, sep, flags = text.partition("=")
-    name = name.strip()
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=FLAGS, e.g. int8='--quantization int8'")
+    head, sep, flags = text.partition("=")
+    name, at, where = (part.strip() for part in head.partition("@"))
+    if not sep or not name or (at and not where):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=FLAGS or NAME@DIR=FLAGS, "
+                                         "e.g. int8='--quantization int8'")
+    server_dir = Path(where).resolve() if at else None
+    if server_dir is not None and not server_dir.is_dir():
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: {where} is not a directory")
     try:
-        return Variant(name, tuple(shlex.split(flags)))
+        return Variant(name, tuple(shlex.split(flags)), server_dir)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: {e}") from None
 
@@ -493,10 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec: dict[str, list[str]] = {}
     for v in a.variant:
         flags = list(v.flags) if "--model" in v.flags else ["--model", a.model, *v.flags]
-        print(f"\n== {v.name}: xlaserve serve {shlex.join(flags)}", flush=True)
+        where = f" (from {v.server_dir})" if v.server_dir else ""
+        print(f"\n== {v.name}: xlaserve serve {shlex.join(flags)}{where}", flush=True)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            server = Server(flags, Path(tmp), a.server_dir, a.timeout)
+            server = Server(flags, Path(tmp), v.server_dir or a.server_dir, a.timeout)
             print(f"   healthy after {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 model, v_ids, results, metrics, profiles = asyncio.run(_drive(

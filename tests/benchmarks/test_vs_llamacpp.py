@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -26,13 +27,17 @@ from benchmarks.vs_llamacpp import (
     run_llamacpp,
 )
 
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
 
 def test_variants_split_flags_as_a_shell_does():
     assert parse_variant("base=") == Variant("base", ())
     assert parse_variant("int8=--quantization int8") == Variant("int8", ("--quantization", "int8"))
     assert parse_variant("""spec='--speculative ngram' --chat-template "a b.jinja" """) == Variant(
         "spec", ("--speculative ngram", "--chat-template", "a b.jinja"))
-    for bad in ("no-equals", "=--dtype float32", "x=--served-model-name 'open"):
+    assert parse_variant(f"before@{BENCHMARKS}=--dtype float32") == Variant(
+        "before", ("--dtype", "float32"), BENCHMARKS.resolve())
+    for bad in ("no-equals", "=--dtype float32", "x=--served-model-name 'open", "x@=", "x@/no/such/dir="):
         with pytest.raises(argparse.ArgumentTypeError, match="--variant"):
             parse_variant(bad)
 
