@@ -140,6 +140,30 @@ def test_scheduler_packs_up_to_max_prefill_seqs_within_the_budget():
     sched.check_invariants()
 
 
+def test_a_waiting_prompt_starts_in_the_padding_of_the_steps_bucket():
+    """The same seven prompts with the engine's buckets (16 tokens here): the two whole
+    prompts fill 12 of the step's 16 computed tokens, so the third starts in the 4 padding
+    tokens the step computes anyway, and its last 2 tokens come in the next step: the seven
+    prompts take three steps of 16 tokens, against four without the buckets."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, num_slots=8, token_budget=24, max_prefill_tokens=16, max_prefill_seqs=3,
+                      prefill_bucket=lambda n: 8 if n <= 8 else 16)
+    for i in range(7):
+        sched.add(SchedRequest(f"r{i}", [10 * i + j for j in range(6)], max_tokens=4))
+    plan = sched.schedule()
+    assert [(r.request_id, len(r.token_ids), r.samples) for r in plan.prefill] == [
+        ("r0", 6, True), ("r1", 6, True), ("r2", 4, False)]
+    sched.check_invariants()
+    plan = sched.schedule()  # r2's last 2 tokens, then two whole prompts (3 rows a step)
+    assert [r.request_id for r in plan.decode] == ["r0", "r1"]
+    assert [(r.request_id, r.start, len(r.token_ids), r.samples) for r in plan.prefill] == [
+        ("r2", 4, 2, True), ("r3", 0, 6, True), ("r4", 0, 6, True)]
+    sched.check_invariants()
+    plan = sched.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in plan.prefill] == [("r5", 6), ("r6", 6)]
+    sched.check_invariants()
+
+
 def test_a_prompt_longer_than_a_step_starts_in_the_rest_of_one_and_the_first_is_chunked():
     """What still splits: the step's first prompt when it exceeds the step, and a waiting
     prompt longer than ``max_prefill_tokens`` (it is chunked wherever it starts)."""

@@ -28,7 +28,8 @@ slot of the newest running request of a lower priority, which is preempted:
 flex work gives way to default work, and both to priority work, at once, not when
 it finishes); a
 waiting prompt that a later step could take whole is not started in the rest
-of this one (:meth:`Scheduler._would_split`). When a
+of this one (:meth:`Scheduler._would_split`), beyond the padding of the step's
+shape bucket (``prefill_bucket``: tokens the step computes anyway). When a
 running request needs a page and none is free or evictable, the
 lowest-priority, newest running request is preempted: its
 pages are released (their full pages stay in the prefix cache), and it waits
@@ -238,6 +239,8 @@ class Scheduler:
       starvation_seconds: a BATCH request still waiting this many seconds after it
         was queued is protected; None: never for waiting.
       clock: seconds, monotonic (tests pass their own).
+      prefill_bucket: the tokens a prefill step of n prompt tokens computes (the
+        engine's token bucket, >= n and <= max_prefill_tokens); None: n (no padding).
 
     Raises:
       ValueError: token_budget <= num_slots.
@@ -246,7 +249,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, num_slots: int, token_budget: int,
                  max_prefill_tokens: int, max_prefill_seqs: int = 1, watermark_pages: int | None = None,
                  speculative: SpeculativeConfig | None = None, starvation_preemptions: int | None = None,
-                 starvation_seconds: float | None = None, clock: Callable[[], float] = time.monotonic):
+                 starvation_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 prefill_bucket: Callable[[int], int] | None = None):
         if token_budget < num_slots + 1:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.kv = kv
@@ -254,6 +258,7 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_seqs = max_prefill_seqs
+        self.prefill_bucket = prefill_bucket
         self.speculative = speculative
         self.clock = clock
         self.starvation = StarvationGuard(starvation_preemptions, starvation_seconds, clock)
@@ -439,22 +444,25 @@ class Scheduler:
                     kept += family_runs
                     continue  # waits for its family's prompt (see the module docstring)
             hit = self._prefix_hit(req)
+            room = prefill_budget
             if plan.prefill and self._would_split(req, source, hit, prefill_budget):
-                break  # it starts whole in the next step (see _would_split); the queue waits behind it
+                room = self._padding(plan, prefill_budget)
+                if room == 0:
+                    break  # it starts whole in the next step (see _would_split); the queue waits behind it
             start = self._admission_start(req, hit, source)
-            if self._fit_images(req, start, min(req.num_tokens - start, prefill_budget)) <= 0:
+            if self._fit_images(req, start, min(req.num_tokens - start, room)) <= 0:
                 break  # an image does not fit in what this step has left: the next step's budget
             if victim is not None:  # no free slot: take the victim's
                 if victim.num_inflight:
                     plan.needs_sync = True
                     return self._abort(plan)
                 self._preempt(victim, plan)
-            copies = self._admit(req, prefill_budget, hit, source)
+            copies = self._admit(req, room, hit, source)
             if copies is None:
                 self._head_waits_for_pages = True
                 break  # head of line waits (lower priorities wait behind it)
             admitted.add(req.request_id)
-            n = self._fit_images(req, req.num_computed, min(req.num_tokens - req.num_computed, prefill_budget))
+            n = self._fit_images(req, req.num_computed, min(req.num_tokens - req.num_computed, room))
             prefill_budget -= self._add_chunk(plan, req, n, copies[0] if copies else None)
         assert plan.num_tokens <= self.token_budget
         return self._commit(plan)
@@ -545,6 +553,17 @@ class Scheduler:
         A prompt longer than ``max_prefill_tokens`` is chunked anyway and starts now."""
         remaining = req.num_tokens - self._admission_start(req, hit, source)
         return budget < remaining <= self.max_prefill_tokens
+
+    def _padding(self, plan: StepPlan, budget: int) -> int:
+        """The prompt tokens ``plan``'s prefill step could still take at no cost (at most
+        ``budget``): its shape bucket's padding, which the engine computes anyway. A waiting
+        prompt that :meth:`_would_split` holds back starts in it: its first chunk costs
+        the step nothing and its last chunk, in the next step, is shorter (a 344-token
+        step padded to 512 fills the 168 tokens with the next prompt's first chunk)."""
+        if self.prefill_bucket is None:
+            return 0
+        tokens = sum(len(r.token_ids) for r in plan.prefill)
+        return max(0, min(budget, self.prefill_bucket(tokens) - tokens))
 
     def _admit(self, req: SchedRequest, budget: int, hit: PrefixHit,
                source: SchedRequest | None = None) -> tuple[PageCopy, ...] | None:

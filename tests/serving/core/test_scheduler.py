@@ -127,10 +127,21 @@ def check_rows(plan: StepPlan, page_size: int) -> None:
         assert len(row.page_ids) * page_size > row.position, row
 
 
-def make(num_pages=24, page_size=4, slots=4, budget=12, prefill=8, seqs=2, caching=True):
+def pow2_bucket(prefill: int):
+    """The engine's prefill token buckets in small: powers of two from 2 up to ``prefill``."""
+    def bucket(n: int) -> int:
+        b = 2
+        while b < n:
+            b *= 2
+        return min(b, prefill)
+    return bucket
+
+
+def make(num_pages=24, page_size=4, slots=4, budget=12, prefill=8, seqs=2, caching=True, bucketed=False):
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=caching)
     return Scheduler(kv, num_slots=slots, token_budget=budget, max_prefill_tokens=prefill,
-                     max_prefill_seqs=seqs), FakeEngine(num_pages, page_size, slots)
+                     max_prefill_seqs=seqs, prefill_bucket=pow2_bucket(prefill) if bucketed else None
+                     ), FakeEngine(num_pages, page_size, slots)
 
 
 def random_requests(rng: random.Random, n: int, sched: Scheduler, max_len: int):
@@ -149,9 +160,9 @@ def random_requests(rng: random.Random, n: int, sched: Scheduler, max_len: int):
     return reqs
 
 
-def lifecycle(seed: int, caching: bool, cancel_rate: float, num_pages: int):
+def lifecycle(seed: int, caching: bool, cancel_rate: float, num_pages: int, bucketed: bool = False):
     rng = random.Random(seed)
-    sched, engine = make(num_pages=num_pages, caching=caching)
+    sched, engine = make(num_pages=num_pages, caching=caching, bucketed=bucketed)
     arrivals = random_requests(rng, 30, sched, max_len=sched.kv.num_pages - 1)
     drive(sched, engine, arrivals, rng, cancel_rate)
     assert sched.kv.num_free == sched.kv.num_pages - 1, "every page is free or cached at the end"
@@ -165,9 +176,10 @@ def lifecycle(seed: int, caching: bool, cancel_rate: float, num_pages: int):
 
 @settings(max_examples=120, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), caching=st.booleans(),
-       cancel_rate=st.sampled_from([0.0, 0.05]), num_pages=st.sampled_from([12, 16, 24]))
-def test_random_lifecycles(seed, caching, cancel_rate, num_pages):
-    lifecycle(seed, caching, cancel_rate, num_pages)
+       cancel_rate=st.sampled_from([0.0, 0.05]), num_pages=st.sampled_from([12, 16, 24]),
+       bucketed=st.booleans())
+def test_random_lifecycles(seed, caching, cancel_rate, num_pages, bucketed):
+    lifecycle(seed, caching, cancel_rate, num_pages, bucketed)
 
 
 def test_random_lifecycles_exercise_preemption_and_prefix_hits():
