@@ -85,7 +85,8 @@ from flax import nnx
 from model.compute import Compute
 from model.kv_cache import KVCache
 from model.lora import LoraInputs, slot_weights, write_slot, zero_stacks
-from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket
+from serving.config.engine_config import (EngineConfig, batch_bucket, page_bucket, prefill_page_bucket,
+                                          prefill_rows_bucket, token_bucket)
 from serving.core.sched.step_plan import GREEDY, DecodeRow, PrefillRow
 from serving.engine import kv_pages
 from serving.engine.backend_policy import BackendPolicy
@@ -189,6 +190,28 @@ def _decode_step(graphdef, compute: Compute, argmax_block, params, state: Device
                   argmax_block)
     slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
     return DeviceState(kv_cache, slot_tokens, counts, state.prompt_seen), out
+
+
+def _warmup_row_lengths(T: int, P: int, cfg: EngineConfig) -> list[list[int]]:
+    """Fresh prompts' lengths (from position 0) that make a prefill step of token bucket T,
+    page-table width P and each row bucket S, one list per (T, P, S) they can reach."""
+    per_row = min(P * cfg.page_size, T)  # rows of at most P pages fill the T tokens
+    if -(-T // per_row) > cfg.max_prefill_seqs:
+        return []  # more rows than a step takes: fresh prompts never make this shape
+    lens = [per_row] * (T // per_row) + ([T % per_row] if T % per_row else [])
+    few = prefill_rows_bucket(1, cfg)
+    if len(lens) <= few < cfg.max_prefill_seqs:  # also more rows: 1-token rows peeled off the first
+        extra = few + 1 - len(lens)
+        lens_more = [lens[0] - extra] + lens[1:] + [1] * extra
+    else:  # also the fewest rows: as many full rows as the small bucket holds
+        lens_more = [per_row] * few
+    out = [lens]
+    want_p = prefill_page_bucket(-(-max(lens) // cfg.page_size), cfg)
+    if (min(lens_more) > 0 and token_bucket(sum(lens_more), cfg) == T
+            and prefill_page_bucket(-(-max(lens_more) // cfg.page_size), cfg) == want_p
+            and prefill_rows_bucket(len(lens_more), cfg) != prefill_rows_bucket(len(lens), cfg)):
+        out.append(lens_more)
+    return out
 
 
 class Engine:
@@ -312,7 +335,7 @@ class Engine:
           ValueError: too many rows or tokens for one step.
         """
         cls = PromptLogprobsBatch if any(r.wants_prompt_logprobs for r in rows) else PrefillBatch
-        mask = pad_rows(token_mask, self.cfg.max_prefill_seqs, self.mask_words)
+        mask = pad_rows(token_mask, prefill_rows_bucket(len(rows), self.cfg), self.mask_words)
         pack = None
         if self.vision is not None:
             from serving.engine.vision_inputs import pack_images
@@ -445,8 +468,8 @@ class Engine:
 
     def warmup(self, decode: bool = True) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:
-        every prefill (token bucket, page-table width) that fresh prompts packed
-        up to ``max_prefill_seqs`` per step can reach, and (``decode``) every decode
+        every prefill (token bucket, page-table width, row bucket) that fresh prompts
+        packed up to ``max_prefill_seqs`` per step can reach, and (``decode``) every decode
         and verify (batch, page-table width) bucket, so no running stream stalls on a
         compile. Prefill of later chunks (a prefix in the cache) compiles on
         first use. Writes go to the null page 0 only, so the cache is unaffected.
@@ -457,12 +480,9 @@ class Engine:
         while T <= cfg.prefill_chunk:
             widths = {prefill_page_bucket(n, cfg) for n in range(1, -(-T // cfg.page_size) + 1)}
             for P in sorted(widths):
-                per_row = min(P * cfg.page_size, T)  # rows of at most P pages fill the T tokens
-                if -(-T // per_row) > cfg.max_prefill_seqs:
-                    continue  # more rows than a step takes: fresh prompts never make this shape
-                lens = [per_row] * (T // per_row) + ([T % per_row] if T % per_row else [])
-                self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
-                              for i, n in enumerate(lens)])
+                for lens in _warmup_row_lengths(T, P, cfg):
+                    self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
+                                  for i, n in enumerate(lens)])
             T *= 2
         for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}) if decode else ():
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):

@@ -4,8 +4,7 @@ Each is a registered pytree dataclass of fixed-shape arrays, built on the host
 (numpy) from the scheduler's plan rows (``serving.core.sched.step_plan``) and the
 engine's shape buckets (``serving.config.engine_config``), then passed whole to the
 jitted step, to the multi-host lockstep (as its leaves) and to the model
-(through the attention metadata it derives). Shapes (S = ``max_prefill_seqs``,
-T, B and P are buckets)::
+(through the attention metadata it derives). Shapes (S, T, B and P are buckets)::
 
     prefill   tokens [T]  positions [T]            the rows' chunks packed back to back, then padding
               cu_q_lens [S + 1]  kv_lens [S]       row i owns tokens cu_q_lens[i]:cu_q_lens[i + 1]
@@ -32,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.attention_metadata import AttentionMetadata
-from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket, prefill_page_bucket, token_bucket
+from serving.config.engine_config import (EngineConfig, batch_bucket, page_bucket, prefill_page_bucket,
+                                          prefill_rows_bucket, token_bucket)
 from serving.core.sched.step_plan import DecodeRow, PrefillRow
 from serving.engine.sample.sampling import SamplingArrays
 
@@ -97,18 +97,19 @@ class PrefillBatch:
     def from_rows(cls, rows: Sequence[PrefillRow], cfg: EngineConfig,
                   token_mask: np.ndarray | None = None, images=None) -> "PrefillBatch":
         """Packs plan rows into numpy arrays of the step's buckets (`token_mask`:
-        [S, W] int32, see ``SamplingArrays``; `images`: None, or a function
+        [S, W] int32, S = ``prefill_rows_bucket(len(rows))``, see ``SamplingArrays``;
+        `images`: None, or a function
         ``(rows, T) -> (image_embeds, image_spans)``: ``vision_inputs.pack_images``).
 
         Raises:
           ValueError: no rows, more than ``max_prefill_seqs`` rows or more than
             ``prefill_chunk`` tokens.
         """
-        S = cfg.max_prefill_seqs
         n_tok = sum(len(r.token_ids) for r in rows)
-        if not rows or len(rows) > S or n_tok > cfg.prefill_chunk:
-            raise ValueError(f"a prefill step takes 1..{S} rows and <= {cfg.prefill_chunk} tokens, "
-                             f"got {len(rows)} rows of {n_tok} tokens")
+        if not rows or len(rows) > cfg.max_prefill_seqs or n_tok > cfg.prefill_chunk:
+            raise ValueError(f"a prefill step takes 1..{cfg.max_prefill_seqs} rows and <= {cfg.prefill_chunk} "
+                             f"tokens, got {len(rows)} rows of {n_tok} tokens")
+        S = prefill_rows_bucket(len(rows), cfg)
         T = token_bucket(n_tok, cfg)
         P = prefill_page_bucket(_pages_for(max(r.end for r in rows), cfg.page_size), cfg)
         tokens = np.zeros(T, np.int32)
@@ -152,8 +153,8 @@ class PrefillBatch:
 
     @property
     def shape_key(self) -> tuple:
-        """(kind, T, P): which compiled program runs this batch."""
-        return (self.kind, self.tokens.shape[0], self.page_table.shape[1])
+        """(kind, T, P, S): which compiled program runs this batch."""
+        return (self.kind, self.tokens.shape[0], self.page_table.shape[1], self.page_table.shape[0])
 
     def attention_metadata(self, page_size: int) -> AttentionMetadata:
         """The model's attention metadata (traced; inside the step)."""

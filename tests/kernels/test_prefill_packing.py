@@ -18,7 +18,7 @@ import pytest
 
 from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.paged_attention_xla import paged_prefill_attention_xla, prefill_query_blocks
-from serving.config.engine_config import EngineConfig, prefill_page_bucket
+from serving.config.engine_config import EngineConfig, prefill_page_bucket, prefill_rows_bucket
 from serving.core.kv.kv_cache_manager import KVCacheManager
 from serving.core.sched.scheduler import SchedRequest, Scheduler
 from tests.support.paged_attention_harness import SCALE, P, PagedCache, S, T, _i32, _round, run_prefill
@@ -66,6 +66,10 @@ def test_prefill_page_bucket_and_seqs_clamp():
     assert [prefill_page_bucket(n, cfg) for n in (1, 4, 5, 33, 64)] == [4, 4, 8, 64, 64]
     with pytest.raises(ValueError, match="max_prefill_seqs"):
         EngineConfig(max_prefill_seqs=0)
+    # Rows (S): a step of up to 4 prompts computes 4 rows of logits, more take all 8.
+    assert [prefill_rows_bucket(n, cfg) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
+    two = EngineConfig(max_slots=2, page_size=16, num_pages=64, max_model_len=1024)
+    assert [prefill_rows_bucket(n, two) for n in (1, 2)] == [2, 2]
 
 
 # -- attention against the per-sequence reference -------------------------------------------
