@@ -4,10 +4,14 @@
     python -m benchmarks.vs_llamacpp --closed-loop --streams 32 1   # 2N+ requests, 20-400 token prompts
     python -m benchmarks.vs_llamacpp --variant base="" --variant int8="--quantization int8" \\
         --variant spec="--speculative ngram --num-speculative-tokens 4"
+    git worktree add ../before HEAD~3                     # a baseline commit beside this tree
+    python -m benchmarks.vs_llamacpp --variant before@../before= --variant after=
     xlaserve bench vs-llamacpp ...                        # the same
 
 For each ``--variant NAME="FLAGS"`` in turn, starts ``python -m serving.cli.main
-serve FLAGS`` (the server's defaults plus FLAGS, any ``xlaserve serve`` flags,
+serve FLAGS`` (from ``--server-dir``, or from DIR for ``NAME@DIR="FLAGS"``: another
+checkout, to measure a baseline commit in the same command; the server's defaults plus
+FLAGS, any ``xlaserve serve`` flags,
 on a free loopback port, its ledger in a temporary SQLite file), waits for
 ``/health``, streams greedy completions (``temperature`` 0, ``ignore_eos``,
 ``--output-len`` tokens each) with ``benchmarks.load``'s client for each
