@@ -471,11 +471,15 @@ class Engine:
         every prefill (token bucket, page-table width, row bucket) that fresh prompts
         packed up to ``max_prefill_seqs`` per step can reach, and (``decode``) every decode
         and verify (batch, page-table width) bucket, so no running stream stalls on a
-        compile. Prefill of later chunks (a prefix in the cache) compiles on
-        first use. Writes go to the null page 0 only, so the cache is unaffected.
+        compile. Also the last chunk of a prompt of at most ``prefill_chunk`` tokens
+        that started in another step's bucket padding (``Scheduler._padding``): up to
+        4 rows of fewer tokens than the page-table width. Other later chunks (a prefix in
+        the cache, a prompt longer than a chunk) compile on first use. Writes go to the
+        null page 0 only, so the cache is unaffected.
         ``decode=False`` is for a replica that only computes prompts (``--role prefill``)."""
         cfg = self.cfg
         null_pages = (0,) * cfg.max_pages_per_seq
+        chunk_pages = -(-min(cfg.prefill_chunk, cfg.max_model_len) // cfg.page_size)
         T = 16
         while T <= cfg.prefill_chunk:
             widths = {prefill_page_bucket(n, cfg) for n in range(1, -(-T // cfg.page_size) + 1)}
@@ -483,6 +487,10 @@ class Engine:
                 for lens in _warmup_row_lengths(T, P, cfg):
                     self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
                                   for i, n in enumerate(lens)])
+            wider = {prefill_page_bucket(n, cfg) for n in range(1, chunk_pages + 1)} - widths
+            for P in sorted(wider):  # a last chunk of T tokens ending at P pages (4-row bucket)
+                start = min(P * cfg.page_size, cfg.max_model_len) - T
+                self.prefill([PrefillRow("warmup", 0, start, (0,) * T, null_pages, True, GREEDY)])
             T *= 2
         for B in sorted({batch_bucket(n, cfg) for n in range(1, cfg.max_slots + 1)}) if decode else ():
             for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
