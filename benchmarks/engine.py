@@ -180,7 +180,7 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
                                   whole_table_attention=args.whole_table_attention)
                for label, m in models.items()}
     cfg = next(iter(models.values())).cfg
-    print(f"\nprefill (one prompt per step, logits for its last token)")
+    print("\nprefill (one prompt per step, logits for its last token)")
     for T in args.prefill:
         for dt, eng in engines.items():
             t = time_prefill(eng, T, args.repeats)
@@ -190,7 +190,7 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
                   f"{roofline_line(cost, t, limits, kv_dt)}", flush=True)
             report["prefill"].append(dict(bucket=T, dtype=dt, seconds=t, tokens_per_s=T / t,
                                           **fractions(cost, t, limits, kv_dt)))
-    print(f"\ndecode (one token per slot per step)")
+    print("\ndecode (one token per slot per step)")
     for C in args.context:
         for B in args.slots:
             for dt, eng in engines.items():

@@ -203,7 +203,7 @@ def bench_engine(args) -> None:
                     ratio = f"{base_per_prompt / per_prompt:.2f}" if base_per_prompt and n == 20 else "-"
                     print(f"| {S} | {k} x {n} tokens | {formulation} | {t * 1e3:.0f} | {per_prompt * 1e3:.1f} "
                           f"| {ratio} |", flush=True)
-            del engine
+            engine = None  # let the next formulation's engine take its memory
     print(f"load average at the end: {_loadavg()}")
 
 

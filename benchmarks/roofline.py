@@ -88,7 +88,7 @@ def measure_limits(dtypes=("float32", "bfloat16"), mib: int = 256, iters: int = 
     read(box[0]).block_until_ready()
     copy_gbs = 2 * nbytes / median_time(copy_once, iters) / 1e9
     read_gbs = nbytes / median_time(lambda: read(box[0]), iters) / 1e9
-    del box
+    box.clear()
     kind = jax.devices()[0].device_kind
     device = f"{kind} ({jax.default_backend()})"
     bw, src = max(copy_gbs, read_gbs), "measured"
