@@ -85,7 +85,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from serving.config.engine_config import token_bucket
+from serving.config.engine_config import prefill_rows_bucket, token_bucket
 from serving.contract.engine_client import (
     EngineOverloadedError,
     EngineRequest,
@@ -199,7 +199,8 @@ class EngineLoop:
             token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
             max_prefill_tokens=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs,
             speculative=cfg.speculative, starvation_preemptions=starvation_preemptions,
-            starvation_seconds=starvation_seconds, prefill_bucket=lambda n: token_bucket(n, cfg))
+            starvation_seconds=starvation_seconds, prefill_bucket=lambda n: token_bucket(n, cfg),
+            prefill_rows=lambda n: prefill_rows_bucket(n, cfg))
         self.spec_counters = SpecCounters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, _Sequence] = {}

@@ -166,6 +166,13 @@ def test_a_waiting_prompt_starts_in_the_padding_of_the_steps_bucket():
     plan = sched.schedule()
     assert [(r.request_id, len(r.token_ids)) for r in plan.prefill] == [("r5", 6), ("r6", 6)]
     sched.check_invariants()
+    # Not when the third row would take the step into a larger row bucket (2 -> 3 rows).
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, num_slots=8, token_budget=24, max_prefill_tokens=16, max_prefill_seqs=3,
+                      prefill_bucket=lambda n: 8 if n <= 8 else 16, prefill_rows=lambda n: 2 if n <= 2 else 3)
+    for i in range(3):
+        sched.add(SchedRequest(f"r{i}", [10 * i + j for j in range(6)], max_tokens=4))
+    assert [r.request_id for r in sched.schedule().prefill] == ["r0", "r1"]
 
 
 def test_a_prompt_longer_than_a_step_starts_in_the_rest_of_one_and_the_first_is_chunked():

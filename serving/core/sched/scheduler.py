@@ -241,6 +241,8 @@ class Scheduler:
       clock: seconds, monotonic (tests pass their own).
       prefill_bucket: the tokens a prefill step of n prompt tokens computes (the
         engine's token bucket, >= n and <= max_prefill_tokens); None: n (no padding).
+      prefill_rows: the rows a prefill step of n rows computes (the engine's row bucket);
+        None: a row costs nothing.
 
     Raises:
       ValueError: token_budget <= num_slots.
@@ -250,7 +252,8 @@ class Scheduler:
                  max_prefill_tokens: int, max_prefill_seqs: int = 1, watermark_pages: int | None = None,
                  speculative: SpeculativeConfig | None = None, starvation_preemptions: int | None = None,
                  starvation_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefill_bucket: Callable[[int], int] | None = None):
+                 prefill_bucket: Callable[[int], int] | None = None,
+                 prefill_rows: Callable[[int], int] | None = None):
         if token_budget < num_slots + 1:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.kv = kv
@@ -259,6 +262,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_seqs = max_prefill_seqs
         self.prefill_bucket = prefill_bucket
+        self.prefill_rows = prefill_rows
         self.speculative = speculative
         self.clock = clock
         self.starvation = StarvationGuard(starvation_preemptions, starvation_seconds, clock)
@@ -559,8 +563,11 @@ class Scheduler:
         ``budget``): its shape bucket's padding, which the engine computes anyway. A waiting
         prompt that :meth:`_would_split` holds back starts in it: its first chunk costs
         the step nothing and its last chunk, in the next step, is shorter (a 344-token
-        step padded to 512 fills the 168 tokens with the next prompt's first chunk)."""
-        if self.prefill_bucket is None:
+        step padded to 512 fills the 168 tokens with the next prompt's first chunk). 0 when
+        another row would take the step into a larger row bucket (``prefill_rows``)."""
+        rows = len(plan.prefill)
+        if self.prefill_bucket is None or (self.prefill_rows is not None
+                                           and self.prefill_rows(rows + 1) > self.prefill_rows(rows)):
             return 0
         tokens = sum(len(r.token_ids) for r in plan.prefill)
         return max(0, min(budget, self.prefill_bucket(tokens) - tokens))
