@@ -11,10 +11,10 @@ approach), so the number of compiled programs stays small:
     worth (64 in a prefill step) up to ``max_pages_per_seq``, covering the
     longest sequence in the step, so attention work follows the real context
     length.
-  * S: prefill rows, :data:`FEW_PREFILL_ROWS` for a step of that many prompts or
-    fewer, else ``max_prefill_seqs`` (at most ``max_slots``: each row is a running
-    request in its own slot). A step computes the LM head and samples at all S rows,
-    so a lone prompt does not pay for 32 rows of logits.
+  * S: prefill rows, ``max_prefill_seqs`` (at most ``max_slots``: each row is a
+    running request in its own slot); from 16 up, :data:`FEW_PREFILL_ROWS` for a
+    step of that many prompts or fewer. A step computes the LM head and samples at
+    all S rows, so a lone prompt does not pay for 32 rows of logits.
 """
 
 from __future__ import annotations
@@ -148,14 +148,18 @@ FEW_PREFILL_ROWS = 4
 """The smaller prefill row bucket (S). A prefill step computes the LM head at each of its
 S rows: for Gemma 3 270M (262,144 vocabulary entries) in bfloat16 on a 2-core CPU, 32
 rows of head took 125 ms of the 235 ms prefill of one 16-token prompt, 4 rows ~35 ms
-(benchmarks/RESULTS.md, issue 34). Two buckets, not one per power of two: each is
-another program per (T, P) to compile at warmup."""
+(benchmarks/RESULTS.md, issue 34). Two buckets, not one per power of two, and two only
+when ``max_prefill_seqs`` is at least 4x this: each bucket is another program per (T, P)
+to compile (~3 s each for Gemma 3 270M on that CPU), and a head of 8 rows costs little
+more than one of 4."""
 
 
 def prefill_rows_bucket(n: int, cfg: EngineConfig) -> int:
-    """Prefill row bucket (S) for a step of n rows: FEW_PREFILL_ROWS or max_prefill_seqs."""
-    few = min(FEW_PREFILL_ROWS, cfg.max_prefill_seqs)
-    return few if n <= few else cfg.max_prefill_seqs
+    """Prefill row bucket (S) for a step of n rows: FEW_PREFILL_ROWS (n <= it, and
+    max_prefill_seqs >= 4 x it) or max_prefill_seqs."""
+    if cfg.max_prefill_seqs < 4 * FEW_PREFILL_ROWS or n > FEW_PREFILL_ROWS:
+        return cfg.max_prefill_seqs
+    return FEW_PREFILL_ROWS
 
 
 def batch_bucket(n: int, cfg: EngineConfig) -> int:

@@ -66,10 +66,11 @@ def test_prefill_page_bucket_and_seqs_clamp():
     assert [prefill_page_bucket(n, cfg) for n in (1, 4, 5, 33, 64)] == [4, 4, 8, 64, 64]
     with pytest.raises(ValueError, match="max_prefill_seqs"):
         EngineConfig(max_prefill_seqs=0)
-    # Rows (S): a step of up to 4 prompts computes 4 rows of logits, more take all 8.
-    assert [prefill_rows_bucket(n, cfg) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
-    two = EngineConfig(max_slots=2, page_size=16, num_pages=64, max_model_len=1024)
-    assert [prefill_rows_bucket(n, two) for n in (1, 2)] == [2, 2]
+    # Rows (S): from 16 prompts a step, a step of up to 4 computes 4 rows of logits, more take
+    # all 16; below 16, one bucket (a program fewer per shape to compile).
+    wide = EngineConfig(max_slots=16, page_size=16, num_pages=64, max_model_len=1024)
+    assert [prefill_rows_bucket(n, wide) for n in (1, 4, 5, 16)] == [4, 4, 16, 16]
+    assert [prefill_rows_bucket(n, cfg) for n in (1, 4, 5, 8)] == [8, 8, 8, 8]
 
 
 # -- attention against the per-sequence reference -------------------------------------------

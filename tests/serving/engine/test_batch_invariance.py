@@ -197,10 +197,10 @@ def test_token_logits_and_kv_equal_across_chunking_and_decode_batches(tiny_bf16)
 
 
 def test_a_prompt_alone_and_packed_among_six_computes_the_same(tiny_bf16):
-    """A prompt prefilled alone (the 4-row bucket, S = 4) and as row 3 of 6 prompts (S = 8,
+    """A prompt prefilled alone (the 4-row bucket, S = 4) and as row 3 of 6 prompts (S = 16,
     ``prefill_rows_bucket``): bitwise the same logits and K/V."""
     graphdef, params, storage, cfg = tiny_bf16
-    engine = dataclasses.replace(ENGINE, max_slots=8, max_prefill_seqs=8)
+    engine = dataclasses.replace(ENGINE, max_slots=16, max_prefill_seqs=16)
     rng = np.random.default_rng(3)
     seq = [2] + rng.integers(3, cfg.vocab_size, 19).tolist()
     others = [[2] + rng.integers(3, cfg.vocab_size, 7).tolist() for _ in range(5)]
@@ -214,6 +214,6 @@ def test_a_prompt_alone_and_packed_among_six_computes_the_same(tiny_bf16):
     s_alone, alone_logits, alone_kv = run([row])
     packed = [PrefillRow(f"o{i}", i + 1, 0, tuple(o), (3 + i,), True) for i, o in enumerate(others)]
     s_packed, packed_logits, packed_kv = run(packed[:2] + [dataclasses.replace(row, slot=3)] + packed[2:])
-    assert (s_alone, s_packed) == (4, 8)
+    assert (s_alone, s_packed) == (4, 16)
     assert np.array_equal(np.asarray(packed_logits)[2], np.asarray(alone_logits)[0]), "logits"
     assert np.array_equal(_seq_kv(packed_kv, (1, 2), 20), _seq_kv(alone_kv, (1, 2), 20)), "K/V"

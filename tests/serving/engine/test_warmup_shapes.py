@@ -18,12 +18,12 @@ from tests.support.tiny_engine import make_loop
 
 def test_after_warmup_a_closed_loop_of_fresh_prompts_compiles_nothing():
     # 4-token pages: prefill page-table widths of 16 and 32 pages (64 and 128 tokens).
-    loop = make_loop(max_slots=8, page_size=4, num_pages=512, max_model_len=256, prefill_chunk=128,
+    loop = make_loop(max_slots=16, page_size=4, num_pages=512, max_model_len=256, prefill_chunk=128,
                      enable_prefix_caching=False)
     engine, sched, cfg = loop.engine, loop.scheduler, loop.cfg
     engine.warmup(decode=False)
     warm = {key for key in engine.compile_times if key[0] == "prefill"}
-    assert {key[3] for key in warm} == {4, 8}  # both row buckets
+    assert {key[3] for key in warm} == {4, 16}  # both row buckets
 
     rng = random.Random(0)
     lengths = [rng.randrange(5, 128) for _ in range(32)] + [rng.randrange(3, 12) for _ in range(8)]
@@ -32,7 +32,7 @@ def test_after_warmup_a_closed_loop_of_fresh_prompts_compiles_nothing():
     live: list[SchedRequest] = []
     seen, continued = set(), 0
     while waiting or live:
-        while waiting and len(live) < 8:  # a closed loop of 8 streams
+        while waiting and len(live) < 16:  # a closed loop of 16 streams
             live.append(waiting.pop())
             sched.add(live[-1])
         plan = sched.schedule()
@@ -49,4 +49,4 @@ def test_after_warmup_a_closed_loop_of_fresh_prompts_compiles_nothing():
                 sched.finish(req, reason)
         live = [r for r in live if r.status is not Status.FINISHED]
     assert continued > 0, "no prompt started in another step's padding: the test proves little"
-    assert {key[3] for key in seen} == {4, 8}
+    assert {key[3] for key in seen} == {4, 16}
