@@ -472,8 +472,8 @@ class Engine:
         packed up to ``max_prefill_seqs`` per step can reach, and (``decode``) every decode
         and verify (batch, page-table width) bucket, so no running stream stalls on a
         compile. Also the last chunk of a prompt of at most ``prefill_chunk`` tokens
-        that started in another step's bucket padding (``Scheduler._padding``): up to
-        4 rows of fewer tokens than the page-table width. Other later chunks (a prefix in
+        that started in another step's bucket padding (``Scheduler._padding``): fewer
+        tokens than the page-table width, in the fewest-rows bucket. Other later chunks (a prefix in
         the cache, a prompt longer than a chunk) compile on first use. Writes go to the
         null page 0 only, so the cache is unaffected.
         ``decode=False`` is for a replica that only computes prompts (``--role prefill``)."""
@@ -488,7 +488,7 @@ class Engine:
                     self.prefill([PrefillRow("warmup", i, 0, (0,) * n, null_pages, True, GREEDY)
                                   for i, n in enumerate(lens)])
             wider = {prefill_page_bucket(n, cfg) for n in range(1, chunk_pages + 1)} - widths
-            for P in sorted(wider):  # a last chunk of T tokens ending at P pages (4-row bucket)
+            for P in sorted(wider):  # a last chunk of T tokens ending at P pages (one row)
                 start = min(P * cfg.page_size, cfg.max_model_len) - T
                 self.prefill([PrefillRow("warmup", 0, start, (0,) * T, null_pages, True, GREEDY)])
             T *= 2
