@@ -36,3 +36,26 @@ def abstract_params(cfg: ModelConfig, dtype="float32", **kwargs) -> dict[str, tu
         out[".".join(map(str, path))] = (tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype),
                                          tuple(v.get_metadata()["logical_axes"]))
     return out
+
+
+def quantized_copy(model: nnx.Module, quantization: str = "int8") -> nnx.Module:
+    """The decoder ``model`` with its matmul weights in ``quantization`` (``model.layers.set_params``:
+    per-channel int8 from ``model``'s own values), as ``--quantization int8`` would load it.
+
+    The copy keeps ``model``'s config and dtype and shares its float32 lookup table
+    (``embed_lookup``) rather than holding a second one; every other parameter is new.
+
+    Raises:
+      ValueError: what ``build_model`` raises for it (int8 for a mixture of experts).
+    """
+    params = {}
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if len(path) != 1:
+            raise ValueError(f"quantized_copy needs a decoder of top-level parameters, found {path}")
+        if path[0] != "embed_lookup":
+            params[str(path[0])] = v.get_value()
+    copy = build_model(model.cfg, params=params, dtype=model.dtype, quantization=quantization)
+    shared = getattr(model, "embed_lookup", None)
+    if copy.embed_lookup is not None and shared is not None:
+        copy.embed_lookup = copy.embed_lookup.replace(shared.get_value())
+    return copy

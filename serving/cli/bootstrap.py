@@ -28,7 +28,7 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     enable_compilation_cache()
     t0 = time.perf_counter()
     model, tokenizer, mesh = load_for_serving(cfg)
-    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl)
+    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl, quantization=cfg.quantization)
     advice = policy.advice(cfg.dtype, cfg.quantization != "none")
     if advice:
         log.warning(advice)
@@ -152,7 +152,8 @@ def run_follower(cfg) -> int:
 
     model, _, mesh = load_for_serving(cfg)
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
-                    lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl))
+                    lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl,
+                                                           quantization=cfg.quantization))
     log.info("process %d following process 0's steps", jax.process_index())
     steps = engine.lockstep.follow(engine.run_published)
     log.info("process %d ran %d steps; leader stopped", jax.process_index(), steps)

@@ -30,8 +30,9 @@ _SETTINGS = [
     ("checkpoint", str, "orbax checkpoint directory (from xlaserve convert) instead of --model"),
     ("chat_template", str, "Jinja chat template FILE (or JSON with a chat_template field) served "
                            "instead of the model's own"),
-    ("quantization", str, "none | int8: int8 weights (layer matrices and output head) with float "
-                          "scales; GGUF Q8_0 blocks exactly"),
+    ("quantization", str, "none | int8 | auto: int8 weights (layer matrices and output head) with float "
+                          "scales, GGUF Q8_0 blocks exactly; auto: int8 for steps of few rows where this "
+                          "CPU runs them faster, the served dtype above (no batch invariance)"),
     ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams)"),
     ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),

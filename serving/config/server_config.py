@@ -103,8 +103,8 @@ class ServerConfig:
             raise ValueError("lora_modules need max_loras >= 1 (adapters resident on the device at once)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8"):  # model.quantization.QUANTIZATIONS (no JAX here)
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "auto"):  # model.quantization.QUANTIZATIONS + auto
+            raise ValueError(f"quantization must be none, int8 or auto, got {self.quantization!r}")
         if not self.host_kv_cache_gib >= 0:
             raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib!r}")
         if self.host_kv_cache_gib and not self.enable_prefix_caching:

@@ -33,6 +33,12 @@ piece what it needs:
                                   32; converting int8 inside the dot    scales)
                                   runs the head 3-6x slower; GGUF
                                   block scales requantized per channel
+    int8 weights by row count     steps of up to 2 token rows (int8x2   0: the served dtype always
+      (--quantization auto)       won at 1-2 rows and lost from 8 on    (not measured yet)
+                                  an AVX512_BF16 EPYC and on an AVX2
+                                  one), 32 with AMX (int8x2 faster at
+                                  every count measured, up to 32);
+                                  batch invariance off
 
 Batch invariance: in a low-precision serving dtype the RMSNorm means and the
 attention softmax sums run in the fixed order of ``kernels_pallas.ordered_sum``
@@ -49,7 +55,14 @@ with its batch); the "dequantize" dot is a plain dot of the dtype's.
 
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
-the MoE threshold). The accelerator column is the plain path, pending
+the MoE threshold; ``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-05).
+
+int8 weights by row count (``--quantization auto``): the engine holds the served
+weights and an int8 copy (``model.factory.quantized_copy``) and runs a step of at
+most ``int8_max_rows`` token rows (decode: its batch rows; prefill and verify: its
+tokens) with the int8 one, where a few-row int8 dot reads half the bytes and this
+CPU's bf16 dot of few rows runs far below its memory bandwidth. A request's tokens
+then depend on how many rows share its step, so batch invariance is off with it. The accelerator column is the plain path, pending
 measurements on real hardware (``benchmarks/device.sh``).
 """
 
@@ -74,6 +87,8 @@ CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
 CPU_WIDENED_BF16_DOT_ROWS = DotRows(min_rows=2, tile=16)
+CPU_INT8_MAX_ROWS = 2
+CPU_AMX_INT8_MAX_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +112,8 @@ class BackendPolicy:
       quantized_dot: how a dot with an int8 weight runs, "int8x2", "int8" or
         "dequantize" (``model.quantization``); with the int8 ones,
         :meth:`store_params` requantizes block-scaled weights per channel.
+      int8_max_rows: steps of at most this many token rows run int8 weights
+        (``--quantization auto``, :meth:`int8_rows_for`); 0: every step runs the served ones.
       lora_onehot_max_columns: the LoRA update runs as the one-hot einsum while
         slots x rank is at most this, else as a gather (:meth:`lora_formulation`).
       cpu: the host CPU's features the CPU entries were chosen by (None off the CPU).
@@ -113,6 +130,7 @@ class BackendPolicy:
     batch_invariant: bool = False
     invariant_dot_rows: DotRows = DotRows()
     quantized_dot: str = "dequantize"
+    int8_max_rows: int = 0
     lora_onehot_max_columns: int = 256
     cpu: CpuFeatures | None = None
 
@@ -125,7 +143,8 @@ class BackendPolicy:
     @classmethod
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
                      moe_impl: str = "auto", batch_invariant: bool | None = None,
-                     quantized_dot: str = "auto", cpu: CpuFeatures | None = None) -> "BackendPolicy":
+                     quantized_dot: str = "auto", cpu: CpuFeatures | None = None,
+                     quantization: str = "none") -> "BackendPolicy":
         """The policy for a platform.
 
         Args:
@@ -138,9 +157,12 @@ class BackendPolicy:
             (benchmarks compare them).
           cpu: the CPU's features, for the "cpu" platform (default: this host's,
             ``cpu_features.host_cpu``).
+          quantization: the server's ``--quantization``: "auto" sets ``int8_max_rows``
+            (:meth:`int8_rows_for`) and, where that is above 0, batch invariance off.
 
         Raises:
-          ValueError: an unknown platform, attention_impl, moe_impl or quantized_dot.
+          ValueError: an unknown platform, attention_impl, moe_impl, quantized_dot or
+            quantization; batch invariance asked for with int8 weights by row count.
         """
         platform = "gpu" if platform in ("cuda", "rocm") else platform
         if platform not in PLATFORMS:
@@ -152,21 +174,37 @@ class BackendPolicy:
                              f"got {quantized_dot!r}")
         if quantized_dot == "auto":
             quantized_dot = "int8x2" if platform == "cpu" else "dequantize"
+        if quantization not in ("none", "int8", "auto"):
+            raise ValueError(f"quantization must be none, int8 or auto, got {quantization!r}")
         attention = select_attention(attention_impl, platform)
+        if platform == "cpu":
+            cpu = cpu or host_cpu()
+        int8_rows = cls.int8_rows_for(platform, cpu) if quantization == "auto" else 0
+        if int8_rows and batch_invariant:
+            raise ValueError("batch invariance needs one weight format for every step "
+                             "(quantization none or int8, not auto)")
         if batch_invariant is None:
-            batch_invariant = attention.kernel == "xla"
+            batch_invariant = attention.kernel == "xla" and not int8_rows
         elif batch_invariant and attention.kernel != "xla":
             raise ValueError("batch invariance needs attention_impl xla (or auto)")
         if platform == "cpu":
-            cpu = cpu or host_cpu()
             dot_rows = CPU_INVARIANT_DOT_ROWS if cpu.bf16_dot else CPU_WIDENED_BF16_DOT_ROWS
             return cls(platform, pad_single_row=True, argmax_block=CPU_ARGMAX_BLOCK,
                        attention=attention, moe_impl=moe_impl,
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
                        batch_invariant=batch_invariant, invariant_dot_rows=dot_rows,
-                       quantized_dot=quantized_dot, cpu=cpu)
+                       quantized_dot=quantized_dot, int8_max_rows=int8_rows, cpu=cpu)
         return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant,
-                   quantized_dot=quantized_dot)
+                   quantized_dot=quantized_dot, int8_max_rows=int8_rows)
+
+    @staticmethod
+    def int8_rows_for(platform: str, cpu: CpuFeatures | None) -> int:
+        """The most token rows of a step that runs int8 weights under ``--quantization auto``
+        (the table above; 0: none): where int8x2 beat the bf16 dot in
+        ``benchmarks.quantized_dot`` and a decode step (benchmarks/RESULTS.md)."""
+        if platform != "cpu" or cpu is None:
+            return 0
+        return CPU_AMX_INT8_MAX_ROWS if cpu.amx else CPU_INT8_MAX_ROWS
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
@@ -180,12 +218,15 @@ class BackendPolicy:
 
     def advice(self, dtype, quantized: bool) -> str | None:
         """A line for the operator when the served format is slow on this machine, else None:
-        a bfloat16 model without ``--quantization int8`` on a CPU with no native bf16 dot
-        (there int8 weights decode one stream ~1.8x faster; benchmarks/RESULTS.md, 2026-12-05)."""
+        a bfloat16 model without ``--quantization int8`` or ``auto`` on a CPU with no native
+        bf16 dot (there int8 weights decode one stream ~1.8x faster; benchmarks/RESULTS.md,
+        2026-12-05)."""
         if self.cpu is None or self.cpu.bf16_dot or quantized or jnp.dtype(dtype) != jnp.bfloat16:
             return None
         return ("this CPU has no native bfloat16 dot (%s): bf16 matmuls are widened on the fly; "
-                "--quantization int8 decodes a stream ~1.8x faster here" % self.cpu.describe())
+                "--quantization int8 decodes a stream ~1.8x faster here (--quantization auto: int8 "
+                "weights for steps of up to %d rows only)"
+                % (self.cpu.describe(), self.int8_rows_for("cpu", self.cpu)))
 
     # -- what the pieces receive ------------------------------------------------------
 

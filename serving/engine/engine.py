@@ -62,6 +62,12 @@ base rows. The backend policy picks the update's formulation
 projections they adapt (``sharding.placement.lora_shardings``); multi-host engines and
 mixtures of experts refuse LoRA.
 
+int8 weights by row count (the policy's ``int8_max_rows``, ``--quantization auto``): the
+engine also holds an int8 copy of the weights (``model.factory.quantized_copy``) with its own
+jitted steps, and a step of at most that many token rows (:meth:`Engine.weights_for`) runs
+with it. The choice is a function of the step's shape, so each shape still compiles one
+program; the KV cache and the state are the same for both.
+
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
 processes run the same step from what they receive (:meth:`Engine.run_published`),
@@ -292,23 +298,46 @@ class Engine:
                 self.lora_stacks = jax.device_put(self.lora_stacks, self._lora_shardings)
             compute = dataclasses.replace(compute, lora=self.policy.lora_formulation(
                 cfg.max_loras + 1, cfg.max_lora_rank))
-        jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
-        self._steps = {
-            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, self.policy.argmax_block)),
-            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute,
-                                                      self.policy.argmax_block)),
-            "decode": jit(functools.partial(_decode_step, graphdef, compute, self.policy.argmax_block)),
-        }
-        if cfg.speculative is not None:
-            self._steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
-                                                          cfg.speculative.num_tokens))
+        self._steps = self._jit_steps(graphdef, compute, out_shardings)
+        self._int8 = None  # (steps, params) of the int8 copy (--quantization auto)
+        if self.policy.int8_max_rows:
+            from model.factory import quantized_copy
+
+            qgraphdef, qparams = nnx.split(quantized_copy(model))
+            if mesh is not None:
+                qparams = place_params(qparams, mesh, rules)
+            self._int8 = (self._jit_steps(qgraphdef, compute, out_shardings), self.policy.store_params(qparams))
+            log.info("int8 weights for steps of up to %d token rows, %s above",
+                     self.policy.int8_max_rows, jnp.dtype(model.dtype).name)
         self._treedefs = {kind: verify_treedef() if kind == "verify" else batch_treedef(kind)
                           for kind in self._steps}
         self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
+
+    def _jit_steps(self, graphdef, compute: Compute, out_shardings) -> dict:
+        """The step functions of one model graph, jitted with ``state`` donated."""
+        jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
+        block = self.policy.argmax_block
+        steps = {
+            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, block)),
+            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute, block)),
+            "decode": jit(functools.partial(_decode_step, graphdef, compute, block)),
+        }
+        if self.cfg.speculative is not None:
+            steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, block,
+                                                    self.cfg.speculative.num_tokens))
+        return steps
+
+    def weights_for(self, batch: StepBatch) -> str:
+        """Which weights run ``batch``: "int8" for a step of at most the policy's
+        ``int8_max_rows`` token rows when the engine holds an int8 copy, else "served"."""
+        if self._int8 is None:
+            return "served"
+        rows = batch.slot_ids.shape[0] if batch.kind == "decode" else batch.tokens.shape[0]
+        return "int8" if rows <= self.policy.int8_max_rows else "served"
 
     @property
     def kv_cache(self) -> KVCache:
@@ -453,11 +482,12 @@ class Engine:
         key = batch.shape_key
         t0 = time.perf_counter()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        steps, params = self._int8 if self.weights_for(batch) == "int8" else (self._steps, self.params)
         with ctx:
             if batch.kind == "verify":
-                self.state, out = self._steps[batch.kind](self.params, self.state, batch)
+                self.state, out = steps[batch.kind](params, self.state, batch)
             else:
-                self.state, out = self._steps[batch.kind](self.params, self.state, batch, self.lora_stacks)
+                self.state, out = steps[batch.kind](params, self.state, batch, self.lora_stacks)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
             # persistent-cache hit); dispatch of later calls is asynchronous.

@@ -38,7 +38,7 @@ def load_for_serving(cfg):
     mesh = build_mesh(mesh_cfg) if mesh_cfg is not None and mesh_cfg.size > 1 else None
     if not cfg.checkpoint:
         model, tok = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, revision=cfg.revision,
-                                chat_template=cfg.chat_template, quantization=cfg.quantization)
+                                chat_template=cfg.chat_template, quantization=loaded_quantization(cfg))
         if mesh_cfg is not None:
             log.info("serving %s on mesh %s (%d devices)", model.cfg.name, mesh_cfg, mesh_cfg.size)
         return model, tok, mesh
@@ -54,12 +54,18 @@ def load_for_serving(cfg):
     # Restored as stored (float32), each device reading its own shard; cast after.
     targets = abstract_targets(abstract_params(mcfg, "float32"), mesh, ShardingRules.default())
     params = restore_params(cfg.checkpoint, targets)
-    model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype), quantization=cfg.quantization)
+    model = build_model(mcfg, params=params, dtype=jnp.dtype(cfg.dtype), quantization=loaded_quantization(cfg))
     tok = checkpoint_tokenizer(cfg.checkpoint, mcfg.vocab_size, tokenizer_model(cfg.checkpoint),
                                cfg.chat_template)
     log.info("restored %s from %s onto mesh %s in %.1f s", mcfg.name, cfg.checkpoint,
              mesh_cfg or "1x1x1", time.perf_counter() - t0)
     return model, tok, mesh
+
+
+def loaded_quantization(cfg) -> str:
+    """The weights the model is loaded in: ``--quantization``, except that "auto" loads the
+    served dtype (the engine adds the int8 copy it runs few-row steps with)."""
+    return "none" if cfg.quantization == "auto" else cfg.quantization
 
 
 def checkpoint_tokenizer(ckpt_dir, vocab_size: int, spm: bytes | None, override_file=None):

@@ -161,7 +161,7 @@ def test_bad_quantization_values_are_clear_errors(tmp_path, capsys):
     from serving.cli.main import main
     from serving.config.server_config import ServerConfig
 
-    with pytest.raises(ValueError, match="quantization must be none or int8, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be none, int8 or auto, got 'int4'"):
         ServerConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
         build_model(_tiny("tiny-random"), rngs=nnx.Rngs(0), quantization="fp8")
@@ -175,7 +175,7 @@ def test_bad_quantization_values_are_clear_errors(tmp_path, capsys):
         load_gguf(tmp_path / "none.gguf", quantization="q4")
     # the CLI: a one-line error and exit status 2 before anything loads
     assert main(["generate", "hi", "--model", "tiny-random", "--quantization", "int4"]) == 2
-    assert "quantization must be none or int8, got 'int4'" in capsys.readouterr().err
+    assert "quantization must be none, int8 or auto, got 'int4'" in capsys.readouterr().err
 
 
 # -- GGUF blocks ---------------------------------------------------------------------------
