@@ -33,12 +33,15 @@ piece what it needs:
                                   32; converting int8 inside the dot    scales)
                                   runs the head 3-6x slower; GGUF
                                   block scales requantized per channel
-    int8 weights by row count     steps of up to 2 token rows (int8x2   0: the served dtype always
-      (--quantization auto)       won at 1-2 rows and lost from 8 on    (not measured yet)
-                                  an AVX512_BF16 EPYC and on an AVX2
-                                  one), 32 with AMX (int8x2 faster at
-                                  every count measured, up to 32);
-                                  batch invariance off
+    int8 weights by row count     steps of up to: 8 token rows where    0: the served dtype always
+      (--quantization auto)       bf16 dots are widened (AVX2 EPYC:     (not measured yet)
+                                  int8 decode steps 1.2-2.2x faster at
+                                  1-8 rows, even at 16, 0.92x at 32);
+                                  2 with native bf16 dots (AVX512_BF16
+                                  EPYC: the int8x2 dot won at 1-2
+                                  rows, even at 8); 32 with AMX (faster
+                                  at every count measured); batch
+                                  invariance off
 
 Batch invariance: in a low-precision serving dtype the RMSNorm means and the
 attention softmax sums run in the fixed order of ``kernels_pallas.ordered_sum``
@@ -55,7 +58,8 @@ with its batch); the "dequantize" dot is a plain dot of the dtype's.
 
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
-the MoE threshold; ``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-05).
+the MoE threshold; ``python -m benchmarks.engine --quantization none int8`` and
+``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-02 and 2026-12-05).
 
 int8 weights by row count (``--quantization auto``): the engine holds the served
 weights and an int8 copy (``model.factory.quantized_copy``) and runs a step of at
@@ -87,7 +91,8 @@ CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
 CPU_WIDENED_BF16_DOT_ROWS = DotRows(min_rows=2, tile=16)
-CPU_INT8_MAX_ROWS = 2
+CPU_WIDENED_BF16_INT8_MAX_ROWS = 8
+CPU_BF16_DOT_INT8_MAX_ROWS = 2
 CPU_AMX_INT8_MAX_ROWS = 32
 
 
@@ -201,10 +206,13 @@ class BackendPolicy:
     def int8_rows_for(platform: str, cpu: CpuFeatures | None) -> int:
         """The most token rows of a step that runs int8 weights under ``--quantization auto``
         (the table above; 0: none): where int8x2 beat the bf16 dot in
-        ``benchmarks.quantized_dot`` and a decode step (benchmarks/RESULTS.md)."""
+        ``benchmarks.engine``'s decode steps or ``benchmarks.quantized_dot``'s dots
+        (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-05)."""
         if platform != "cpu" or cpu is None:
             return 0
-        return CPU_AMX_INT8_MAX_ROWS if cpu.amx else CPU_INT8_MAX_ROWS
+        if cpu.amx:
+            return CPU_AMX_INT8_MAX_ROWS
+        return CPU_BF16_DOT_INT8_MAX_ROWS if cpu.bf16_dot else CPU_WIDENED_BF16_INT8_MAX_ROWS
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
