@@ -6,6 +6,7 @@ and every larger step with the served ones, bitwise as an engine of either forma
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +112,17 @@ def test_few_row_steps_run_the_int8_copy_and_larger_ones_the_served_weights():
     assert not _same(got, by_int8)
     # one program per shape, of the format its rows pick
     assert sorted(k[:2] for k in auto.compile_times) == [("decode", 1), ("decode", 4), ("prefill", 16)]
+
+
+def test_generate_with_auto_runs_its_decode_steps_on_the_int8_copy(caplog):
+    """The CLI path: the setting reaches the policy (bootstrap), the model loads in the served
+    dtype (mesh loader), and the engine builds its int8 copy and decodes one row with it."""
+    from serving.cli.main import main
+
+    caplog.set_level(logging.INFO)
+    assert main(["generate", "hi", "--model", "tiny-random", "--quantization", "auto",
+                 "--max-tokens", "3", "--max-slots", "2", "--num-pages", "32", "--max-model-len", "128"]) == 0
+    err = caplog.text
+    rows = BackendPolicy.for_platform("cpu", quantization="auto").int8_max_rows
+    assert f"int8 weights for steps of up to {rows} token rows, bfloat16 above" in err
+    assert "compiled ('decode', 1," in err
