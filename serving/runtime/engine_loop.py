@@ -98,7 +98,8 @@ from serving.contract.tokenizer_protocol import TextTokenizer
 from serving.core.kv.host_kv_cache import HostKVCache
 from serving.core.kv.kv_cache_manager import KVCacheManager
 from serving.core.kv.kv_events import KvEventJournal
-from serving.core.sched.scheduler import PRIORITIES, SchedRequest, Scheduler, Status
+from serving.core.sched.sched_request import PRIORITIES, SchedRequest, Status
+from serving.core.sched.scheduler import Scheduler
 from serving.engine.engine import Engine
 from serving.engine.lora_registry import LoraRegistry
 from serving.engine.verify_step import VerifyOutput

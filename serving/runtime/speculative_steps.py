@@ -23,7 +23,7 @@ import logging
 
 import numpy as np
 
-from serving.core.sched.scheduler import Status
+from serving.core.sched.sched_request import Status
 from serving.core.sched.step_plan import StepPlan
 from serving.engine.sample.logprobs import HostLogprobs
 from serving.engine.verify_step import VerifyOutput

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from serving.core.sched.scheduler import Status
+from serving.core.sched.sched_request import Status
 from serving.core.sched.step_plan import StepPlan
 from serving.engine.sample.logprobs import HostLogprobs, PromptLogprobs
 from serving.engine.verify_step import VerifyOutput

@@ -20,7 +20,8 @@ from kernels_pallas.dot_rows import DotRows
 from kernels_pallas.paged_attention_xla import paged_prefill_attention_xla, prefill_query_blocks
 from serving.config.engine_config import EngineConfig, prefill_page_bucket, prefill_rows_bucket
 from serving.core.kv.kv_cache_manager import KVCacheManager
-from serving.core.sched.scheduler import SchedRequest, Scheduler
+from serving.core.sched.sched_request import SchedRequest
+from serving.core.sched.scheduler import Scheduler
 from tests.support.paged_attention_harness import SCALE, P, PagedCache, S, T, _i32, _round, run_prefill
 
 CPU_DOT_ROWS = DotRows(min_rows=4, tile=16)  # serving.engine.backend_policy's on the AMX test machine

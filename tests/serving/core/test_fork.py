@@ -13,7 +13,8 @@ import random
 import pytest
 
 from serving.core.kv.kv_cache_manager import KVCacheManager, PageCopy
-from serving.core.sched.scheduler import SchedRequest, Scheduler, Status
+from serving.core.sched.sched_request import SchedRequest, Status
+from serving.core.sched.scheduler import Scheduler
 from serving.core.sched.step_plan import SamplingSettings, StepPlan
 
 VOCAB = 61

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.core.kv.kv_cache_manager import NO_HIT, KVCacheManager
-from serving.core.sched.scheduler import BATCH, INTERACTIVE, SchedRequest, Scheduler, Status
+from serving.core.sched.sched_request import BATCH, INTERACTIVE, SchedRequest, Status
+from serving.core.sched.scheduler import Scheduler
 from serving.core.sched.step_plan import SamplingSettings, StepPlan
 
 VOCAB = 61

@@ -7,7 +7,8 @@ plan, so preemption never waits for in-flight tokens.
 from __future__ import annotations
 
 from serving.core.kv.kv_cache_manager import KVCacheManager
-from serving.core.sched.scheduler import BATCH, INTERACTIVE, PRIORITIES, PRIORITY, SchedRequest, Scheduler, Status
+from serving.core.sched.sched_request import BATCH, INTERACTIVE, PRIORITIES, PRIORITY, SchedRequest, Status
+from serving.core.sched.scheduler import Scheduler
 
 
 class Clock:

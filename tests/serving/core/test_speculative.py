@@ -13,7 +13,8 @@ import pytest
 from serving.config.server_config import ServerConfig
 from serving.config.speculative_config import SpeculativeConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager
-from serving.core.sched.scheduler import SchedRequest, Scheduler, Status
+from serving.core.sched.sched_request import SchedRequest, Status
+from serving.core.sched.scheduler import Scheduler
 from serving.core.sched.speculative import accepted_count, may_speculate, propose_ngram
 from serving.core.sched.step_plan import SamplingSettings, StepPlan
 

@@ -16,7 +16,8 @@ from model.safetensors_loader import load_hf_checkpoint
 from model.vision_loader import load_vision_tower
 from serving.config.engine_config import EngineConfig
 from serving.contract.engine_client import EngineRequest, ImageInput, RequestRejectedError, SamplingParams
-from serving.core.sched.scheduler import SchedRequest, Scheduler
+from serving.core.sched.sched_request import SchedRequest
+from serving.core.sched.scheduler import Scheduler
 from serving.engine.engine import Engine
 from serving.gateway.media.image_processing import pixel_digest
 from serving.runtime import sampling_request

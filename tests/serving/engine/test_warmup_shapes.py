@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from serving.core.sched.scheduler import SchedRequest, Status
+from serving.core.sched.sched_request import SchedRequest, Status
 from serving.engine.step_batch import PrefillBatch
 from tests.support.tiny_engine import make_loop
 
