@@ -60,14 +60,15 @@ The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
 the MoE threshold; ``python -m benchmarks.engine --quantization none int8`` and
 ``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-02 and 2026-12-05).
+The accelerator column is the plain path, pending measurements on real hardware
+(``benchmarks/device.sh``).
 
 int8 weights by row count (``--quantization auto``): the engine holds the served
 weights and an int8 copy (``model.factory.quantized_copy``) and runs a step of at
 most ``int8_max_rows`` token rows (decode: its batch rows; prefill and verify: its
-tokens) with the int8 one, where a few-row int8 dot reads half the bytes and this
+tokens) with the int8 one, where a few-row int8 dot reads half the bytes and the
 CPU's bf16 dot of few rows runs far below its memory bandwidth. A request's tokens
-then depend on how many rows share its step, so batch invariance is off with it. The accelerator column is the plain path, pending
-measurements on real hardware (``benchmarks/device.sh``).
+then depend on how many rows share its step, so batch invariance is off with it.
 """
 
 from __future__ import annotations
