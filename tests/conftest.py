@@ -95,7 +95,7 @@ def tiny_server(tmp_path_factory):
     from tests.support.server_process import TINY_SERVER_ARGS, serve_process
 
     tmp = tmp_path_factory.mktemp("tiny_server")
-    with serve_process(TINY_SERVER_ARGS, tmp / "server.log") as (_, url, log):
+    with serve_process([*TINY_SERVER_ARGS, "--skip-warmup"], tmp / "server.log") as (_, url, log):
         yield url
         log.seek(0)
         assert "Traceback" not in log.read()

@@ -83,6 +83,8 @@ def register(sub) -> None:
     _add_settings(engine)
     engine.add_argument("--grpc-port", type=int, required=True, help="port of the engine service (0: any free one)")
     engine.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    engine.add_argument("--skip-warmup", action="store_true",
+                        help="serve without compiling the common step shapes first (as for serve)")
     engine.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
                         help="both (default): computes prompts and decodes; prefill: computes prompts and "
                         "hands their KV pages to a decode replica; decode: pulls them, then decodes "
@@ -126,7 +128,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.role == "decode" and cfg.enable_prefix_caching is False:
         raise ValueError("--role decode needs the prefix cache: received KV pages enter it")
     # A prefill replica's requests end at their first token: its decode programs compile on first use.
-    loop, tokenizer, name = build_engine(cfg, warmup_decode=args.role != "prefill")
+    loop, tokenizer, name = build_engine(cfg, warmup=not args.skip_warmup, warmup_decode=args.role != "prefill")
     if loop.engine.lockstep is None:
         from serving.replica.kv_connector import KvConnector
         from serving.replica.kv_transport import Transport, resolve

@@ -55,6 +55,10 @@ def register(sub) -> None:
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        default=None, help="turn the automatic prefix cache off")
+    serve.add_argument("--skip-warmup", action="store_true",
+                       help="serve without compiling the common step shapes first: each compiles "
+                            "(or loads from the compilation cache) at its first use, stalling that "
+                            "step's streams; for development and tests")
     serve.add_argument("--database-url", help="SQLAlchemy URL of the keys + usage ledger "
                        "(default: $XLASERVE_DATABASE_URL, else SQLite under the data dir)")
     serve.add_argument("--ledger-spool-dir", help="where usage rows wait, fsynced, while the ledger "
@@ -215,7 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         task = "generate" if args.engines else resolve_task(cfg.task, cfg.model, cfg.revision)
         if task == "embed":
-            loop, served = _embedding_model(cfg)
+            loop, served = _embedding_model(cfg, warmup=not args.skip_warmup)
             return _run_gateway(args, cfg, services, {served.name: served}, loop)
         if args.engines:  # a gateway over remote replicas: no weights here
             engine, tokenizer, name, _ = build_router(
@@ -224,7 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 region=args.region, overload_per_slot=args.router_overload_per_slot,
                 security=client_security(args))
         else:
-            loop, tokenizer, name = build_engine(cfg)
+            loop, tokenizer, name = build_engine(cfg, warmup=not args.skip_warmup)
             engine = loop
         name = cfg.served_model_name or name
         tool_parser = pick_tool_call_parser(tokenizer, cfg.tool_call_parser)
@@ -245,12 +249,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         services.close()
 
 
-def _embedding_model(cfg):
-    """The embedding loop and the ServedModel of ``--task embed``."""
+def _embedding_model(cfg, warmup: bool = True):
+    """The embedding loop and the ServedModel of ``--task embed`` (``warmup``: compile first)."""
     from serving.cli.bootstrap import build_embedding_engine
     from serving.gateway.app import ServedModel
 
-    loop, tokenizer, name, head = build_embedding_engine(cfg)
+    loop, tokenizer, name, head = build_embedding_engine(cfg, warmup=warmup)
     name = cfg.served_model_name or name
     return loop, ServedModel(name=name, engine=loop, tokenizer=tokenizer, max_model_len=loop.max_model_len,
                              task="embed", embedding_dim=head.dim, matryoshka_dims=head.matryoshka_dims,

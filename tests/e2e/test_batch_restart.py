@@ -65,7 +65,7 @@ def _kill_while_an_attempt_runs(proc, db: str) -> None:
 def test_a_killed_server_resumes_its_batch_exactly_once(tmp_path):
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     args = [*TINY_SERVER_ARGS, "--database-url", db, "--batch-lease-seconds", "2",
-            "--batch-concurrency", "2"]
+            "--batch-concurrency", "2", "--skip-warmup"]
     lines = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": {"model": "tiny-random", "max_tokens": 160, "temperature": 0,
                                          "ignore_eos": True,

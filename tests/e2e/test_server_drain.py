@@ -14,7 +14,7 @@ from tests.support.server_process import TINY_SERVER_ARGS, serve_process
 
 @pytest.fixture
 def tiny_server(tmp_path):
-    with serve_process(TINY_SERVER_ARGS + ["--drain-timeout", "60"], tmp_path / "server.log") as running:
+    with serve_process(TINY_SERVER_ARGS + ["--drain-timeout", "60", "--skip-warmup"], tmp_path / "server.log") as running:
         yield running
 
 

@@ -20,9 +20,10 @@ from serving.rpc.remote_engine import CHANNEL_OPTIONS
 from tests.support.server_process import free_port
 
 # TINY_SERVER_ARGS' pool and slots (their compiled programs are reused: only decode widths past
-# 512 tokens are new), a context for a 1024-token prefix and a long stream.
+# 512 tokens are new), a context for a 1024-token prefix and a long stream. No warmup: a replica
+# compiles (or loads from the compilation cache) only the shapes its test reaches.
 ENGINE_ARGS = ["--model", "tiny-random", "--max-model-len", "2048", "--max-slots", "4", "--num-pages", "256",
-               "--min-decode-batch", "4"]
+               "--min-decode-batch", "4", "--skip-warmup"]
 
 
 STARTUP_TIMEOUT_S = 240
