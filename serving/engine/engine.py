@@ -306,6 +306,8 @@ class Engine:
 
             qgraphdef, qparams = nnx.split(quantized_copy(model))
             if mesh is not None:
+                from sharding.placement import place_params
+
                 qparams = place_params(qparams, mesh, rules)
             self._int8 = (self._jit_steps(qgraphdef, compute, out_shardings), self.policy.store_params(qparams))
             log.info("int8 weights for steps of up to %d token rows, %s above",
@@ -333,7 +335,8 @@ class Engine:
 
     def weights_for(self, batch: StepBatch) -> str:
         """Which weights run ``batch``: "int8" for a step of at most the policy's
-        ``int8_max_rows`` token rows when the engine holds an int8 copy, else "served"."""
+        ``int8_max_rows`` token rows (a decode batch's rows B, a prefill's or verify's tokens T)
+        when the engine holds an int8 copy, else "served". Depends only on the batch's shapes."""
         if self._int8 is None:
             return "served"
         rows = batch.slot_ids.shape[0] if batch.kind == "decode" else batch.tokens.shape[0]

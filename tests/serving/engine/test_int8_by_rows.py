@@ -82,8 +82,8 @@ def _same(a, b) -> bool:
 
 def test_few_row_steps_run_the_int8_copy_and_larger_ones_the_served_weights():
     """int8 up to 2 rows: one prompt prefilled (16 tokens: served weights), then decoded alone
-    (1 row: int8) and as 4 rows (bucket 4: served). Each step equals, bitwise, the same step of an engine that
-    holds only that format, fed the same KV cache."""
+    (1 row: int8) and as 4 rows (bucket 4: served). Each step equals, bitwise, the same step
+    of an engine that holds only that format, fed the same KV cache."""
     model = Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     policy = BackendPolicy.for_platform("cpu", cpu=ZEN4, quantization="auto")
     single = dataclasses.replace(policy, int8_max_rows=0)  # the same compute, one format
