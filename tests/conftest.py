@@ -25,6 +25,21 @@ os.environ.setdefault(
 collect_ignore = [] if os.environ.get("XLASERVE_SHARDING_TESTS") == "1" else ["sharding/multidevice"]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (README's test command runs two workers), each worker gets a PostgreSQL
+    database of its own in the cluster ``XLASERVE_TEST_DATABASE_URL`` names (``.ci/run`` starts
+    one): the ledger tests drop their tables. Ports are free loopback ports and scratch
+    directories pytest's per-worker ``tmp_path``; the caches under the data dir are shared and
+    written atomically (a partial XLA cache entry is recompiled, not trusted)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    url = os.environ.get("XLASERVE_TEST_DATABASE_URL")
+    if worker and url and not os.environ.get("XLASERVE_TEST_DATABASE_WORKER"):
+        from tests.support.postgres_process import worker_database_url
+
+        os.environ["XLASERVE_TEST_DATABASE_URL"] = worker_database_url(url, worker)
+        os.environ["XLASERVE_TEST_DATABASE_WORKER"] = worker
+
+
 @pytest.fixture(scope="session")
 def gemma_gguf_path():
     """Path of the real Gemma 3 270M GGUF (assembled by its PyPI package, a hard dependency)."""

@@ -31,10 +31,11 @@ from serving.rpc.channel_security import PLAIN, ClientSecurity, open_channel
 from serving.rpc.remote_engine import CHANNEL_OPTIONS
 from tests.support.engine_helpers import agree_until_near_tie
 from tests.support.engine_port_certs import make_port_files
+from tests.support.gemma_engine import SERVER_ARGS as GEMMA_SERVER_ARGS
 from tests.support.replica_processes import ENGINE_ARGS, start_engine, trace, wait_for, wait_healthy
 from tests.support.server_process import serve_process
 
-GEMMA_ARGS = ["--max-slots", "8", "--num-pages", "1024", "--max-model-len", "2048", "--dtype", "float32"]
+GEMMA_ARGS = [*GEMMA_SERVER_ARGS, "--dtype", "float32"]  # the Gemma tests' shape family
 PAGE_SIZE = 16  # the default
 CHUNK_PAGES = 16  # --kv-chunk-pages' default
 

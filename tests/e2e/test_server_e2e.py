@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.gemma_engine import SERVER_ARGS as GEMMA_SERVER_ARGS
 from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.gemma
@@ -83,9 +84,8 @@ def server(tmp_path_factory) -> ServerProcess:
     log_path = tmp / "server.log"
     cmd = [
         sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve",
-        "--port", str(port), "--max-slots", "8", "--num-pages", "1024",
-        "--max-model-len", str(MAX_MODEL_LEN), "--database-url", f"sqlite:///{tmp / 'ledger.db'}",
-        "--dtype", "float32",  # the golden checks below are float32 claims (bf16: test_engine_gemma)
+        "--port", str(port), *GEMMA_SERVER_ARGS, "--database-url", f"sqlite:///{tmp / 'ledger.db'}",
+        "--dtype", "float32",  # the golden checks below are float32 claims (bf16: test_engine_gemma_bf16)
     ]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=dict(os.environ),

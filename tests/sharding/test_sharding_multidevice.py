@@ -27,6 +27,7 @@ def test_sharding_suite_on_8_cpu_devices():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["XLASERVE_SHARDING_TESTS"] = "1"
     env["JAX_PLATFORMS"] = "cpu"
+    env.pop("PYTEST_ADDOPTS", None)  # one process: the 8 fake devices are its parallelism
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sharding/multidevice"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

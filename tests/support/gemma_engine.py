@@ -13,6 +13,14 @@ from serving.runtime.engine_loop import EngineLoop
 # bucket of 8 rows, so alone and batched runs share their compiled programs.
 CFG = EngineConfig(max_slots=8, num_pages=768, max_model_len=2048, prefill_chunk=256, min_decode_batch=8)
 
+# CFG as ``xlaserve serve`` / ``engine`` flags, for the Gemma servers of tests/e2e: one shape family
+# for every Gemma test, so a program one test compiled is loaded from the persistent compilation
+# cache by the others (in-process engines and servers alike). ``--skip-warmup``: each server
+# compiles only the shapes its tests reach (tests/serving/engine/test_warmup_shapes.py checks
+# the warmup itself).
+SERVER_ARGS = ["--max-slots", "8", "--num-pages", "768", "--max-model-len", "2048", "--prefill-chunk", "256",
+               "--min-decode-batch", "8", "--skip-warmup"]
+
 
 def make_loop(gemma_params, dtype, **overrides) -> EngineLoop:
     """As the server builds it: the KV cache in the serving dtype (overrides: EngineConfig fields)."""

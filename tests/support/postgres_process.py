@@ -73,3 +73,26 @@ class PostgresCluster:
         except RuntimeError:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def worker_database_url(url: str, worker: str) -> str:
+    """A database of its own for one pytest-xdist worker, in the cluster ``url`` names.
+
+    ``url``: a SQLAlchemy URL of a scratch PostgreSQL database (``XLASERVE_TEST_DATABASE_URL``);
+    ``worker``: the worker's id (``PYTEST_XDIST_WORKER``, e.g. ``gw0``). Creates (anew, dropping
+    an older one of the same name) the database ``<name>_<worker>`` and returns its URL, so two
+    workers never drop each other's tables.
+
+    Raises:
+      psycopg.OperationalError: the cluster cannot be reached.
+    """
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(url)
+    name = f"{base.database}_{worker}"
+    admin = base.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return base.set(database=name).render_as_string(hide_password=False)
