@@ -24,6 +24,12 @@ os.environ.setdefault(
 # process (tests/sharding/test_sharding_multidevice.py sets XLASERVE_SHARDING_TESTS=1).
 collect_ignore = [] if os.environ.get("XLASERVE_SHARDING_TESTS") == "1" else ["sharding/multidevice"]
 
+# The suite's budget (docs/design/testing.md): a test phase over SLOW_S seconds is marked
+# ``slow`` and says why in its docstring (tests/test_slow_marks.py holds the docstrings); the
+# terminal summary names the unmarked ones. Wall time is never asserted: it depends on the machine.
+SLOW_S = 60.0
+_unmarked_slow: list[tuple[str, str, float]] = []
+
 
 def pytest_configure(config):
     """Under pytest-xdist (README's test command runs two workers), each worker gets a PostgreSQL
@@ -38,6 +44,20 @@ def pytest_configure(config):
 
         os.environ["XLASERVE_TEST_DATABASE_URL"] = worker_database_url(url, worker)
         os.environ["XLASERVE_TEST_DATABASE_WORKER"] = worker
+
+
+def pytest_runtest_logreport(report):
+    """Notes a setup, call or teardown over SLOW_S seconds of a test not marked ``slow``
+    (under pytest-xdist the reports reach the controlling process, which prints the summary)."""
+    if report.duration > SLOW_S and "slow" not in report.keywords:
+        _unmarked_slow.append((report.nodeid, report.when, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.section(f"over {SLOW_S:.0f} s and not marked slow (docs/design/testing.md)")
+        for nodeid, when, duration in sorted(_unmarked_slow, key=lambda r: -r[2]):
+            terminalreporter.write_line(f"{duration:7.1f}s {when:<8} {nodeid}")
 
 
 @pytest.fixture(scope="session")
