@@ -45,11 +45,15 @@ def start_pair(tmp, args: list[str], prefill_extra: list[str] = (), scheme: str 
     """A prefill and a decode replica (one after the other: the second loads what the first
     compiled); ``scheme`` grpcs and ``security`` the client's side when ``args`` secure the port."""
     out = {}
-    for role, extra in (("prefill", list(prefill_extra)), ("decode", [])):
-        log = tmp / f"{role}.log"
-        proc, url = start_engine(log, [*args, "--role", role, *extra], scheme=scheme)
-        out[role] = (proc, url)
-        wait_healthy(proc, url, log, security)
+    try:
+        for role, extra in (("prefill", list(prefill_extra)), ("decode", [])):
+            log = tmp / f"{role}.log"
+            proc, url = start_engine(log, [*args, "--role", role, *extra], scheme=scheme)
+            out[role] = (proc, url)
+            wait_healthy(proc, url, log, security)
+    except BaseException:  # a replica that never became healthy: no process outlives the test
+        stop(out)
+        raise
     return out
 
 
