@@ -1,0 +1,14 @@
+"""Matmul kernels of our own for XLA:CPU, called from jitted code through XLA's typed FFI.
+
+``csrc/`` holds the C++ (built by ``pip install`` with CMake into ``_kernels.so``),
+``library.py`` finds and loads it and registers its FFI targets, ``int8_matmul.py`` is the
+JAX entry. Where no compiler was found at install time the library is absent,
+:func:`available` is False, and callers keep XLA's dots (the backend policy decides).
+
+May import: nothing of ours.
+"""
+
+from kernels_cpu.int8_matmul import ISAS, Int8Matmul, int8_matmul
+from kernels_cpu.library import available, isas, load_error
+
+__all__ = ["ISAS", "Int8Matmul", "available", "int8_matmul", "isas", "load_error"]

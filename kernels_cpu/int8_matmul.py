@@ -1,0 +1,82 @@
+"""The int8 x int8 -> int32 matmul kernel as a JAX function (``csrc/int8_matmul.cc``).
+
+    out[m, n] = sum_k x[m, k] * w[n, k]     (contract=1: w is [N, K], e.g. the tied output head)
+    out[m, n] = sum_k x[m, k] * w[k, n]     (contract=0: w is [K, N], e.g. a layer matrix)
+
+The sums are int32 and exact, so the result equals ``jnp.einsum(..., preferred_element_type=
+jnp.int32)`` bit for bit, whatever the row count, instruction set or thread split: a row's
+result never depends on its batch. With per-row quantized activations and per-channel weight
+scales around it, it is the int32 core of ``model.quantization``'s "int8" and "int8x2" dots.
+
+Instruction sets (``isa``): "auto" (the best this CPU runs: avx512 with AVX512_VNNI, else
+avx2, else scalar), "avx2", "avx512" or "scalar"; ``$XLASERVE_CPU_KERNELS_ISA`` sets what
+"auto" means in this process (tests force the AVX2 path on an AVX-512 CPU with it or with
+the argument). Threads: the output columns are split over XLA's intra-op pool (at most the
+cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
+thread only); products under ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS`` multiply-adds (default
+2**21) run on the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_cpu import library
+
+ISAS = ("auto", "avx2", "avx512", "scalar")
+ISA_ENV = "XLASERVE_CPU_KERNELS_ISA"
+_ISA_CODE = {"auto": 0, "avx2": 1, "avx512": 2, "scalar": 3}
+
+
+def _isa(isa: str) -> str:
+    if isa == "auto":
+        isa = os.environ.get(ISA_ENV) or "auto"
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    return isa
+
+
+def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") -> jax.Array:
+    """``x: [M, K] int8`` times ``w`` (int8, [N, K] with contract=1 or [K, N] with contract=0)
+    -> ``[M, N] int32``, through the compiled kernel (XLA:CPU only; works under jit).
+
+    Raises:
+      ValueError: wrong dtypes, ranks or shapes; an unknown isa; K over 65536 (the int32
+        sums could overflow).
+      RuntimeError: the library is unavailable (``library.load_error()`` says why).
+      jax.errors.JaxRuntimeError (at run time): this CPU lacks the requested isa.
+    """
+    if x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"int8_matmul takes 2-D int8 x and w, got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
+    if contract not in (0, 1):
+        raise ValueError(f"contract must be 0 (w: [K, N]) or 1 (w: [N, K]), got {contract}")
+    m, k = x.shape
+    if w.shape[contract] != k:
+        raise ValueError(f"x {x.shape} and w {w.shape} (contract axis {contract}) do not agree")
+    if k > 65536:
+        raise ValueError(f"K = {k} over 65536 could overflow the int32 sums")
+    code = _ISA_CODE[_isa(isa)]
+    if not library.available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {library.load_error()}")
+    n = w.shape[1 - contract]
+    call = jax.ffi.ffi_call(library.INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))
+    return call(x, w, w_kn=np.int64(1 - contract), isa=np.int64(code))
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Matmul:
+    """``int8_matmul`` with a fixed ``isa``, as a value (hashable and comparable, so it can be
+    a field of a static jit argument such as ``model.compute.Compute``).
+
+    Call: ``(x: [M, K] int8, w: int8 2-D, contract: int) -> [M, N] int32``.
+    """
+
+    isa: str = "auto"
+
+    def __call__(self, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+        return int8_matmul(x, w, contract, self.isa)
