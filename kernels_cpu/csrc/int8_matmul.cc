@@ -73,26 +73,45 @@ void ScalarColumns(const Problem& p, int64_t n0, int64_t n1) {
 
 AVX512_TARGET inline int32_t Sum512(__m512i v) { return _mm512_reduce_add_epi32(v); }
 
-// w [N, K]: each output column is a contiguous row of w; rows of x in blocks of MB.
-template <int MB>
+// The sums of 4 vectors: lane j of the result is the sum of v[j]'s 16 lanes.
+AVX512_TARGET inline __m128i Sum4x512(const __m512i v[4]) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// w [N, K]: each output column is a contiguous row of w. NB columns (1 or 4) from n times MB
+// rows of x from m0; the 4-column form only shares the horizontal sums' shuffles, each
+// (row, column) sum is formed the same way in both.
+template <int MB, int NB>
 AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
-  const int8_t* wr = p.w + n * p.k;
   const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_si512();
-  __m512i wsum = _mm512_setzero_si512();
+  __m512i acc[MB][4], wsum[4];
+  for (int j = 0; j < 4; ++j) {
+    wsum[j] = _mm512_setzero_si512();
+    for (int i = 0; i < MB; ++i) acc[i][j] = _mm512_setzero_si512();
+  }
   for (int64_t k = 0; k < p.k; k += 64) {
     const int64_t left = p.k - k;
     const __mmask64 mask = left >= 64 ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
-    const __m512i wv = _mm512_maskz_loadu_epi8(mask, wr + k);
-    wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = _mm512_maskz_loadu_epi8(mask, p.w + (n + j) * p.k + k);
+      wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
+    }
     for (int i = 0; i < MB; ++i) {
       const __m512i xv = _mm512_loadu_si512(p.xa + (m0 + i) * p.kp + k);
-      acc[i] = _mm512_dpbusd_epi32(acc[i], xv, wv);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
     }
   }
-  const int32_t bias = 128 * Sum512(wsum);
-  for (int i = 0; i < MB; ++i) p.out[(m0 + i) * p.n + n] = Sum512(acc[i]) - bias;
+  alignas(16) int32_t bias[4], sums[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(bias), _mm_slli_epi32(Sum4x512(wsum), 7));  // 128 * sum_k w
+  for (int i = 0; i < MB; ++i) {
+    _mm_store_si128(reinterpret_cast<__m128i*>(sums), Sum4x512(acc[i]));
+    for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j] - bias[j];
+  }
 }
 
 // Four rows of w [K, N] (k .. k+3, 64 columns from n0) as 4 vectors whose 32-bit lanes hold
@@ -244,7 +263,9 @@ AVX2_TARGET void Avx2KnBlock(const Problem& p, int64_t m0, int64_t n0) {
 // instructions whatever the block, so the row count never changes a result (and could not:
 // the sums are integers).
 template <int MB>
-struct A512Nk { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx512NkBlock<MB>(p, m0, n); } };
+struct A512Nk4 { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx512NkBlock<MB, 4>(p, m0, n); } };
+template <int MB>
+struct A512Nk1 { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx512NkBlock<MB, 1>(p, m0, n); } };
 template <int MB>
 struct A512Kn { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx512KnBlock<MB>(p, m0, n); } };
 template <int MB>
@@ -273,8 +294,11 @@ void Columns(const Problem& p, Isa isa, int64_t n0, int64_t n1) {
       if (isa == kAvx512) AllRows<A512Kn>(p, n); else AllRows<A2Kn>(p, n);
     }
   } else {
-    for (int64_t n = n0; n < n1; ++n) {
-      if (isa == kAvx512) AllRows<A512Nk>(p, n); else AllRows<A2Nk>(p, n);
+    int64_t n = n0;
+    if (isa == kAvx512)
+      for (; n + 4 <= n1; n += 4) AllRows<A512Nk4>(p, n);
+    for (; n < n1; ++n) {
+      if (isa == kAvx512) AllRows<A512Nk1>(p, n); else AllRows<A2Nk>(p, n);
     }
   }
 }
