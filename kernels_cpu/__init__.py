@@ -8,7 +8,7 @@ JAX entry. Where no compiler was found at install time the library is absent,
 May import: nothing of ours.
 """
 
-from kernels_cpu.int8_matmul import ISAS, Int8Matmul, int8_matmul
+from kernels_cpu.int8_matmul import ISAS, Int8Matmul, int8_matmul, reference_int8_matmul
 from kernels_cpu.library import available, isas, load_error
 
-__all__ = ["ISAS", "Int8Matmul", "available", "int8_matmul", "isas", "load_error"]
+__all__ = ["ISAS", "Int8Matmul", "available", "int8_matmul", "isas", "load_error", "reference_int8_matmul"]

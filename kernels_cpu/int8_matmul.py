@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_cpu import library
+from kernels_cpu.library import INT8_MATMUL_TARGET, available, load_error
 
 ISAS = ("auto", "avx2", "avx512", "scalar")
 ISA_ENV = "XLASERVE_CPU_KERNELS_ISA"
@@ -48,7 +48,7 @@ def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") ->
     Raises:
       ValueError: wrong dtypes, ranks or shapes; an unknown isa; K over 65536 (the int32
         sums could overflow).
-      RuntimeError: the library is unavailable (``library.load_error()`` says why).
+      RuntimeError: the library is unavailable (``library.load_error`` says why).
       jax.errors.JaxRuntimeError (at run time): this CPU lacks the requested isa.
     """
     if x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2:
@@ -61,22 +61,38 @@ def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") ->
     if k > 65536:
         raise ValueError(f"K = {k} over 65536 could overflow the int32 sums")
     code = _ISA_CODE[_isa(isa)]
-    if not library.available():
-        raise RuntimeError(f"the CPU kernels are unavailable: {library.load_error()}")
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {load_error()}")
     n = w.shape[1 - contract]
-    call = jax.ffi.ffi_call(library.INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))
+    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))
     return call(x, w, w_kn=np.int64(1 - contract), isa=np.int64(code))
+
+
+def reference_int8_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    """XLA's dot of the same product (the reference and the fallback): ``x: [M, K] int8``,
+    ``w`` int8 ([N, K] with contract=1, [K, N] with contract=0) -> ``[M, N] int32``."""
+    dims = (((1,), (contract,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8Matmul:
-    """``int8_matmul`` with a fixed ``isa``, as a value (hashable and comparable, so it can be
+    """``int8_matmul`` with fixed settings, as a value (hashable and comparable, so it can be
     a field of a static jit argument such as ``model.compute.Compute``).
 
     Call: ``(x: [M, K] int8, w: int8 2-D, contract: int) -> [M, N] int32``.
+
+    Attributes:
+      isa: as ``int8_matmul``'s.
+      max_rows: products of more rows run XLA's dot (``reference_int8_matmul``), where it is
+        faster (None: the kernel always). Both sums are exact, so a row's result is the same
+        bits either way: the switch keeps batch invariance.
     """
 
     isa: str = "auto"
+    max_rows: int | None = None
 
     def __call__(self, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return reference_int8_matmul(x, w, contract)
         return int8_matmul(x, w, contract, self.isa)

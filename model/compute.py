@@ -11,6 +11,7 @@ backend policy (``serving.engine.backend_policy``):
   * whether a row's reductions keep one order whatever shares its batch
     (``batch_invariant``: the norms here, the attention softmax in ``attention``),
   * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``),
+    and by what integer matmul (``int8_matmul``: a kernel of the backend's, or XLA's dot),
   * how each row's LoRA update is computed (``lora``, ``model.lora``).
 
 The defaults are the plain reference path (what a reader of the model expects):
@@ -25,6 +26,7 @@ into its logical dtype and is a no-op for everything else (int8 weights,
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,10 @@ class Compute:
         per-channel scales only). See ``model.quantization``.
       lora: how :meth:`lora_dot` computes each row's LoRA update: "onehot" (dense
         over every slot, masked) or "gather" (each row's own slot); ``model.lora``.
+      int8_matmul: the integer product of the "int8" / "int8x2" dots, ``(xq: [M, K] int8,
+        w: int8 [K, N] or [N, K], contract axis of w) -> [M, N] int32`` exactly (a kernel the
+        backend policy chose, e.g. ``kernels_cpu.Int8Matmul``; hashable, as this class is a
+        static argument); None: XLA's dot.
     """
 
     pad_single_row: bool = False
@@ -96,6 +102,7 @@ class Compute:
     dot_rows: DotRows = DotRows()
     quantized_dot: str = "dequantize"
     lora: str = "onehot"
+    int8_matmul: Callable | None = None
 
     def __post_init__(self):
         if self.quantized_dot not in DOT_FORMULATIONS:
@@ -139,7 +146,7 @@ class Compute:
           float32 result.
         """
         if isinstance(b, QuantizedArray):
-            return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row)
+            return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row, self.int8_matmul)
         a, b = a.astype(dtype), b.astype(dtype)
         rows = a.shape[0]
         padded = rows

@@ -28,7 +28,8 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     enable_compilation_cache()
     t0 = time.perf_counter()
     model, tokenizer, mesh = load_for_serving(cfg)
-    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl, quantization=cfg.quantization)
+    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl, quantization=cfg.quantization,
+                                  cpu_kernels=cfg.cpu_kernels)
     advice = policy.advice(cfg.dtype, cfg.quantization != "none")
     if advice:
         log.warning(advice)
@@ -153,7 +154,8 @@ def run_follower(cfg) -> int:
     model, _, mesh = load_for_serving(cfg)
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
                     lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl,
-                                                           quantization=cfg.quantization))
+                                                           quantization=cfg.quantization,
+                                                           cpu_kernels=cfg.cpu_kernels))
     log.info("process %d following process 0's steps", jax.process_index())
     steps = engine.lockstep.follow(engine.run_published)
     log.info("process %d ran %d steps; leader stopped", jax.process_index(), steps)

@@ -26,6 +26,14 @@ piece what it needs:
                                   least 4 a tile where bf16 dots are
                                   native (AMX kernels differ below 4
                                   rows), at least 2 where they are not
+    int8 x int8 products of the   --cpu-kernels: "auto": our kernel     XLA's dot
+      int8 dots                   (``kernels_cpu``, AVX-512 VNNI) up to
+                                  CPU_KERNEL_MAX_ROWS int8 rows where
+                                  the CPU has AVX512_VNNI, XLA's dot
+                                  above and elsewhere; "on": the kernel
+                                  at every row count (AVX2 path without
+                                  VNNI); "off": XLA's dot. Exact integer
+                                  sums: the same bits every way
     dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
       (--quantization int8)       activations split in two terms        converted to the matmul
                                   (one dot, int32 accumulation):        dtype inside the dot
@@ -74,6 +82,9 @@ then depend on how many rows share its step, so batch invariance is off with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +98,11 @@ from model.compute import MOE_IMPLS, Compute, MoEConfig
 from model.quantization import DOT_FORMULATIONS, QuantizedArray, requantize_per_channel
 from serving.engine.cpu_features import CpuFeatures, host_cpu
 
+log = logging.getLogger(__name__)
+
 PLATFORMS = ("cpu", "gpu", "tpu")
+CPU_KERNELS = ("auto", "on", "off")
+CPU_KERNEL_MAX_ROWS = 8
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
@@ -123,6 +138,8 @@ class BackendPolicy:
       lora_onehot_max_columns: the LoRA update runs as the one-hot einsum while
         slots x rank is at most this, else as a gather (:meth:`lora_formulation`).
       cpu: the host CPU's features the CPU entries were chosen by (None off the CPU).
+      int8_matmul: the integer product of the int8 dots (``Compute.int8_matmul``): a
+        ``kernels_cpu.Int8Matmul`` (``--cpu-kernels``, :meth:`cpu_int8_matmul`), or None: XLA's dot.
     """
 
     platform: str
@@ -139,6 +156,7 @@ class BackendPolicy:
     int8_max_rows: int = 0
     lora_onehot_max_columns: int = 256
     cpu: CpuFeatures | None = None
+    int8_matmul: Callable | None = None
 
     def lora_formulation(self, num_slots: int, max_rank: int) -> str:
         """How each row's LoRA update is computed (``model.lora``): "onehot" (two dense dots
@@ -150,7 +168,7 @@ class BackendPolicy:
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
                      moe_impl: str = "auto", batch_invariant: bool | None = None,
                      quantized_dot: str = "auto", cpu: CpuFeatures | None = None,
-                     quantization: str = "none") -> "BackendPolicy":
+                     quantization: str = "none", cpu_kernels: str = "off") -> "BackendPolicy":
         """The policy for a platform.
 
         Args:
@@ -165,10 +183,12 @@ class BackendPolicy:
             ``cpu_features.host_cpu``).
           quantization: the server's ``--quantization``: "auto" sets ``int8_max_rows``
             (:meth:`int8_rows_for`) and, where that is above 0, batch invariance off.
+          cpu_kernels: the server's ``--cpu-kernels``, "auto", "on" or "off" (:meth:`cpu_int8_matmul`;
+            the CPU only).
 
         Raises:
-          ValueError: an unknown platform, attention_impl, moe_impl, quantized_dot or
-            quantization; batch invariance asked for with int8 weights by row count.
+          ValueError: an unknown platform, attention_impl, moe_impl, quantized_dot,
+            quantization or cpu_kernels; batch invariance asked for with int8 weights by row count.
         """
         platform = "gpu" if platform in ("cuda", "rocm") else platform
         if platform not in PLATFORMS:
@@ -182,6 +202,8 @@ class BackendPolicy:
             quantized_dot = "int8x2" if platform == "cpu" else "dequantize"
         if quantization not in ("none", "int8", "auto"):
             raise ValueError(f"quantization must be none, int8 or auto, got {quantization!r}")
+        if cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
         attention = select_attention(attention_impl, platform)
         if platform == "cpu":
             cpu = cpu or host_cpu()
@@ -199,7 +221,8 @@ class BackendPolicy:
                        attention=attention, moe_impl=moe_impl,
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
                        batch_invariant=batch_invariant, invariant_dot_rows=dot_rows,
-                       quantized_dot=quantized_dot, int8_max_rows=int8_rows, cpu=cpu)
+                       quantized_dot=quantized_dot, int8_max_rows=int8_rows, cpu=cpu,
+                       int8_matmul=cls.cpu_int8_matmul(cpu_kernels, cpu))
         return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant,
                    quantized_dot=quantized_dot, int8_max_rows=int8_rows)
 
@@ -214,6 +237,28 @@ class BackendPolicy:
         if cpu.amx:
             return CPU_AMX_INT8_MAX_ROWS
         return CPU_BF16_DOT_INT8_MAX_ROWS if cpu.bf16_dot else CPU_WIDENED_BF16_INT8_MAX_ROWS
+
+    @staticmethod
+    def cpu_int8_matmul(setting: str, cpu: CpuFeatures) -> Callable | None:
+        """The int8 dots' integer product on this CPU for ``--cpu-kernels`` ``setting``: a
+        ``kernels_cpu.Int8Matmul``, or None (XLA's dot).
+
+        "auto": the kernel for products of up to ``CPU_KERNEL_MAX_ROWS`` int8 rows (a decode
+        step of 4 token rows under "int8x2") where the CPU has AVX512_VNNI, where
+        ``benchmarks.cpu_kernels`` measured it faster than XLA's dot (benchmarks/RESULTS.md,
+        2026-12-06), else None (the AVX2 path is not measured faster yet). "on": the kernel
+        at every row count. "off": None. Where the library is missing (no compiler at install
+        time) "auto" and "on" log one warning and give None.
+        """
+        if setting == "off" or (setting == "auto" and not (cpu.avx512 and cpu.int8_dot)):
+            return None
+        import kernels_cpu
+
+        if not kernels_cpu.available():
+            _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
+                       f"({kernels_cpu.load_error()}); the int8 dots use XLA's")
+            return None
+        return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
@@ -258,7 +303,8 @@ class BackendPolicy:
         attention = dataclasses.replace(self.attention, batch_invariant=invariant, dot_rows=dot_rows)
         return Compute(pad_single_row=self.pad_single_row, attention=attention,
                        moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes),
-                       batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot)
+                       batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot,
+                       int8_matmul=self.int8_matmul)
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""
@@ -281,6 +327,11 @@ class BackendPolicy:
                 v = v.replace(_stored_weight(value, stored))
             out.append((path, v))
         return nnx.from_flat_state(out)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _stored_weight(value: jax.Array, stored) -> jax.Array:
