@@ -37,6 +37,11 @@ namespace {
 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3 };
 
+// How far ahead of its loads a thread prefetches the weights it streams through ([N, K]: bytes;
+// 1024 and 4096 measured, 4096 best).
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchRows = 64;  // [K, N]: rows ahead (1, 16, 64 measured; 64 best)
+
 struct Problem {
   const int8_t* x;
   const int8_t* w;
@@ -98,6 +103,8 @@ AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
     const __mmask64 mask = left >= 64 ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
+      // Hardware prefetch alone left the head's product at ~2/3 of the speed (measured).
+      _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + j) * p.k + k + kPrefetchBytes), _MM_HINT_T0);
       wv[j] = _mm512_maskz_loadu_epi8(mask, p.w + (n + j) * p.k + k);
       wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
     }
@@ -120,6 +127,8 @@ AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t 
                                            __m512i g[4]) {
   __m512i r[4];
   for (int j = 0; j < 4; ++j) {
+    if (k + j + kPrefetchRows < p.k)
+      _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + j + kPrefetchRows) * p.n + n0), _MM_HINT_T0);
     r[j] = (k + j < p.k) ? _mm512_maskz_loadu_epi8(mask, p.w + (k + j) * p.n + n0)
                          : _mm512_setzero_si512();
   }
@@ -191,6 +200,7 @@ AVX2_TARGET void Avx2NkBlock(const Problem& p, int64_t m0, int64_t n) {
   for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
   const int64_t kv = p.k - p.k % 32;
   for (int64_t k = 0; k < kv; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchBytes), _MM_HINT_T0);
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
     for (int i = 0; i < MB; ++i) {
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xa + (m0 + i) * p.kp + k));
@@ -210,6 +220,8 @@ AVX2_TARGET void Avx2NkBlock(const Problem& p, int64_t m0, int64_t n) {
 AVX2_TARGET inline void Avx2Interleave(const Problem& p, int64_t k, int64_t n0, int64_t cols, __m256i g[4]) {
   __m256i r[4];
   for (int j = 0; j < 4; ++j) {
+    if (k + j + kPrefetchRows < p.k)
+      _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + j + kPrefetchRows) * p.n + n0), _MM_HINT_T0);
     if (k + j >= p.k) {
       r[j] = _mm256_setzero_si256();
     } else if (cols >= 32) {
