@@ -110,7 +110,7 @@ def _weights(rng, workloads):
     from model.quantization import quantize_per_channel
 
     out = {}
-    if "head" in workloads or "layers" in workloads:
+    if "head" in workloads or "layers" in workloads:  # (both: building them takes a while)
         w = weights(rng)  # benchmarks.quantized_dot's: head and stacked layers, bf16 and int8
         out.update({k: {"bf16": w[k]["bf16"], "int8": w[k]["int8x2"]} for k in ("head", "layers")})
     layer = rng.standard_normal((D, F), np.float32) / np.sqrt(D)
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--copy-mib", type=int, default=512, help="the copy probe's array, MiB")
     args = ap.parse_args(argv)
     if not kernels_cpu.available():
         print(f"the CPU kernels are unavailable: {kernels_cpu.load_error()}")
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants if v != "kernel-avx2" or "avx2" in kernels_cpu.isas()]
     print(f"load average at start: {os.getloadavg()[0]:.2f}; jax {jax.__version__}; kernel paths "
           f"{kernels_cpu.isas()}; cores usable {len(os.sched_getaffinity(0))}")
-    copy = {t: copy_bandwidth(t) for t in (1, 2)}
+    copy = {t: copy_bandwidth(t, args.copy_mib) for t in (1, 2)}
     for t, bw in copy.items():
         print(f"copy probe, {t} thread(s): {bw / 1e9:.1f} GB/s moved, {bw / 2e9:.1f} GB/s read")
     read_ceiling = max(copy.values()) / 2
