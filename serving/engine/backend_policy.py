@@ -102,7 +102,7 @@ log = logging.getLogger(__name__)
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_KERNELS = ("auto", "on", "off")
-CPU_KERNEL_MAX_ROWS = 8
+CPU_KERNEL_MAX_ROWS = 4
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
