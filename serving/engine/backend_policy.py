@@ -265,9 +265,15 @@ class BackendPolicy:
         """The policy for the platform of ``mesh``'s devices (default: JAX's default backend).
 
         The one place in the serving path that asks JAX which platform it runs on.
-        kwargs: as :meth:`for_platform`.
+        kwargs: as :meth:`for_platform`. On a mesh of several devices ``cpu_kernels`` is "off":
+        the kernels have no sharding rule (XLA would gather their sharded operands), so they
+        serve one device only ("on" logs a warning).
         """
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        if mesh is not None and mesh.devices.size > 1 and kwargs.get("cpu_kernels", "off") != "off":
+            if kwargs["cpu_kernels"] == "on":
+                _warn_once("--cpu-kernels on: the CPU kernels serve one device only; this mesh uses XLA's dots")
+            kwargs = {**kwargs, "cpu_kernels": "off"}
         return cls.for_platform(platform, **kwargs)
 
     def advice(self, dtype, quantized: bool) -> str | None:

@@ -46,6 +46,19 @@ def test_policy_picks_the_kernel_by_setting_and_cpu():
         BackendPolicy.for_platform("cpu", cpu=SPR, cpu_kernels="yes")
 
 
+@needs_kernels
+def test_a_mesh_of_several_devices_keeps_xla_dots(caplog):
+    """The kernels have no sharding rule: a multi-device mesh turns them off ("on" says so)."""
+    import types
+
+    dev = jax.devices("cpu")[0]
+    one, two = (types.SimpleNamespace(devices=np.array([dev] * n, dtype=object)) for n in (1, 2))
+    assert BackendPolicy.detect(one, cpu_kernels="on").int8_matmul == Int8Matmul()
+    assert BackendPolicy.detect(two, cpu_kernels="auto").int8_matmul is None
+    assert BackendPolicy.detect(two, cpu_kernels="on").int8_matmul is None
+    assert "serve one device only" in caplog.text
+
+
 def test_server_setting():
     assert ServerConfig().cpu_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_kernels must be auto, on or off"):
