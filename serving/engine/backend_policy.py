@@ -28,12 +28,16 @@ piece what it needs:
                                   rows), at least 2 where they are not
     int8 x int8 products of the   --cpu-kernels: "auto": our kernel     XLA's dot
       int8 dots                   (``kernels_cpu``, AVX-512 VNNI) up to
-                                  CPU_KERNEL_MAX_ROWS int8 rows where
-                                  the CPU has AVX512_VNNI, XLA's dot
+                                  4 int8 rows (1-2 token rows of
+                                  int8x2) where the CPU has AVX512_VNNI
+                                  (SPR Xeon: decode steps 2.3x at 1
+                                  row, 1.8x at 2, 1.1x at 4, 0.6x at
+                                  8: XLA's AMX dot wins), XLA's dot
                                   above and elsewhere; "on": the kernel
                                   at every row count (AVX2 path without
                                   VNNI); "off": XLA's dot. Exact integer
-                                  sums: the same bits every way
+                                  sums: the same bits every way; one
+                                  device only (no sharding rule)
     dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
       (--quantization int8)       activations split in two terms        converted to the matmul
                                   (one dot, int32 accumulation):        dtype inside the dot
@@ -67,7 +71,9 @@ with its batch); the "dequantize" dot is a plain dot of the dtype's.
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
 the MoE threshold; ``python -m benchmarks.engine --quantization none int8`` and
-``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-02 and 2026-12-05).
+``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-02 and 2026-12-05;
+``python -m benchmarks.cpu_kernels`` and ``benchmarks.engine --cpu-kernels off on`` for the
+kernels, on a 2-core Sapphire Rapids Xeon, 2026-12-06).
 The accelerator column is the plain path, pending measurements on real hardware
 (``benchmarks/device.sh``).
 

@@ -111,7 +111,7 @@ def test_device_script_imports_no_gateway_dependencies():
 
 
 @pytest.mark.parametrize("argv", [["bench", "engine", "--help"], ["bench", "load", "--help"],
-                                  ["bench", "lora", "--help"]])
+                                  ["bench", "lora", "--help"], ["bench", "cpu-kernels", "--help"]])
 def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
     from serving.cli.main import main
 
@@ -119,7 +119,8 @@ def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
         main(argv)
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert {"engine": "--slots", "load": "--concurrency", "lora": "--adapters"}[argv[1]] in out
+    assert {"engine": "--slots", "load": "--concurrency", "lora": "--adapters",
+            "cpu-kernels": "--copy-mib"}[argv[1]] in out
 
 
 def test_batch_interference_runs_on_the_tiny_model(tmp_path):
