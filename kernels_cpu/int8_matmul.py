@@ -64,7 +64,8 @@ def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") ->
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {load_error()}")
     n = w.shape[1 - contract]
-    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))
+    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32),
+                            vmap_method="sequential")
     return call(x, w, w_kn=np.int64(1 - contract), isa=np.int64(code))
 
 

@@ -19,7 +19,9 @@
 // the calling thread alone.
 
 #include <immintrin.h>
+#ifdef __linux__
 #include <sched.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -27,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -335,9 +338,11 @@ int64_t EnvInt(const char* name, int64_t fallback) {
 }
 
 int64_t AllowedCores() {
+#ifdef __linux__
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return 1;
+#endif
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
 }
 
 // Work shared by the threads of one call; held by shared_ptr so that a pool task that starts

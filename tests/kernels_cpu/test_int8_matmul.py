@@ -114,6 +114,13 @@ def test_inside_a_jitted_function_with_other_ops():
     np.testing.assert_array_equal(np.asarray(f(Int8Matmul())(xf, w)), np.asarray(f(reference_int8_matmul)(xf, w)))
 
 
+def test_under_vmap():
+    rng = np.random.default_rng(6)
+    x, w = _ints(rng, (3, 5, 40)), _ints(rng, (40, 9))
+    got = jax.vmap(lambda x: int8_matmul(x, w, 0))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.einsum("bmk,kn->bmn", np.asarray(x, np.int32), np.asarray(w, np.int32)))
+
+
 def test_int8matmul_switches_to_xla_above_max_rows_and_is_a_value():
     rng = np.random.default_rng(5)
     x, w = _ints(rng, (9, 64)), _ints(rng, (64, 20))
