@@ -14,7 +14,7 @@ avx2, else scalar), "avx2", "avx512" or "scalar"; ``$XLASERVE_CPU_KERNELS_ISA`` 
 the argument). Threads: the output columns are split over XLA's intra-op pool (at most the
 cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
 thread only); products under ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS`` multiply-adds (default
-2**21) run on the calling thread.
+2**25: a layer matrix of a few rows; the output head is split) run on the calling thread.
 """
 
 from __future__ import annotations
