@@ -1,9 +1,11 @@
 """Matmul kernels of our own for XLA:CPU, called from jitted code through XLA's typed FFI.
 
-``csrc/`` holds the C++ (built by ``pip install`` with CMake into ``_kernels.so``),
-``library.py`` finds and loads it and registers its FFI targets, ``int8_matmul.py`` is the
-JAX entry. Where no compiler was found at install time the library is absent,
-:func:`available` is False, and callers keep XLA's dots (the backend policy decides).
+``csrc/`` holds the C++ (built by ``pip install`` with CMake into ``_kernels.so``,
+``CMakeLists.txt``; an editable install does not rebuild it by itself: run ``pip install -e .``
+again after editing ``csrc/``), ``library.py`` finds and loads it and registers its FFI
+targets, ``int8_matmul.py`` is the JAX entry. Where no compiler was found at install time the
+library is absent, :func:`available` is False, and callers keep XLA's dots (the backend
+policy decides).
 
 May import: nothing of ours.
 """
