@@ -30,9 +30,10 @@ piece what it needs:
       int8 dots                   (``kernels_cpu``, AVX-512 VNNI) up to
                                   4 int8 rows (1-2 token rows of
                                   int8x2) where the CPU has AVX512_VNNI
-                                  (SPR Xeon: decode steps 2.3x at 1
-                                  row, 1.8x at 2, 1.1x at 4, 0.6x at
-                                  8: XLA's AMX dot wins), XLA's dot
+                                  (SPR Xeon: decode steps 1.3-2.3x at
+                                  1 row, 1.1-1.8x at 2, 1.0-1.1x at
+                                  4, 0.6x at 8: XLA's AMX dot wins),
+                                  XLA's dot
                                   above and elsewhere; "on": the kernel
                                   at every row count (AVX2 path without
                                   VNNI); "off": XLA's dot. Exact integer
