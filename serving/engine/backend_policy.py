@@ -33,8 +33,8 @@ piece what it needs:
                                   (SPR Xeon: decode steps 1.3-2.3x at
                                   1 row, 1.1-1.8x at 2, 1.0-1.1x at
                                   4, 0.6x at 8: XLA's AMX dot wins),
-                                  XLA's dot
-                                  above and elsewhere; "on": the kernel
+                                  XLA's dot above and elsewhere;
+                                  "on": the kernel
                                   at every row count (AVX2 path without
                                   VNNI); "off": XLA's dot. Exact integer
                                   sums: the same bits every way; one
