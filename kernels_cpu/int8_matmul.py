@@ -30,10 +30,16 @@ from kernels_cpu.library import INT8_MATMUL_TARGET, available, load_error
 
 ISAS = ("auto", "avx2", "avx512", "scalar")
 ISA_ENV = "XLASERVE_CPU_KERNELS_ISA"
-_ISA_CODE = {"auto": 0, "avx2": 1, "avx512": 2, "scalar": 3}
+ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "scalar": 3}
+"""The kernels' ``isa`` attribute values (shared by every kernel of ``csrc/``)."""
 
 
-def _isa(isa: str) -> str:
+def resolve_isa(isa: str) -> str:
+    """``isa`` with "auto" replaced by ``$XLASERVE_CPU_KERNELS_ISA`` when that is set.
+
+    Raises:
+      ValueError: not one of ``ISAS``.
+    """
     if isa == "auto":
         isa = os.environ.get(ISA_ENV) or "auto"
     if isa not in ISAS:
@@ -60,7 +66,7 @@ def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") ->
         raise ValueError(f"x {x.shape} and w {w.shape} (contract axis {contract}) do not agree")
     if k > 65536:
         raise ValueError(f"K = {k} over 65536 could overflow the int32 sums")
-    code = _ISA_CODE[_isa(isa)]
+    code = ISA_CODES[resolve_isa(isa)]
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {load_error()}")
     n = w.shape[1 - contract]

@@ -20,6 +20,8 @@ import jax
 LIBRARY_ENV = "XLASERVE_CPU_KERNELS_LIB"
 INT8_MATMUL_TARGET = "xlaserve_int8_matmul"
 """The custom-call target of ``int8_matmul`` (handler ``XlaserveInt8Matmul``)."""
+BF16_MATMUL_TARGET = "xlaserve_bf16_matmul"
+"""The custom-call target of ``bf16_matmul`` (handler ``XlaserveBf16Matmul``)."""
 
 
 def library_path() -> Path | None:
@@ -48,6 +50,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except OSError as e:
         return None, f"cannot load {path}: {e}"
     jax.ffi.register_ffi_target(INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.XlaserveInt8Matmul),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(BF16_MATMUL_TARGET, jax.ffi.pycapsule(lib.XlaserveBf16Matmul),
                                 platform="cpu")
     return lib, None
 
