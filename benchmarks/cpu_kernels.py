@@ -1,5 +1,5 @@
-"""Our int8 matmul kernel (``kernels_cpu``) against XLA's dots, with the memory bandwidth it
-is up against, measured in one run.
+"""Our int8 and bf16 matmul kernels (``kernels_cpu``) against XLA's dots, with the memory
+bandwidth they are up against, measured in one run.
 
     python -m benchmarks.cpu_kernels                       # rows 1 2 4 8 32
     python -m benchmarks.cpu_kernels --rows 1 --iters 5 --workloads head
@@ -17,6 +17,11 @@ today: XLA's int8 dot), "kernel" (the same dot with its integer product in our k
 only) and "kernel-avx2" (the AVX2 path, forced). The table gives the median ms per call, the
 kernel's speed-up over "xla", and the weight bytes each int8 variant reads per second (int8
 values and scales / time).
+
+bfloat16 weights (issue 42; a second table): "bf16" (XLA's bf16 dot, as above) against
+"bf16-kernel" (``kernels_cpu.Bf16Matmul`` through ``Compute.bf16_matmul``) and
+"bf16-kernel-avx2" (its AVX2 path, forced), with the bf16 weight bytes each reads per second
+and the kernel's share of the read ceiling.
 
 The bandwidth probe copies a 512 MiB float32 array with NumPy, on one thread and on two
 threads (each copying half), and prints bytes moved per second (read + write) and bytes read
@@ -46,7 +51,8 @@ from benchmarks.quantized_dot import D, nbytes, weights
 from benchmarks.roofline import median_time
 from model.compute import Compute
 
-VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2")
+VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "bf16-kernel", "bf16-kernel-avx2")
+BF16_VARIANTS = ("bf16", "bf16-kernel", "bf16-kernel-avx2")
 WORKLOADS = ("head", "layer", "layers")
 F = 2048
 
@@ -75,6 +81,9 @@ def copy_bandwidth(threads: int, mib: int = 512, iters: int = 5) -> float:
 
 
 def _compute(variant: str) -> Compute:
+    if variant.startswith("bf16-kernel"):
+        isa = "avx2" if variant.endswith("avx2") else "auto"
+        return Compute(pad_single_row=True, bf16_matmul=kernels_cpu.Bf16Matmul(isa=isa))
     matmul = {"kernel": kernels_cpu.Int8Matmul(), "kernel-1t": kernels_cpu.Int8Matmul(),
               "kernel-avx2": kernels_cpu.Int8Matmul(isa="avx2")}.get(variant)
     return Compute(pad_single_row=True, quantized_dot="int8x2", int8_matmul=matmul)
@@ -144,7 +153,9 @@ def main(argv=None) -> int:
     if not kernels_cpu.available():
         print(f"the CPU kernels are unavailable: {kernels_cpu.load_error()}")
         return 1
-    variants = [v for v in args.variants if v != "kernel-avx2" or "avx2" in kernels_cpu.isas()]
+    variants = [v for v in args.variants if not v.endswith("avx2") or "avx2" in kernels_cpu.isas()]
+    bf16_variants = [v for v in variants if v in BF16_VARIANTS]
+    variants = [v for v in variants if v not in BF16_VARIANTS[1:]]
     print(f"load average at start: {os.getloadavg()[0]:.2f}; jax {jax.__version__}; kernel paths "
           f"{kernels_cpu.isas()}; cores usable {len(os.sched_getaffinity(0))}")
     copy = {t: copy_bandwidth(t, args.copy_mib) for t in (1, 2)}
@@ -154,10 +165,13 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     ws = _weights(rng, args.workloads)
     int8_variants = [v for v in variants if v != "bf16"]
-    print("\n| workload | rows | " + " | ".join(f"{v} ms" for v in variants)
-          + " | kernel / xla | " + " | ".join(f"{v} GB/s" for v in int8_variants) + " | kernel % of read |")
-    print("|---" * (4 + len(variants) + len(int8_variants)) + "|")
-    for workload in args.workloads:
+    if not int8_variants:
+        variants = []
+    if variants:
+        print("\n| workload | rows | " + " | ".join(f"{v} ms" for v in variants)
+              + " | kernel / xla | " + " | ".join(f"{v} GB/s" for v in int8_variants) + " | kernel % of read |")
+        print("|---" * (4 + len(variants) + len(int8_variants)) + "|")
+    for workload in args.workloads if variants else ():
         fns = {v: _fn(workload, v) for v in variants}
         wbytes = nbytes(ws[workload]["int8"])
         for rows in args.rows:
@@ -169,6 +183,8 @@ def main(argv=None) -> int:
             share = f"{100 * gbs['kernel'] * 1e9 / read_ceiling:.0f}%" if "kernel" in gbs else "-"
             print(f"| {workload} | {rows} | " + " | ".join(f"{ms[v]:.2f}" for v in variants) + f" | {speed} | "
                   + " | ".join(f"{gbs[v]:.1f}" for v in int8_variants) + f" | {share} |", flush=True)
+    if len(bf16_variants) > 1:
+        _bf16_table(args, ws, bf16_variants, read_ceiling, rng)
     for workload in args.workloads:
         print(f"{workload}: int8 weights + scales {nbytes(ws[workload]['int8']) / 1e6:.1f} MB, "
               f"bf16 {nbytes(ws[workload]['bf16']) / 1e6:.1f} MB")
@@ -176,6 +192,25 @@ def main(argv=None) -> int:
           f"{read_ceiling / 1e9:.1f})")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _bf16_table(args, ws, variants, read_ceiling, rng) -> None:
+    """The bf16 kernel's table: ms per call, speed-up over XLA's bf16 dot, weight GB/s."""
+    kernels = [v for v in variants if v != "bf16"]
+    print("\n| workload | rows | " + " | ".join(f"{v} ms" for v in variants) + " | kernel / xla | "
+          + " | ".join(f"{v} GB/s" for v in variants) + " | kernel % of read |")
+    print("|---" * (4 + 2 * len(variants)) + "|")
+    for workload in args.workloads:
+        fns = {v: _fn(workload, v) for v in variants}
+        wbytes = nbytes(ws[workload]["bf16"])
+        for rows in args.rows:
+            x = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
+            ms = {v: 1e3 * _time(fns[v], x, ws[workload]["bf16"], v, args.iters) for v in variants}
+            speed = f"{ms['bf16'] / ms[kernels[0]]:.2f}x" if "bf16" in ms else "-"
+            gbs = {v: wbytes / (ms[v] / 1e3) / 1e9 for v in variants}
+            print(f"| {workload} | {rows} | " + " | ".join(f"{ms[v]:.2f}" for v in variants) + f" | {speed} | "
+                  + " | ".join(f"{gbs[v]:.1f}" for v in variants)
+                  + f" | {100 * gbs[kernels[0]] * 1e9 / read_ceiling:.0f}% |", flush=True)
 
 
 if __name__ == "__main__":

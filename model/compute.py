@@ -93,6 +93,11 @@ class Compute:
         w: int8 [K, N] or [N, K], contract axis of w) -> [M, N] int32`` exactly (a kernel the
         backend policy chose, e.g. ``kernels_cpu.Int8Matmul``; hashable, as this class is a
         static argument); None: XLA's dot.
+      bf16_matmul: how :meth:`dot` computes a bfloat16 product of a 2-D ``[rows, K]`` by a
+        2-D weight (``"tk,kn->tn"`` / ``"tk,nk->tn"`` forms): ``(a: [M, K] bfloat16, b:
+        bfloat16 [K, N] or [N, K], contract axis of b) -> [M, N] float32`` (a kernel the
+        backend policy chose, e.g. ``kernels_cpu.Bf16Matmul``; it must keep a row's result
+        independent of the row count, as it replaces the ``dot_rows`` padding); None: XLA's dot.
     """
 
     pad_single_row: bool = False
@@ -103,6 +108,7 @@ class Compute:
     quantized_dot: str = "dequantize"
     lora: str = "onehot"
     int8_matmul: Callable | None = None
+    bf16_matmul: Callable | None = None
 
     def __post_init__(self):
         if self.quantized_dot not in DOT_FORMULATIONS:
@@ -148,6 +154,10 @@ class Compute:
         if isinstance(b, QuantizedArray):
             return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row, self.int8_matmul)
         a, b = a.astype(dtype), b.astype(dtype)
+        if self.bf16_matmul is not None and a.dtype == jnp.bfloat16:
+            contract = matrix_contract_axis(eq)
+            if contract is not None and a.ndim == 2 and b.ndim == 2:
+                return self.bf16_matmul(a, b, contract)
         rows = a.shape[0]
         padded = rows
         if a.dtype != jnp.float32 and eq[0] not in eq.split("->")[0].split(",")[1]:  # rows: not in b
@@ -163,6 +173,20 @@ class Compute:
         """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16); a
         ``QuantizedArray`` as it is."""
         return w if isinstance(w, QuantizedArray) else from_storage(w)
+
+
+def matrix_contract_axis(eq: str) -> int | None:
+    """For a matrix product ``"tk,kn->tn"`` (0) or ``"tk,nk->tn"`` (1), any letters: the axis
+    of the second operand that is summed; None for any other equation."""
+    try:
+        ins, out = eq.replace(" ", "").split("->")
+        a, b = ins.split(",")
+    except ValueError:
+        return None
+    if len(a) != 2 or len(b) != 2 or len(set(a + b)) != 3 or a[1] not in b or a[0] in b:
+        return None
+    contract = b.index(a[1])
+    return contract if out == a[0] + b[1 - contract] else None
 
 
 REFERENCE = Compute()

@@ -39,6 +39,16 @@ piece what it needs:
                                   VNNI); "off": XLA's dot. Exact integer
                                   sums: the same bits every way; one
                                   device only (no sharding rule)
+    bfloat16 matrix products      --cpu-kernels: "auto": our kernel     XLA's dot
+      (2-D dots of the model)     (``kernels_cpu.Bf16Matmul``) up to 4
+                                  rows where the CPU has AVX-512 and
+                                  batch invariance is off (head 1.5-
+                                  1.7x, layer 1.6-3x at 1-4 rows, 0.7x
+                                  at 8); with batch invariance (the
+                                  bf16 default) XLA's dot; "on": the
+                                  kernel at every row count; "off":
+                                  XLA's dot. Float32 sums in one order
+                                  per element, not XLA's order
     dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
       (--quantization int8)       activations split in two terms        converted to the matmul
                                   (one dot, int32 accumulation):        dtype inside the dot
@@ -110,6 +120,7 @@ log = logging.getLogger(__name__)
 PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_KERNELS = ("auto", "on", "off")
 CPU_KERNEL_MAX_ROWS = 4
+CPU_BF16_KERNEL_MAX_ROWS = 4
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
@@ -147,6 +158,8 @@ class BackendPolicy:
       cpu: the host CPU's features the CPU entries were chosen by (None off the CPU).
       int8_matmul: the integer product of the int8 dots (``Compute.int8_matmul``): a
         ``kernels_cpu.Int8Matmul`` (``--cpu-kernels``, :meth:`cpu_int8_matmul`), or None: XLA's dot.
+      bf16_matmul: the bfloat16 matrix products (``Compute.bf16_matmul``): a
+        ``kernels_cpu.Bf16Matmul`` (``--cpu-kernels``, :meth:`cpu_bf16_matmul`), or None: XLA's dot.
     """
 
     platform: str
@@ -164,6 +177,7 @@ class BackendPolicy:
     lora_onehot_max_columns: int = 256
     cpu: CpuFeatures | None = None
     int8_matmul: Callable | None = None
+    bf16_matmul: Callable | None = None
 
     def lora_formulation(self, num_slots: int, max_rank: int) -> str:
         """How each row's LoRA update is computed (``model.lora``): "onehot" (two dense dots
@@ -229,7 +243,8 @@ class BackendPolicy:
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
                        batch_invariant=batch_invariant, invariant_dot_rows=dot_rows,
                        quantized_dot=quantized_dot, int8_max_rows=int8_rows, cpu=cpu,
-                       int8_matmul=cls.cpu_int8_matmul(cpu_kernels, cpu))
+                       int8_matmul=cls.cpu_int8_matmul(cpu_kernels, cpu),
+                       bf16_matmul=cls.cpu_bf16_matmul(cpu_kernels, cpu, batch_invariant))
         return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant,
                    quantized_dot=quantized_dot, int8_max_rows=int8_rows)
 
@@ -266,6 +281,30 @@ class BackendPolicy:
                        f"({kernels_cpu.load_error()}); the int8 dots use XLA's")
             return None
         return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
+
+    @staticmethod
+    def cpu_bf16_matmul(setting: str, cpu: CpuFeatures, batch_invariant: bool) -> Callable | None:
+        """The bfloat16 matrix products on this CPU for ``--cpu-kernels`` ``setting``: a
+        ``kernels_cpu.Bf16Matmul``, or None (XLA's dot).
+
+        "auto": the kernel for products of up to ``CPU_BF16_KERNEL_MAX_ROWS`` rows where the
+        CPU has AVX-512 (``benchmarks.cpu_kernels`` measured it 1.5-1.7x XLA's dot on the head
+        and 1.6-3x on a layer matrix at 1-4 rows, 0.7x at 8; benchmarks/RESULTS.md,
+        2026-12-06), but only without batch invariance: the kernel and XLA's dot round
+        differently, so switching by row count would make a row's bits depend on its batch
+        (with batch invariance, the default for bfloat16, "auto" keeps XLA's dot). "on": the
+        kernel at every row count (batch-invariant on its own). "off": None. Where the library
+        is missing "auto" and "on" log one warning and give None.
+        """
+        if setting == "off" or (setting == "auto" and (batch_invariant or not cpu.avx512)):
+            return None
+        import kernels_cpu
+
+        if not kernels_cpu.available():
+            _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
+                       f"({kernels_cpu.load_error()}); the bf16 dots use XLA's")
+            return None
+        return kernels_cpu.Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS if setting == "auto" else None)
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
@@ -317,7 +356,7 @@ class BackendPolicy:
         return Compute(pad_single_row=self.pad_single_row, attention=attention,
                        moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes),
                        batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot,
-                       int8_matmul=self.int8_matmul)
+                       int8_matmul=self.int8_matmul, bf16_matmul=self.bf16_matmul)
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""
