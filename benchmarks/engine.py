@@ -294,7 +294,8 @@ def main(argv=None) -> None:
                     help="weight quantizations, measured interleaved with the dtypes (int8: "
                          "model.quantization, the backend policy's dot)")
     ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "on", "off"],
-                    help="the server's --cpu-kernels settings, measured interleaved (int8 dots; bf16 dots with on, or auto without batch invariance)")
+                    help="the server's --cpu-kernels settings, measured interleaved (int8 dots; "
+                         "bf16 dots with on, or auto without batch invariance)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")

@@ -12,6 +12,8 @@ backend policy (``serving.engine.backend_policy``):
     (``batch_invariant``: the norms here, the attention softmax in ``attention``),
   * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``),
     and by what integer matmul (``int8_matmul``: a kernel of the backend's, or XLA's dot),
+  * how a bfloat16 matrix product is computed (``bf16_matmul``: a kernel of the backend's,
+    or XLA's dot),
   * how each row's LoRA update is computed (``lora``, ``model.lora``).
 
 The defaults are the plain reference path (what a reader of the model expects):

@@ -37,6 +37,10 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
         rows = getattr(policy.int8_matmul, "max_rows", None)
         log.info("int8 dots: integer products by xlaserve's CPU kernel (kernels_cpu, --cpu-kernels %s), %s",
                  cfg.cpu_kernels, f"up to {rows} int8 rows, XLA's dot above" if rows else "at every row count")
+    if policy.bf16_matmul is not None and str(cfg.dtype) == "bfloat16":
+        rows = getattr(policy.bf16_matmul, "max_rows", None)
+        log.info("bf16 dots: xlaserve's CPU kernel (kernels_cpu, --cpu-kernels %s), %s", cfg.cpu_kernels,
+                 f"up to {rows} rows, XLA's dot above" if rows else "at every row count")
     vision = None
     if getattr(model.cfg, "architecture", None) == "gemma3" and cfg.checkpoint is None:
         from serving.loading.model_registry import load_vision
