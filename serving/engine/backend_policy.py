@@ -278,7 +278,7 @@ class BackendPolicy:
 
         if not kernels_cpu.available():
             _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
-                       f"({kernels_cpu.load_error()}); the int8 dots use XLA's")
+                       f"({kernels_cpu.load_error()}); the dots use XLA's")  # one line for both kernels
             return None
         return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
 
@@ -302,7 +302,7 @@ class BackendPolicy:
 
         if not kernels_cpu.available():
             _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
-                       f"({kernels_cpu.load_error()}); the bf16 dots use XLA's")
+                       f"({kernels_cpu.load_error()}); the dots use XLA's")  # one line for both kernels
             return None
         return kernels_cpu.Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS if setting == "auto" else None)
 

@@ -155,6 +155,7 @@ def test_a_missing_library_falls_back_to_xla_with_one_warning():
         for setting in ("auto", "on", "auto"):
             p = BackendPolicy.for_platform("cpu", cpu=spr, quantization="int8", cpu_kernels=setting)
             assert p.int8_matmul is None and p.compute().int8_matmul is None
+            assert p.bf16_matmul is None  # the bf16 kernel too, in the same one warning
         print("ok")
     """)
     env = {**__import__("os").environ, "XLASERVE_CPU_KERNELS_LIB": "/nonexistent/_kernels.so"}
