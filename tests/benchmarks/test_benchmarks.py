@@ -90,6 +90,10 @@ def test_cpu_kernels_benchmark_runs_one_layer(capsys):
                              "--copy-mib", "16"]) == 0
     out = capsys.readouterr().out
     assert "copy probe, 2 thread(s)" in out and "| layer | 1 |" in out
+    assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "bf16",
+                             "bf16-kernel", "--copy-mib", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16-kernel ms" in out and "| layer | 1 |" in out and "xla ms" not in out
 
 
 def test_device_script_imports_no_gateway_dependencies():
