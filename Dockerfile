@@ -34,9 +34,13 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # README.md: pyproject.toml names it as the package's readme. benchmarks: `xlaserve bench`.
-COPY pyproject.toml README.md ./
+# CMakeLists.txt and kernels_cpu: the CPU kernels, compiled by `pip install` with the g++ below
+# (without a compiler the install still succeeds and the server uses XLA's dots).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml README.md CMakeLists.txt ./
 COPY model ./model
 COPY kernels_pallas ./kernels_pallas
+COPY kernels_cpu ./kernels_cpu
 COPY serving ./serving
 COPY sharding ./sharding
 COPY configs ./configs

@@ -3,6 +3,7 @@
     xlaserve bench engine [args of python -m benchmarks.engine]
     xlaserve bench load   [args of python -m benchmarks.load]
     xlaserve bench kernels [args of python -m benchmarks.kernels]
+    xlaserve bench cpu-kernels [args of python -m benchmarks.cpu_kernels]
     xlaserve bench vs-llamacpp [args of python -m benchmarks.vs_llamacpp]
 
 Each subcommand hands its remaining arguments, unchanged, to the module's
@@ -18,6 +19,7 @@ _COMMANDS = {
     "engine": ("benchmarks.engine", "offline prefill/decode tokens/s with a roofline; optional baselines"),
     "load": ("benchmarks.load", "load generator for any OpenAI-compatible endpoint"),
     "kernels": ("benchmarks.kernels", "paged-attention kernels against the XLA reference"),
+    "cpu-kernels": ("benchmarks.cpu_kernels", "our int8 matmul kernel against XLA's dots, with a copy-bandwidth probe"),
     "routing": ("benchmarks.routing", "kv-aware against round-robin routing over 2 replicas (shared prefixes)"),
     "lora": ("benchmarks.lora", "32 streams over 4 LoRA adapters against 32 base streams, tokens/s ratio"),
     "vs-llamacpp": ("benchmarks.vs_llamacpp", "xlaserve serve variants through HTTP against llama.cpp's "

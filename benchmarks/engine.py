@@ -5,6 +5,7 @@ context, each with a roofline line against limits measured in the same run.
     python -m benchmarks.engine --dtype float32 bfloat16         # both, interleaved
     python -m benchmarks.engine --shape gemma3-270m --dtype bfloat16   # random weights, no GGUF
     python -m benchmarks.engine --quantization none int8         # bf16 against int8 weights, interleaved
+    python -m benchmarks.engine --quantization int8 --cpu-kernels off on   # XLA's int8 dot against ours
     python -m benchmarks.engine --baselines llama.cpp transformers --streams 1 8 32
     xlaserve bench engine ...                                    # the same
 
@@ -113,15 +114,16 @@ def load_named_model(name: str, dtype: str, quantization: str = "none"):
 
 
 def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: int = 16,
-                prefill_chunk: int = 512, whole_table_attention: bool = False):
+                prefill_chunk: int = 512, whole_table_attention: bool = False, cpu_kernels: str = "auto"):
     """An Engine sized for ``max_slots`` sequences of ``max_context`` tokens, KV in ``dtype``
     (``whole_table_attention``: sliding layers' decode reads the whole page table, the
-    formulation before the window gather, as a baseline)."""
+    formulation before the window gather, as a baseline; ``cpu_kernels``: the server's
+    ``--cpu-kernels``)."""
     from serving.config.engine_config import EngineConfig
     from serving.engine.backend_policy import BackendPolicy
     from serving.engine.engine import Engine
 
-    policy = BackendPolicy.detect()
+    policy = BackendPolicy.detect(cpu_kernels=cpu_kernels)
     if whole_table_attention:
         policy = dataclasses.replace(policy, attention=dataclasses.replace(policy.attention, window_gather=False))
     per_seq = -(-max_context // page_size)
@@ -174,17 +176,20 @@ def time_prefill(engine, tokens: int, repeats: int) -> float:
 
 
 def run_engine_rows(models: dict, args, limits, report: dict) -> None:
-    """The prefill and decode tables, every dtype per cell in turn."""
-    engines = {label: make_engine(m, variant_parts(label)[0], max(args.slots),
-                                  max(max(args.context), max(args.prefill)), prefill_chunk=max(args.prefill),
-                                  whole_table_attention=args.whole_table_attention)
-               for label, m in models.items()}
+    """The prefill and decode tables, every dtype (and ``--cpu-kernels`` setting) per cell in turn."""
+    kernels = args.cpu_kernels
+    engines = {(label if len(kernels) == 1 else f"{label}/kernels-{ck}"):
+               make_engine(m, variant_parts(label)[0], max(args.slots),
+                           max(max(args.context), max(args.prefill)), prefill_chunk=max(args.prefill),
+                           whole_table_attention=args.whole_table_attention, cpu_kernels=ck)
+               for label, m in models.items() for ck in kernels}
+    models = {label: models[label.split("/")[0]] for label in engines}
     cfg = next(iter(models.values())).cfg
     print("\nprefill (one prompt per step, logits for its last token)")
     for T in args.prefill:
         for dt, eng in engines.items():
             t = time_prefill(eng, T, args.repeats)
-            kv_dt, w_dt = variant_parts(dt)
+            kv_dt, w_dt = variant_parts(dt.split("/")[0])
             cost = step_cost(cfg, w_dt, kv_dt, queries=[(0, T)], logits_rows=1)
             print(f"  bucket {T:5} {dt:13}: {t * 1e3:8.1f} ms, {T / t:8.0f} tokens/s | "
                   f"{roofline_line(cost, t, limits, kv_dt)}", flush=True)
@@ -195,7 +200,7 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
         for B in args.slots:
             for dt, eng in engines.items():
                 t = time_decode(eng, B, C, args.steps, args.repeats)
-                kv_dt, w_dt = variant_parts(dt)
+                kv_dt, w_dt = variant_parts(dt.split("/")[0])
                 cost = step_cost(cfg, w_dt, kv_dt, queries=[(C - 1, 1)] * B, logits_rows=B)
                 print(f"  slots {B:3} context {C:5} {dt:13}: {t * 1e3:8.1f} ms/step, "
                       f"{B / t:8.1f} tokens/s | {roofline_line(cost, t, limits, kv_dt)}", flush=True)
@@ -288,6 +293,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
                     help="weight quantizations, measured interleaved with the dtypes (int8: "
                          "model.quantization, the backend policy's dot)")
+    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="the server's --cpu-kernels settings, measured interleaved (int8 dots; "
+                         "bf16 dots with on, or auto without batch invariance)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")

@@ -11,6 +11,9 @@ backend policy (``serving.engine.backend_policy``):
   * whether a row's reductions keep one order whatever shares its batch
     (``batch_invariant``: the norms here, the attention softmax in ``attention``),
   * how a dot with an int8 weight is computed (``quantized_dot``, ``model.quantization``),
+    and by what integer matmul (``int8_matmul``: a kernel of the backend's, or XLA's dot),
+  * how a bfloat16 matrix product is computed (``bf16_matmul``: a kernel of the backend's,
+    or XLA's dot),
   * how each row's LoRA update is computed (``lora``, ``model.lora``).
 
 The defaults are the plain reference path (what a reader of the model expects):
@@ -25,6 +28,7 @@ into its logical dtype and is a no-op for everything else (int8 weights,
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +91,15 @@ class Compute:
         per-channel scales only). See ``model.quantization``.
       lora: how :meth:`lora_dot` computes each row's LoRA update: "onehot" (dense
         over every slot, masked) or "gather" (each row's own slot); ``model.lora``.
+      int8_matmul: the integer product of the "int8" / "int8x2" dots, ``(xq: [M, K] int8,
+        w: int8 [K, N] or [N, K], contract axis of w) -> [M, N] int32`` exactly (a kernel the
+        backend policy chose, e.g. ``kernels_cpu.Int8Matmul``; hashable, as this class is a
+        static argument); None: XLA's dot.
+      bf16_matmul: how :meth:`dot` computes a bfloat16 product of a 2-D ``[rows, K]`` by a
+        2-D weight (``"tk,kn->tn"`` / ``"tk,nk->tn"`` forms): ``(a: [M, K] bfloat16, b:
+        bfloat16 [K, N] or [N, K], contract axis of b) -> [M, N] float32`` (a kernel the
+        backend policy chose, e.g. ``kernels_cpu.Bf16Matmul``; it must keep a row's result
+        independent of the row count, as it replaces the ``dot_rows`` padding); None: XLA's dot.
     """
 
     pad_single_row: bool = False
@@ -96,6 +109,8 @@ class Compute:
     dot_rows: DotRows = DotRows()
     quantized_dot: str = "dequantize"
     lora: str = "onehot"
+    int8_matmul: Callable | None = None
+    bf16_matmul: Callable | None = None
 
     def __post_init__(self):
         if self.quantized_dot not in DOT_FORMULATIONS:
@@ -139,8 +154,12 @@ class Compute:
           float32 result.
         """
         if isinstance(b, QuantizedArray):
-            return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row)
+            return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row, self.int8_matmul)
         a, b = a.astype(dtype), b.astype(dtype)
+        if self.bf16_matmul is not None and a.dtype == jnp.bfloat16:
+            contract = matrix_contract_axis(eq)
+            if contract is not None and a.ndim == 2 and b.ndim == 2:
+                return self.bf16_matmul(a, b, contract)
         rows = a.shape[0]
         padded = rows
         if a.dtype != jnp.float32 and eq[0] not in eq.split("->")[0].split(",")[1]:  # rows: not in b
@@ -156,6 +175,20 @@ class Compute:
         """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16); a
         ``QuantizedArray`` as it is."""
         return w if isinstance(w, QuantizedArray) else from_storage(w)
+
+
+def matrix_contract_axis(eq: str) -> int | None:
+    """For a matrix product ``"tk,kn->tn"`` (0) or ``"tk,nk->tn"`` (1), any letters: the axis
+    of the second operand that is summed; None for any other equation."""
+    try:
+        ins, out = eq.replace(" ", "").split("->")
+        a, b = ins.split(",")
+    except ValueError:
+        return None
+    if len(a) != 2 or len(b) != 2 or len(set(a + b)) != 3 or a[1] not in b or a[0] in b:
+        return None
+    contract = b.index(a[1])
+    return contract if out == a[0] + b[1 - contract] else None
 
 
 REFERENCE = Compute()

@@ -240,7 +240,7 @@ def _parse(eq: str, w: QuantizedArray) -> int:
 
 
 def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: str,
-                  pad_single_row: bool = False) -> jax.Array:
+                  pad_single_row: bool = False, int8_matmul=None) -> jax.Array:
     """``einsum(eq, x, dequantize(w))`` in the given formulation (module docstring).
 
     Args:
@@ -251,6 +251,10 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
       formulation: "dequantize", "int8" or "int8x2".
       pad_single_row: compute a one-row product as two rows (some backends run
         matrix-vector products far slower; ``Compute.pad_single_row``).
+      int8_matmul: the "int8" / "int8x2" dots' integer product ``(xq: [M, K] int8, w.values,
+        contract axis) -> [M, N] int32`` (``Compute.int8_matmul``: a kernel the backend chose);
+        None: ``jnp.einsum`` with int32 accumulation. Integer sums are exact, so both give
+        the same bits.
 
     Returns:
       [T, N] float32.
@@ -265,7 +269,7 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
     c = _parse(eq, w)
     rows = x.shape[0]
     # (int8x2 already computes 2 rows for one)
-    padded = pad_single_row and rows == 1 and (formulation == "int8" or (
+    padded = pad_single_row and rows == 1 and ((formulation == "int8" and int8_matmul is None) or (
         formulation == "dequantize" and jnp.dtype(dtype) != jnp.float32))
     if padded:
         x = jnp.concatenate([x, x])
@@ -274,7 +278,11 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
         if not per_channel:
             raise ValueError(f"the {formulation} dot needs per-channel scales; requantize_per_channel first")
         xq, xs = quantize_rows(x) if formulation == "int8" else quantize_rows_two_terms(x)
-        acc = jnp.einsum(eq, xq, w.values, preferred_element_type=jnp.int32).astype(jnp.float32) * xs
+        if int8_matmul is not None:
+            acc = int8_matmul(xq, w.values, c)
+        else:
+            acc = jnp.einsum(eq, xq, w.values, preferred_element_type=jnp.int32)
+        acc = acc.astype(jnp.float32) * xs
         if formulation == "int8x2":
             acc = acc[:rows] + acc[rows:]
         out = acc * w.scales.reshape(1, -1)

@@ -31,12 +31,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("model", "kernels_pallas", "sharding", "serving", "benchmarks")
+PACKAGES = ("model", "kernels_pallas", "kernels_cpu", "sharding", "serving", "benchmarks")
 
 GATEWAY_BASE = {"serving.contract", "serving.config", "serving.output", "serving.core"}
 MAY_IMPORT: dict[str, set[str]] = {
     "model": {"kernels_pallas"},
     "kernels_pallas": set(),
+    "kernels_cpu": set(),
     "sharding": {"model", "kernels_pallas"},
     "benchmarks": {"*"},
     "serving": set(),
@@ -49,7 +50,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "serving.core.kv": set(),
     "serving.core.sched": {"serving.config", "serving.core.kv"},
     # the device
-    "serving.engine": {"model", "kernels_pallas", "sharding", "serving.contract", "serving.config",
+    "serving.engine": {"model", "kernels_pallas", "kernels_cpu", "sharding", "serving.contract",
+                       "serving.config",
                        "serving.core.sched", "serving.core.kv", "serving.engine.sample"},
     "serving.engine.sample": {"serving.contract", "serving.config", "serving.core.sched"},
     "serving.loading": {"model", "sharding", "serving.contract", "serving.config"},
@@ -89,7 +91,8 @@ NO_JAX = ("serving.contract", "serving.config", "serving.output", "serving.core"
 """Packages (with their subpackages) that never reach JAX, Flax, or what imports them."""
 
 HTTP = ("fastapi", "starlette", "uvicorn", "httpx")
-NO_HTTP = ("model", "kernels_pallas", "sharding", "serving.contract", "serving.config", "serving.output",
+NO_HTTP = ("model", "kernels_pallas", "kernels_cpu", "sharding", "serving.contract", "serving.config",
+           "serving.output",
            "serving.core", "serving.engine", "serving.runtime", "serving.loading", "serving.rpc",
            "serving.replica", "serving.routing")
 """Packages (with their subpackages) that never reach the HTTP stack: only the gateway and the
@@ -405,7 +408,7 @@ def test_a_platform_query_in_the_model_is_caught(tmp_path):
 def test_importing_leaves_jax_out(module):
     code = (f"import sys, {module}\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('jax', 'jaxlib', 'flax', 'model', 'kernels_pallas', 'sharding'))\n"
+            "('jax', 'jaxlib', 'flax', 'model', 'kernels_pallas', 'kernels_cpu', 'sharding'))\n"
             "assert not bad, bad\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

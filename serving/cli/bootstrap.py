@@ -28,10 +28,19 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     enable_compilation_cache()
     t0 = time.perf_counter()
     model, tokenizer, mesh = load_for_serving(cfg)
-    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl, quantization=cfg.quantization)
+    policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl, quantization=cfg.quantization,
+                                  cpu_kernels=cfg.cpu_kernels)
     advice = policy.advice(cfg.dtype, cfg.quantization != "none")
     if advice:
         log.warning(advice)
+    if policy.int8_matmul is not None and cfg.quantization != "none":
+        rows = getattr(policy.int8_matmul, "max_rows", None)
+        log.info("int8 dots: integer products by xlaserve's CPU kernel (kernels_cpu, --cpu-kernels %s), %s",
+                 cfg.cpu_kernels, f"up to {rows} int8 rows, XLA's dot above" if rows else "at every row count")
+    if policy.bf16_matmul is not None and str(cfg.dtype) == "bfloat16":
+        rows = getattr(policy.bf16_matmul, "max_rows", None)
+        log.info("bf16 dots: xlaserve's CPU kernel (kernels_cpu, --cpu-kernels %s), %s", cfg.cpu_kernels,
+                 f"up to {rows} rows, XLA's dot above" if rows else "at every row count")
     vision = None
     if getattr(model.cfg, "architecture", None) == "gemma3" and cfg.checkpoint is None:
         from serving.loading.model_registry import load_vision
@@ -153,7 +162,8 @@ def run_follower(cfg) -> int:
     model, _, mesh = load_for_serving(cfg)
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
                     lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl,
-                                                           quantization=cfg.quantization))
+                                                           quantization=cfg.quantization,
+                                                           cpu_kernels=cfg.cpu_kernels))
     log.info("process %d following process 0's steps", jax.process_index())
     steps = engine.lockstep.follow(engine.run_published)
     log.info("process %d ran %d steps; leader stopped", jax.process_index(), steps)

@@ -33,6 +33,9 @@ _SETTINGS = [
     ("quantization", str, "none | int8 | auto: int8 weights (layer matrices and output head) with float "
                           "scales, GGUF Q8_0 blocks exactly; auto: int8 for steps of few rows where this "
                           "CPU runs them faster, the served dtype above (no batch invariance)"),
+    ("cpu_kernels", str, "auto | on | off: the int8 dots' integer products on the CPU by xlaserve's own "
+                         "kernels (kernels_cpu) instead of XLA's dot; auto: where they measured faster on "
+                         "this CPU (same results every way)"),
     ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams)"),
     ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),

@@ -84,6 +84,7 @@ class ServerConfig:
     num_processes: int | None = None
     process_id: int | None = None
     quantization: str = "none"
+    cpu_kernels: str = "auto"
     speculative: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
@@ -105,6 +106,8 @@ class ServerConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.quantization not in ("none", "int8", "auto"):  # model.quantization.QUANTIZATIONS + auto
             raise ValueError(f"quantization must be none, int8 or auto, got {self.quantization!r}")
+        if self.cpu_kernels not in ("auto", "on", "off"):  # serving.engine.backend_policy.CPU_KERNELS
+            raise ValueError(f"cpu_kernels must be auto, on or off, got {self.cpu_kernels!r}")
         if not self.host_kv_cache_gib >= 0:
             raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib!r}")
         if self.host_kv_cache_gib and not self.enable_prefix_caching:

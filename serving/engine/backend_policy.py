@@ -26,6 +26,31 @@ piece what it needs:
                                   least 4 a tile where bf16 dots are
                                   native (AMX kernels differ below 4
                                   rows), at least 2 where they are not
+    int8 x int8 products of the   --cpu-kernels: "auto": our kernel     XLA's dot
+      int8 dots                   (``kernels_cpu``, AVX-512 VNNI) up to
+                                  4 int8 rows (1-2 token rows of
+                                  int8x2) where the CPU has AVX512_VNNI
+                                  (SPR Xeon: decode steps 1.3-2.3x at
+                                  1 row, 1.1-1.8x at 2, 1.0-1.1x at
+                                  4, 0.6x at 8: XLA's AMX dot wins),
+                                  XLA's dot above and elsewhere;
+                                  "on": the kernel
+                                  at every row count (AVX2 path without
+                                  VNNI); "off": XLA's dot. Exact integer
+                                  sums: the same bits every way; one
+                                  device only (no sharding rule)
+    bfloat16 matrix products      --cpu-kernels: "auto": our kernel     XLA's dot
+      (2-D dots of the model)     (``kernels_cpu.Bf16Matmul``) up to 4
+                                  rows where the CPU has AVX-512 and
+                                  batch invariance is off (head 1.5-
+                                  1.7x, layer 1.6-3x at 1-4 rows, 0.7x
+                                  at 8); with batch invariance (the
+                                  bf16 default) XLA's dot; "on": the
+                                  kernel at every row count (decode
+                                  1.3-1.9x at 1-4 slots, even at 8;
+                                  64-token prefill 0.35x); "off":
+                                  XLA's dot. Float32 sums in one order
+                                  per element, not XLA's order
     dot with an int8 weight       "int8x2": int8 weights x int8         "dequantize": the weight
       (--quantization int8)       activations split in two terms        converted to the matmul
                                   (one dot, int32 accumulation):        dtype inside the dot
@@ -59,7 +84,9 @@ with its batch); the "dequantize" dot is a plain dot of the dtype's.
 The CPU numbers are measurements on the 2-core test machine
 (benchmarks/RESULTS.md, 2026-11-30; ``python -m benchmarks.moe_dispatch`` for
 the MoE threshold; ``python -m benchmarks.engine --quantization none int8`` and
-``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-02 and 2026-12-05).
+``python -m benchmarks.quantized_dot`` for the int8 rows, 2026-12-02 and 2026-12-05;
+``python -m benchmarks.cpu_kernels`` and ``benchmarks.engine --cpu-kernels off on`` for the
+kernels, on a 2-core Sapphire Rapids Xeon, 2026-12-06).
 The accelerator column is the plain path, pending measurements on real hardware
 (``benchmarks/device.sh``).
 
@@ -74,6 +101,9 @@ then depend on how many rows share its step, so batch invariance is off with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +117,12 @@ from model.compute import MOE_IMPLS, Compute, MoEConfig
 from model.quantization import DOT_FORMULATIONS, QuantizedArray, requantize_per_channel
 from serving.engine.cpu_features import CpuFeatures, host_cpu
 
+log = logging.getLogger(__name__)
+
 PLATFORMS = ("cpu", "gpu", "tpu")
+CPU_KERNELS = ("auto", "on", "off")
+CPU_KERNEL_MAX_ROWS = 4
+CPU_BF16_KERNEL_MAX_ROWS = 4
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
@@ -123,6 +158,10 @@ class BackendPolicy:
       lora_onehot_max_columns: the LoRA update runs as the one-hot einsum while
         slots x rank is at most this, else as a gather (:meth:`lora_formulation`).
       cpu: the host CPU's features the CPU entries were chosen by (None off the CPU).
+      int8_matmul: the integer product of the int8 dots (``Compute.int8_matmul``): a
+        ``kernels_cpu.Int8Matmul`` (``--cpu-kernels``, :meth:`cpu_int8_matmul`), or None: XLA's dot.
+      bf16_matmul: the bfloat16 matrix products (``Compute.bf16_matmul``): a
+        ``kernels_cpu.Bf16Matmul`` (``--cpu-kernels``, :meth:`cpu_bf16_matmul`), or None: XLA's dot.
     """
 
     platform: str
@@ -139,6 +178,8 @@ class BackendPolicy:
     int8_max_rows: int = 0
     lora_onehot_max_columns: int = 256
     cpu: CpuFeatures | None = None
+    int8_matmul: Callable | None = None
+    bf16_matmul: Callable | None = None
 
     def lora_formulation(self, num_slots: int, max_rank: int) -> str:
         """How each row's LoRA update is computed (``model.lora``): "onehot" (two dense dots
@@ -150,7 +191,7 @@ class BackendPolicy:
     def for_platform(cls, platform: str, *, attention_impl: str = "auto",
                      moe_impl: str = "auto", batch_invariant: bool | None = None,
                      quantized_dot: str = "auto", cpu: CpuFeatures | None = None,
-                     quantization: str = "none") -> "BackendPolicy":
+                     quantization: str = "none", cpu_kernels: str = "off") -> "BackendPolicy":
         """The policy for a platform.
 
         Args:
@@ -165,10 +206,12 @@ class BackendPolicy:
             ``cpu_features.host_cpu``).
           quantization: the server's ``--quantization``: "auto" sets ``int8_max_rows``
             (:meth:`int8_rows_for`) and, where that is above 0, batch invariance off.
+          cpu_kernels: the server's ``--cpu-kernels``, "auto", "on" or "off" (:meth:`cpu_int8_matmul`;
+            the CPU only).
 
         Raises:
-          ValueError: an unknown platform, attention_impl, moe_impl, quantized_dot or
-            quantization; batch invariance asked for with int8 weights by row count.
+          ValueError: an unknown platform, attention_impl, moe_impl, quantized_dot,
+            quantization or cpu_kernels; batch invariance asked for with int8 weights by row count.
         """
         platform = "gpu" if platform in ("cuda", "rocm") else platform
         if platform not in PLATFORMS:
@@ -182,6 +225,8 @@ class BackendPolicy:
             quantized_dot = "int8x2" if platform == "cpu" else "dequantize"
         if quantization not in ("none", "int8", "auto"):
             raise ValueError(f"quantization must be none, int8 or auto, got {quantization!r}")
+        if cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
         attention = select_attention(attention_impl, platform)
         if platform == "cpu":
             cpu = cpu or host_cpu()
@@ -199,7 +244,9 @@ class BackendPolicy:
                        attention=attention, moe_impl=moe_impl,
                        moe_capacity_max_rows=CPU_MOE_CAPACITY_MAX_ROWS, sync_sharded_steps=True,
                        batch_invariant=batch_invariant, invariant_dot_rows=dot_rows,
-                       quantized_dot=quantized_dot, int8_max_rows=int8_rows, cpu=cpu)
+                       quantized_dot=quantized_dot, int8_max_rows=int8_rows, cpu=cpu,
+                       int8_matmul=cls.cpu_int8_matmul(cpu_kernels, cpu),
+                       bf16_matmul=cls.cpu_bf16_matmul(cpu_kernels, cpu, batch_invariant))
         return cls(platform, attention=attention, moe_impl=moe_impl, batch_invariant=batch_invariant,
                    quantized_dot=quantized_dot, int8_max_rows=int8_rows)
 
@@ -215,14 +262,66 @@ class BackendPolicy:
             return CPU_AMX_INT8_MAX_ROWS
         return CPU_BF16_DOT_INT8_MAX_ROWS if cpu.bf16_dot else CPU_WIDENED_BF16_INT8_MAX_ROWS
 
+    @staticmethod
+    def cpu_int8_matmul(setting: str, cpu: CpuFeatures) -> Callable | None:
+        """The int8 dots' integer product on this CPU for ``--cpu-kernels`` ``setting``: a
+        ``kernels_cpu.Int8Matmul``, or None (XLA's dot).
+
+        "auto": the kernel for products of up to ``CPU_KERNEL_MAX_ROWS`` int8 rows (a decode
+        step of 4 token rows under "int8x2") where the CPU has AVX512_VNNI, where
+        ``benchmarks.cpu_kernels`` measured it faster than XLA's dot (benchmarks/RESULTS.md,
+        2026-12-06), else None (the AVX2 path is not measured faster yet). "on": the kernel
+        at every row count. "off": None. Where the library is missing (no compiler at install
+        time) "auto" and "on" log one warning and give None.
+        """
+        if setting == "off" or (setting == "auto" and not (cpu.avx512 and cpu.int8_dot)):
+            return None
+        import kernels_cpu
+
+        if not kernels_cpu.available():
+            _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
+                       f"({kernels_cpu.load_error()}); the dots use XLA's")  # one line for both kernels
+            return None
+        return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
+
+    @staticmethod
+    def cpu_bf16_matmul(setting: str, cpu: CpuFeatures, batch_invariant: bool) -> Callable | None:
+        """The bfloat16 matrix products on this CPU for ``--cpu-kernels`` ``setting``: a
+        ``kernels_cpu.Bf16Matmul``, or None (XLA's dot).
+
+        "auto": the kernel for products of up to ``CPU_BF16_KERNEL_MAX_ROWS`` rows where the
+        CPU has AVX-512 (``benchmarks.cpu_kernels`` measured it 1.5-1.7x XLA's dot on the head
+        and 1.6-3x on a layer matrix at 1-4 rows, 0.7x at 8; benchmarks/RESULTS.md,
+        2026-12-06), but only without batch invariance: the kernel and XLA's dot round
+        differently, so switching by row count would make a row's bits depend on its batch
+        (with batch invariance, the default for bfloat16, "auto" keeps XLA's dot). "on": the
+        kernel at every row count (batch-invariant on its own). "off": None. Where the library
+        is missing "auto" and "on" log one warning and give None.
+        """
+        if setting == "off" or (setting == "auto" and (batch_invariant or not cpu.avx512)):
+            return None
+        import kernels_cpu
+
+        if not kernels_cpu.available():
+            _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
+                       f"({kernels_cpu.load_error()}); the dots use XLA's")  # one line for both kernels
+            return None
+        return kernels_cpu.Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS if setting == "auto" else None)
+
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":
         """The policy for the platform of ``mesh``'s devices (default: JAX's default backend).
 
         The one place in the serving path that asks JAX which platform it runs on.
-        kwargs: as :meth:`for_platform`.
+        kwargs: as :meth:`for_platform`. On a mesh of several devices ``cpu_kernels`` is "off":
+        the kernels have no sharding rule (XLA would gather their sharded operands), so they
+        serve one device only ("on" logs a warning).
         """
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        if mesh is not None and mesh.devices.size > 1 and kwargs.get("cpu_kernels", "off") != "off":
+            if kwargs["cpu_kernels"] == "on":
+                _warn_once("--cpu-kernels on: the CPU kernels serve one device only; this mesh uses XLA's dots")
+            kwargs = {**kwargs, "cpu_kernels": "off"}
         return cls.for_platform(platform, **kwargs)
 
     def advice(self, dtype, quantized: bool) -> str | None:
@@ -258,7 +357,8 @@ class BackendPolicy:
         attention = dataclasses.replace(self.attention, batch_invariant=invariant, dot_rows=dot_rows)
         return Compute(pad_single_row=self.pad_single_row, attention=attention,
                        moe=MoEConfig(self.moe_impl, self.moe_capacity_max_rows, **axes),
-                       batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot)
+                       batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot,
+                       int8_matmul=self.int8_matmul, bf16_matmul=self.bf16_matmul)
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""
@@ -281,6 +381,11 @@ class BackendPolicy:
                 v = v.replace(_stored_weight(value, stored))
             out.append((path, v))
         return nnx.from_flat_state(out)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _stored_weight(value: jax.Array, stored) -> jax.Array:

@@ -69,6 +69,33 @@ def test_engine_benchmark_runs_on_the_tiny_shape(tmp_path):
         "float32", "bfloat16"}
 
 
+def test_engine_benchmark_builds_engines_by_cpu_kernel_setting():
+    """``--cpu-kernels off on``: each engine's policy as the server's setting makes it."""
+    import kernels_cpu
+    from benchmarks.engine import make_engine, random_model
+
+    model = random_model("tiny", "bfloat16", quantization="int8")
+    assert make_engine(model, "bfloat16", 1, 40, cpu_kernels="off").policy.int8_matmul is None
+    on = make_engine(model, "bfloat16", 1, 40, cpu_kernels="on").policy.int8_matmul
+    assert (on is not None) == kernels_cpu.available()
+
+
+def test_cpu_kernels_benchmark_runs_one_layer(capsys):
+    import kernels_cpu
+    from benchmarks import cpu_kernels
+
+    if not kernels_cpu.available():
+        pytest.skip("the CPU kernels were not built")
+    assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "xla", "kernel",
+                             "--copy-mib", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "copy probe, 2 thread(s)" in out and "| layer | 1 |" in out
+    assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "bf16",
+                             "bf16-kernel", "--copy-mib", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16-kernel ms" in out and "| layer | 1 |" in out and "xla ms" not in out
+
+
 def test_device_script_imports_no_gateway_dependencies():
     """The device machine has jax, flax (which brings PyYAML) and numpy only: the engine and the
     device benchmark must import and run without fastapi, uvicorn, gguf, sentencepiece,
@@ -88,7 +115,7 @@ def test_device_script_imports_no_gateway_dependencies():
 
 
 @pytest.mark.parametrize("argv", [["bench", "engine", "--help"], ["bench", "load", "--help"],
-                                  ["bench", "lora", "--help"]])
+                                  ["bench", "lora", "--help"], ["bench", "cpu-kernels", "--help"]])
 def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
     from serving.cli.main import main
 
@@ -96,7 +123,8 @@ def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
         main(argv)
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert {"engine": "--slots", "load": "--concurrency", "lora": "--adapters"}[argv[1]] in out
+    assert {"engine": "--slots", "load": "--concurrency", "lora": "--adapters",
+            "cpu-kernels": "--copy-mib"}[argv[1]] in out
 
 
 def test_batch_interference_runs_on_the_tiny_model(tmp_path):

@@ -190,7 +190,7 @@ def test_dockerfile_copies_what_exists_and_runs_as_a_user():
     assert re.search(r"XLASERVE_DATA_DIR=/data\b", text) and 'VOLUME ["/data"]' in text
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", ".xlaserve-test-data"} <= ignored
-    assert not {"README.md", "pyproject.toml", "serving", "configs"} & ignored
+    assert not {"README.md", "pyproject.toml", "CMakeLists.txt", "serving", "kernels_cpu", "configs"} & ignored
 
 
 PORT_FLAGS = ("--grpc-tls-cert", "--grpc-tls-key", "--grpc-client-ca", "--grpc-token-file")

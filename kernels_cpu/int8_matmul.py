@@ -1,0 +1,105 @@
+"""The int8 x int8 -> int32 matmul kernel as a JAX function (``csrc/int8_matmul.cc``).
+
+    out[m, n] = sum_k x[m, k] * w[n, k]     (contract=1: w is [N, K], e.g. the tied output head)
+    out[m, n] = sum_k x[m, k] * w[k, n]     (contract=0: w is [K, N], e.g. a layer matrix)
+
+The sums are int32 and exact, so the result equals ``jnp.einsum(..., preferred_element_type=
+jnp.int32)`` bit for bit, whatever the row count, instruction set or thread split: a row's
+result never depends on its batch. With per-row quantized activations and per-channel weight
+scales around it, it is the int32 core of ``model.quantization``'s "int8" and "int8x2" dots.
+
+Instruction sets (``isa``): "auto" (the best this CPU runs: avx512 with AVX512_VNNI, else
+avx2, else scalar), "avx2", "avx512" or "scalar"; ``$XLASERVE_CPU_KERNELS_ISA`` sets what
+"auto" means in this process (tests force the AVX2 path on an AVX-512 CPU with it or with
+the argument). Threads: the output columns are split over XLA's intra-op pool (at most the
+cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
+thread only); products under ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS`` multiply-adds (default
+2**25: a layer matrix of a few rows; the output head is split) run on the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_cpu.library import INT8_MATMUL_TARGET, available, load_error
+
+ISAS = ("auto", "avx2", "avx512", "scalar")
+ISA_ENV = "XLASERVE_CPU_KERNELS_ISA"
+ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "scalar": 3}
+"""The kernels' ``isa`` attribute values (shared by every kernel of ``csrc/``)."""
+
+
+def resolve_isa(isa: str) -> str:
+    """``isa`` with "auto" replaced by ``$XLASERVE_CPU_KERNELS_ISA`` when that is set.
+
+    Raises:
+      ValueError: not one of ``ISAS``.
+    """
+    if isa == "auto":
+        isa = os.environ.get(ISA_ENV) or "auto"
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    return isa
+
+
+def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") -> jax.Array:
+    """``x: [M, K] int8`` times ``w`` (int8, [N, K] with contract=1 or [K, N] with contract=0)
+    -> ``[M, N] int32``, through the compiled kernel (XLA:CPU only; works under jit).
+
+    Raises:
+      ValueError: wrong dtypes, ranks or shapes; an unknown isa; K over 65536 (the int32
+        sums could overflow).
+      RuntimeError: the library is unavailable (``library.load_error`` says why).
+      jax.errors.JaxRuntimeError (at run time): this CPU lacks the requested isa.
+    """
+    if x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"int8_matmul takes 2-D int8 x and w, got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
+    if contract not in (0, 1):
+        raise ValueError(f"contract must be 0 (w: [K, N]) or 1 (w: [N, K]), got {contract}")
+    m, k = x.shape
+    if w.shape[contract] != k:
+        raise ValueError(f"x {x.shape} and w {w.shape} (contract axis {contract}) do not agree")
+    if k > 65536:
+        raise ValueError(f"K = {k} over 65536 could overflow the int32 sums")
+    code = ISA_CODES[resolve_isa(isa)]
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {load_error()}")
+    n = w.shape[1 - contract]
+    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32),
+                            vmap_method="sequential")
+    return call(x, w, w_kn=np.int64(1 - contract), isa=np.int64(code))
+
+
+def reference_int8_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    """XLA's dot of the same product (the reference and the fallback): ``x: [M, K] int8``,
+    ``w`` int8 ([N, K] with contract=1, [K, N] with contract=0) -> ``[M, N] int32``."""
+    dims = (((1,), (contract,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Matmul:
+    """``int8_matmul`` with fixed settings, as a value (hashable and comparable, so it can be
+    a field of a static jit argument such as ``model.compute.Compute``).
+
+    Call: ``(x: [M, K] int8, w: int8 2-D, contract: int) -> [M, N] int32``.
+
+    Attributes:
+      isa: as ``int8_matmul``'s.
+      max_rows: products of more rows run XLA's dot (``reference_int8_matmul``), where it is
+        faster (None: the kernel always). Both sums are exact, so a row's result is the same
+        bits either way: the switch keeps batch invariance.
+    """
+
+    isa: str = "auto"
+    max_rows: int | None = None
+
+    def __call__(self, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return reference_int8_matmul(x, w, contract)
+        return int8_matmul(x, w, contract, self.isa)

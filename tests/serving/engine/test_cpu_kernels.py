@@ -1,0 +1,177 @@
+"""``--cpu-kernels``: the backend policy's choice of the int8 dots' integer product per CPU and
+setting, the setting's path from the server config, and an engine decoding a tiny random int8
+model through the kernels: the same tokens and log probabilities, bitwise, as through XLA's
+dot, and a row's result the same alone or in a batch. The same for the bf16 kernel (a tiny
+bfloat16 model: XLA's results within float32 summation error, batch-invariant bitwise)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kernels_cpu
+from kernels_cpu import Bf16Matmul, Int8Matmul
+from model.factory import quantized_copy
+from model.gemma3 import Gemma3
+from serving.config.engine_config import EngineConfig
+from serving.config.server_config import ServerConfig
+from serving.core.sched.step_plan import DecodeRow, PrefillRow, SamplingSettings
+from serving.engine.backend_policy import CPU_BF16_KERNEL_MAX_ROWS, CPU_KERNEL_MAX_ROWS, BackendPolicy
+from serving.engine.cpu_features import CpuFeatures
+from serving.engine.engine import Engine
+from tests.support.tiny_engine import TINY
+
+AVX2 = CpuFeatures.from_flags({"AVX2": True})
+SPR = CpuFeatures.from_flags({"AVX512F": True, "AVX512_SPR": True, "AVX512VNNI": True})
+needs_kernels = pytest.mark.skipif(not kernels_cpu.available(), reason="the CPU kernels were not built")
+
+
+@needs_kernels
+def test_policy_picks_the_kernel_by_setting_and_cpu():
+    def pick(setting, cpu=SPR, platform="cpu"):
+        return BackendPolicy.for_platform(platform, cpu=cpu, quantization="int8", cpu_kernels=setting).int8_matmul
+
+    assert pick("auto") == Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS)
+    assert pick("auto", AVX2) is None  # the AVX2 path is not measured faster
+    assert pick("on", AVX2) == Int8Matmul() and pick("on") == Int8Matmul()
+    assert pick("off") is None and pick("on", platform="gpu") is None
+    assert BackendPolicy.for_platform("cpu", cpu=SPR).int8_matmul is None  # the library default: off
+    policy = BackendPolicy.for_platform("cpu", cpu=SPR, cpu_kernels="on")
+    assert policy.compute(dtype=jnp.bfloat16).int8_matmul == Int8Matmul()
+    with pytest.raises(ValueError, match="cpu_kernels must be"):
+        BackendPolicy.for_platform("cpu", cpu=SPR, cpu_kernels="yes")
+
+
+@needs_kernels
+def test_a_mesh_of_several_devices_keeps_xla_dots(caplog):
+    """The kernels have no sharding rule: a multi-device mesh turns them off ("on" says so)."""
+    import types
+
+    dev = jax.devices("cpu")[0]
+    one, two = (types.SimpleNamespace(devices=np.array([dev] * n, dtype=object)) for n in (1, 2))
+    assert BackendPolicy.detect(one, cpu_kernels="on").int8_matmul == Int8Matmul()
+    assert BackendPolicy.detect(two, cpu_kernels="auto").int8_matmul is None
+    assert BackendPolicy.detect(two, cpu_kernels="on").int8_matmul is None
+    assert "serve one device only" in caplog.text
+
+
+def test_server_setting():
+    assert ServerConfig().cpu_kernels == "auto"
+    with pytest.raises(ValueError, match="cpu_kernels must be auto, on or off"):
+        ServerConfig(cpu_kernels="always")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counted(Int8Matmul):
+    """Int8Matmul that counts the products traced through it."""
+
+    def __call__(self, x, w, contract):
+        _TRACED.append((x.shape, w.shape))
+        return super().__call__(x, w, contract)
+
+
+_TRACED: list = []
+CFG = EngineConfig(max_slots=4, num_pages=32, max_model_len=128, page_size=16, prefill_chunk=32,
+                   min_decode_batch=1, kv_dtype="bfloat16")
+LOGPROBS = SamplingSettings(logprobs=2)
+
+
+def _out(out) -> tuple:
+    return tuple(np.asarray(x) for x in (out.tokens, out.logprob, out.top_logprobs))
+
+
+@needs_kernels
+def test_engine_decodes_the_same_through_the_kernels():
+    """A tiny bfloat16 Gemma 3 as int8 ("int8x2" dots): a prefill and a 1-row decode step
+    through the kernel and through XLA's dot are equal bitwise, and the 1-row step's row
+    equals each row of a 3-row step from the same cache (batch invariance). The kernel's best
+    path on this CPU (tests/kernels_cpu compare every path with XLA's dot)."""
+    model = quantized_copy(Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    xla = BackendPolicy.for_platform("cpu", quantization="int8", cpu_kernels="off")
+    assert xla.quantized_dot == "int8x2"
+    _TRACED.clear()
+    kernel = Engine(model, CFG, policy=dataclasses.replace(xla, int8_matmul=_Counted()))
+    plain = Engine(model, CFG, policy=xla)
+
+    prompt = tuple([2] + [(7 * i) % 400 + 100 for i in range(12)])
+    prefill = [PrefillRow("a", 0, 0, prompt, (1,), True, LOGPROBS)]
+    first = _out(kernel.prefill(prefill))
+    assert all(np.array_equal(a, b) for a, b in zip(first, _out(plain.prefill(prefill))))
+    assert _TRACED, "the engine's steps did not call the kernel"
+
+    def decode(engine, rows):
+        engine.state = jax.tree.map(jnp.copy, start)
+        return _out(engine.decode([DecodeRow("a", 0, len(prompt), (1,), LOGPROBS)] * rows))
+
+    start = jax.tree.map(jnp.copy, kernel.state)
+    one = decode(kernel, 1)
+    for a, b in zip(one, decode(plain, 1)):
+        np.testing.assert_array_equal(a, b)
+    for a1, a3 in zip(one, decode(kernel, 3)):
+        assert a3.shape[0] >= 3  # the bucket's rows
+        for r in range(3):
+            np.testing.assert_array_equal(a1[0], a3[r])
+
+
+@needs_kernels
+def test_policy_picks_the_bf16_kernel_by_setting_and_invariance():
+    def pick(setting, cpu=SPR, invariant=None):
+        return BackendPolicy.for_platform("cpu", cpu=cpu, cpu_kernels=setting,
+                                          batch_invariant=invariant).bf16_matmul
+
+    assert pick("auto") is None  # bf16 serving is batch-invariant by default: XLA's dot
+    assert pick("auto", invariant=False) == Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS)
+    assert pick("auto", AVX2, invariant=False) is None
+    assert pick("on") == Bf16Matmul() and pick("on", AVX2) == Bf16Matmul()
+    assert pick("off", invariant=False) is None
+    policy = BackendPolicy.for_platform("cpu", cpu=SPR, cpu_kernels="on")
+    assert policy.compute(dtype=jnp.bfloat16).bf16_matmul == Bf16Matmul()
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountedBf16(Bf16Matmul):
+    """Bf16Matmul that counts the products traced through it."""
+
+    def __call__(self, x, w, contract):
+        _TRACED.append((x.shape, w.shape))
+        return super().__call__(x, w, contract)
+
+
+@needs_kernels
+def test_engine_decodes_bf16_through_the_kernel():
+    """A tiny random bfloat16 Gemma 3 with every 2-D matmul in the bf16 kernel: prefill and a
+    1-row decode step give XLA's tokens and log probabilities within float32 summation
+    error (the kernel sums in another order), and the 1-row step's row equals each row of a
+    3-row step from the same cache bitwise (batch invariance)."""
+    model = Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    xla = BackendPolicy.for_platform("cpu", cpu_kernels="off")
+    assert xla.batch_invariant and xla.bf16_matmul is None
+    _TRACED.clear()
+    kernel = Engine(model, CFG, policy=dataclasses.replace(xla, bf16_matmul=_CountedBf16()))
+    plain = Engine(model, CFG, policy=xla)
+
+    prompt = tuple([2] + [(7 * i) % 400 + 100 for i in range(12)])
+    prefill = [PrefillRow("a", 0, 0, prompt, (1,), True, LOGPROBS)]
+    first, want = _out(kernel.prefill(prefill)), _out(plain.prefill(prefill))
+    assert _TRACED, "the engine's steps did not call the kernel"
+    np.testing.assert_array_equal(first[0], want[0])
+    np.testing.assert_allclose(first[1], want[1], atol=2e-2)
+
+    def decode(engine, rows):
+        engine.state = jax.tree.map(jnp.copy, start)
+        return _out(engine.decode([DecodeRow("a", 0, len(prompt), (1,), LOGPROBS)] * rows))
+
+    start = jax.tree.map(jnp.copy, kernel.state)
+    one, ref = decode(kernel, 1), decode(plain, 1)
+    np.testing.assert_array_equal(one[0], ref[0])
+    np.testing.assert_allclose(one[1], ref[1], atol=2e-2)
+    np.testing.assert_allclose(one[2], ref[2], atol=2e-2)
+    for a1, a3 in zip(one, decode(kernel, 3)):
+        assert a3.shape[0] >= 3
+        for r in range(3):
+            np.testing.assert_array_equal(a1[0], a3[r])
