@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import time
@@ -161,6 +162,110 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
         return ""
+
+
+def can_build() -> bool:
+    """Whether ``ensure_built`` can give a binary here: it is built already, or cmake and a C++
+    compiler (c++, g++ or clang++) are on PATH. The build itself may still fail."""
+    if binary_path().is_file():
+        return True
+    return shutil.which("cmake") is not None and any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def context_size(slots: int, longest_prompt: int, output_len: int, block: int = 256) -> int:
+    """``-c`` for ``slots`` slots: each slot gets ``-c / slots`` tokens of KV cache (llama-server
+    splits it when ``-np`` is given), so each slot's share holds the longest prompt, the
+    completion and 8 tokens of margin, rounded up to ``block`` tokens."""
+    per_slot = -(-(longest_prompt + output_len + 8) // block) * block
+    return slots * per_slot
+
+
+def server_command(binary: Path, gguf: Path, port: int, slots: int, threads: int, ctx: int) -> list[str]:
+    """llama-server's command line: the GGUF, loopback ``port``, ``slots`` slots with continuous
+    batching, ``threads`` threads for decode and prompt processing, ``ctx`` tokens of KV cache in
+    all, no web UI; every other setting llama-server's default."""
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-cb", "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "--no-webui"]
+
+
+class LlamaServer:
+    """llama-server on a free loopback port, healthy on return; a context manager that kills it.
+
+    Starts ``server_command(...)`` with stdout and stderr to ``workdir/llama-server.log``,
+    polls ``GET /health`` until 200, then sends one 4-token completion (the first decode).
+    If the process dies of SIGILL before that completes (a native build with AMX code on a
+    machine that advertises AMX but cannot run it), it is started once more with AMX denied
+    to it (``baselines.deny_amx_permission`` in the child before exec: llama.cpp then keeps its
+    other kernels); ``amx_denied`` says so.
+
+    Raises:
+      RuntimeError: the process exited, or was not healthy and done with the probe within
+        ``timeout_s`` seconds (the message ends with the log's last lines); it is killed first.
+    """
+
+    def __init__(self, binary: Path, gguf: Path, workdir: Path, slots: int, threads: int, ctx: int,
+                 timeout_s: float = 300.0):
+        from benchmarks.baselines import deny_amx_permission
+        from benchmarks.vs_llamacpp import free_port
+
+        self.log_path = Path(workdir) / "llama-server.log"
+        self.proc: subprocess.Popen | None = None
+        self.amx_denied = False
+        for deny_amx in (False, True):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.command = server_command(binary, gguf, self.port, slots, threads, ctx)
+            self.amx_denied = deny_amx
+            with open(self.log_path, "w") as log:
+                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL,
+                                             preexec_fn=deny_amx_permission if deny_amx else None)
+            if self._ready(timeout_s):
+                return
+            sigill = self.proc.returncode == -signal.SIGILL
+            self.stop()
+            if sigill and not deny_amx:
+                print("   llama-server died of SIGILL (an instruction this machine cannot run, e.g. AMX): "
+                      "starting it again with AMX denied to it", flush=True)
+                continue
+            break
+        raise RuntimeError(f"llama-server did not become ready (exit {self.proc.returncode}); "
+                           f"the end of its log:\n{log_tail(self.log_path)}")
+
+    def _ready(self, timeout_s: float) -> bool:
+        import httpx
+
+        deadline = time.time() + timeout_s
+        healthy = False
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                if not healthy:
+                    healthy = httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+                if healthy:
+                    r = httpx.post(f"{self.url}/completion", json={"prompt": "Hello", "n_predict": 4},
+                                   timeout=max(1.0, deadline - time.time()))
+                    if r.status_code == 200:
+                        return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        return False
+
+    def stop(self) -> None:
+        """Terminates the process (SIGKILL after 30 s) and waits for it; safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
