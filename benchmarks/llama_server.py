@@ -9,8 +9,9 @@ of its sdist, ``benchmarks.llama_cpp_sdist``) are extracted to
 libcurl, no web UI download or npm build: nothing is fetched while building);
 only the ``llama-server`` target is built, at ``nice`` 19 with ``-j`` jobs.
 The binary is copied to ``cache_dir("llama-server")/0.3.36/bin/llama-server``;
-a later call finds it there and builds nothing. The build log is
-``.../0.3.36/build.log``.
+a later call finds it there and builds nothing (delete that ``bin`` folder to
+build again; the build tree beside it makes a rebuild incremental). The build
+log is ``.../0.3.36/build.log``.
 
 ``LlamaServer`` runs that binary on a free loopback port (continuous batching,
 ``-np`` slots, ``-t`` threads), waits for ``GET /health`` and kills it on

@@ -108,7 +108,7 @@ from typing import Sequence
 
 from benchmarks.closed_loop import format_profile, mixed_prompts, profile_delta, scrape_profile
 from benchmarks.common import cli_module
-from benchmarks.load import LoadConfig, RequestResult, _run_one, send_request, summarize
+from benchmarks.load import RequestResult, _payload, _run_one, send_request, summarize
 from benchmarks.vs_tables import Row, fmt, format_anchor_table, format_latency_table, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ async def _drive(url: str, texts: list[str], warmup: int, runs: list[tuple[int, 
     ids, one connection per request (as ``vs_llama_server`` sends them to llama-server)."""
     import httpx
 
-    from benchmarks.vs_llama_server import request_limits
+    from benchmarks.vs_llama_server import load_config, request_limits
 
     limits = request_limits(max(n for n, _ in runs), keepalive=not same_ids)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=30.0),
@@ -289,12 +289,9 @@ async def _drive(url: str, texts: list[str], warmup: int, runs: list[tuple[int, 
             r = await client.post("/tokenize", json={"model": model, "prompt": t, "add_special_tokens": True})
             r.raise_for_status()
             ids.append(r.json()["tokens"])
-        cfg = LoadConfig(base_url=f"{url}/v1", model=model, output_len=output_len, ignore_eos=True,
-                         temperature=0.0, timeout_s=timeout_s, progress=False)
+        cfg = load_config(url, model, output_len, timeout_s)  # the bodies llama-server gets too
         prompts = ids if same_ids else texts
-        body = {"model": model, "prompt": prompts[warmup], "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        w = await send_request(client, f"{url}/v1/completions", body)
+        w = await send_request(client, f"{url}/v1/completions", _payload(cfg, prompts[warmup], 16))
         if not w.ok:
             raise RuntimeError(f"warm-up request failed: {w.error}")
         results, profiles = [], []
