@@ -21,15 +21,15 @@ on a free loopback port, its ledger in a temporary SQLite file), waits for
 
 ``--anchor`` picks what llama.cpp runs. ``llama-server`` (the default where
 the binary is cached or cmake and a C++ compiler are on PATH; built on first
-use, minutes, by ``benchmarks.llama_server``; ``--llama-server-binary`` names
-another): llama.cpp's own HTTP server with continuous batching, ``-np`` the
-largest stream count, ``--threads`` threads, the same GGUF, gets the same
-load (runs, prompts) after our servers have stopped (``benchmarks.vs_llama_server``);
-in this mode both sides get the prompts as the same token ids and one
-connection per request (llama-server closes each one after a streamed
-response), and a table of both sides' tokens/s, TTFT and ITL p50/p99 with the
-ratios xlaserve / llama-server comes first. ``llama-cpp-python`` (the default
-elsewhere; ``both`` runs both): with no server
+use, minutes, before our servers start, by ``benchmarks.llama_server``;
+``--llama-server-binary`` names another): llama.cpp's own HTTP server with
+continuous batching, ``-np`` the largest stream count, ``--threads`` threads,
+the same GGUF, gets the same load (runs, prompts) after our servers have
+stopped (``benchmarks.vs_llama_server``); in this mode both sides get the
+prompts as the same token ids and one connection per request (llama-server
+closes each one after a streamed response), and a table of both sides'
+tokens/s, TTFT and ITL p50/p99 with the ratios xlaserve / llama-server comes
+first. ``llama-cpp-python`` (the default elsewhere; ``both`` runs both): with no server
 running, llama.cpp (llama-cpp-python, ``--threads`` threads, in a child
 process) decodes the same prompts' token ids through ``llama_batch`` /
 ``llama_decode``, N sequences per batch (``benchmarks.baselines.LlamaCppBatched``,
@@ -462,6 +462,10 @@ def median_run(runs: Sequence[int], values: Sequence[float | None], streams: int
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     texts = load_prompts(a.prompts_file)
+    if "llama-server" in a.anchors and a.llama_server_binary is None:  # build before anything runs
+        from benchmarks.llama_server import ensure_built
+
+        a.llama_server_binary = ensure_built()
     plan = [n for n in a.streams for _ in range(a.rounds)]  # the runs against each server, in order
     per_run = [max(2 * n if a.closed_loop else n, a.min_requests) for n in plan]
     source = a.prompts_file
