@@ -32,6 +32,8 @@ from pathlib import Path
 from benchmarks.llama_cpp_sdist import LLAMA_CPP_PREFIX, SDIST_VERSION, fetch_sdist
 
 SERVER_TARGET = "llama-server"
+# Exit codes (killed by these signals) after which LlamaServer retries with AMX denied.
+AMX_FAULTS = (-signal.SIGILL, -signal.SIGSEGV)
 
 # cmake cache options: everything that could download (OpenSSL/libcurl for model URLs, the
 # prebuilt web UI from a Hugging Face bucket, an npm UI build) off; only common + tools on.
@@ -194,10 +196,11 @@ class LlamaServer:
 
     Starts ``server_command(...)`` with stdout and stderr to ``workdir/llama-server.log``,
     polls ``GET /health`` until 200, then sends one 4-token completion (the first decode).
-    If the process dies of SIGILL before that completes (a native build with AMX code on a
-    machine that advertises AMX but cannot run it), it is started once more with AMX denied
-    to it (``baselines.deny_amx_permission`` in the child before exec: llama.cpp then keeps its
-    other kernels); ``amx_denied`` says so.
+    If the process dies of SIGILL or SIGSEGV before that completes (a native build with AMX
+    code on a machine that advertises AMX but faults on it: on a 2-core KVM Xeon, 2026-12-06,
+    SIGSEGV on ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` during its start-up warm-up
+    decode), it is started once more with AMX denied to it (``baselines.deny_amx_permission``
+    in the child before exec: llama.cpp then keeps its other kernels); ``amx_denied`` says so.
 
     Raises:
       RuntimeError: the process exited, or was not healthy and done with the probe within
@@ -223,11 +226,11 @@ class LlamaServer:
                                              preexec_fn=deny_amx_permission if deny_amx else None)
             if self._ready(timeout_s):
                 return
-            sigill = self.proc.returncode == -signal.SIGILL
+            code = self.proc.returncode
             self.stop()
-            if sigill and not deny_amx:
-                print("   llama-server died of SIGILL (an instruction this machine cannot run, e.g. AMX): "
-                      "starting it again with AMX denied to it", flush=True)
+            if code in AMX_FAULTS and not deny_amx:
+                print(f"   llama-server died of {signal.Signals(-code).name} (e.g. AMX code this machine "
+                      "advertises but faults on): starting it again with AMX denied to it", flush=True)
                 continue
             break
         raise RuntimeError(f"llama-server did not become ready (exit {self.proc.returncode}); "

@@ -303,11 +303,12 @@ def test_llama_server_process_is_waited_for_and_killed(tmp_path):
         ls.LlamaServer(_fake_binary(tmp_path, "--exit", "7"), tmp_path / "m.gguf", tmp_path, 1, 2, 256, 30)
 
 
-def test_llama_server_that_dies_of_sigill_is_started_again_with_amx_denied(tmp_path, capsys):
-    srv = ls.LlamaServer(_fake_binary(tmp_path, "--sigill-unless-seccomp"), tmp_path / "m.gguf", tmp_path, 1, 2,
+@pytest.mark.parametrize("sig", ["SIGILL", "SIGSEGV"])
+def test_llama_server_that_dies_of_an_amx_fault_is_started_again_with_amx_denied(tmp_path, capsys, sig):
+    srv = ls.LlamaServer(_fake_binary(tmp_path, "--die-unless-seccomp", sig), tmp_path / "m.gguf", tmp_path, 1, 2,
                          256, timeout_s=30)
     try:
-        assert srv.amx_denied and "SIGILL" in capsys.readouterr().out
+        assert srv.amx_denied and f"died of {sig}" in capsys.readouterr().out
     finally:
         srv.stop()
     assert srv.proc.returncode is not None

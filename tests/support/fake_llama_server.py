@@ -13,9 +13,10 @@ connections it accepted.
 
 ``python tests/support/fake_llama_server.py --port P [llama-server's flags]``
 runs it as a process, as ``LlamaServer`` runs the real binary; with
-``--sigill-unless-seccomp`` it kills itself with SIGILL unless a seccomp filter
-is installed in it (``Seccomp: 2`` in ``/proc/self/status``), as an AMX build
-dies on a machine that cannot run AMX unless AMX is denied to it; with
+``--die-unless-seccomp SIGNAL`` (e.g. SIGILL) it kills itself with that signal
+unless a seccomp filter is installed in it (``Seccomp: 2`` in
+``/proc/self/status``), as an AMX build dies on a machine that faults on AMX
+unless AMX is denied to it; with
 ``--exit N`` it prints a line and exits with N.
 """
 
@@ -127,9 +128,9 @@ def main(argv: list[str]) -> None:
     if "--exit" in argv:
         print("fake llama-server: failing on purpose", flush=True)
         sys.exit(int(argv[argv.index("--exit") + 1]))
-    if "--sigill-unless-seccomp" in argv and not _seccomp_filtered():
+    if "--die-unless-seccomp" in argv and not _seccomp_filtered():
         print("fake llama-server: AMX tile instruction", flush=True)
-        os.kill(os.getpid(), signal.SIGILL)
+        os.kill(os.getpid(), signal.Signals[argv[argv.index("--die-unless-seccomp") + 1]])
     port = int(argv[argv.index("--port") + 1])
     print(f"fake llama-server: listening on {port}, args {argv}", flush=True)
     FakeLlamaServer(port).serve_forever()
