@@ -224,8 +224,12 @@ class LlamaServer:
                 self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL,
                                              preexec_fn=deny_amx_permission if deny_amx else None)
-            if self._ready(timeout_s):
-                return
+            try:
+                if self._ready(timeout_s):
+                    return
+            except BaseException:  # e.g. KeyboardInterrupt: leave no process behind
+                self.stop()
+                raise
             code = self.proc.returncode
             self.stop()
             if code in AMX_FAULTS and not deny_amx:
@@ -233,8 +237,8 @@ class LlamaServer:
                       "advertises but faults on): starting it again with AMX denied to it", flush=True)
                 continue
             break
-        raise RuntimeError(f"llama-server did not become ready (exit {self.proc.returncode}); "
-                           f"the end of its log:\n{log_tail(self.log_path)}")
+        why = f"not ready within {timeout_s:.0f} s (killed)" if code is None else f"exited with {code}"
+        raise RuntimeError(f"llama-server {why}; the end of its log:\n{log_tail(self.log_path)}")
 
     def _ready(self, timeout_s: float) -> bool:
         import httpx

@@ -299,7 +299,7 @@ def test_llama_server_process_is_waited_for_and_killed(tmp_path):
         assert httpx.get(f"{srv.url}/health").status_code == 200 and not srv.amx_denied
         assert srv.command[srv.command.index("-np") + 1] == "4"
     assert srv.proc.returncode is not None
-    with pytest.raises(RuntimeError, match="exit 7(.|\n)*failing on purpose"):
+    with pytest.raises(RuntimeError, match="exited with 7(.|\n)*failing on purpose"):
         ls.LlamaServer(_fake_binary(tmp_path, "--exit", "7"), tmp_path / "m.gguf", tmp_path, 1, 2, 256, 30)
 
 
