@@ -1,6 +1,7 @@
-"""Head to head through HTTP: ``xlaserve serve`` variants against llama.cpp's batched decode, one command.
+"""Head to head through HTTP: ``xlaserve serve`` variants against llama.cpp (its server, its batched decode).
 
     python -m benchmarks.vs_llamacpp                      # base server, 32 and 1 streams
+    python -m benchmarks.vs_llamacpp --anchor both --threads 2   # llama-server and llama-cpp-python
     python -m benchmarks.vs_llamacpp --closed-loop --streams 32 1   # 2N+ requests, 20-400 token prompts
     python -m benchmarks.vs_llamacpp --variant base="" --variant int8="--quantization int8" \\
         --variant spec="--speculative ngram --num-speculative-tokens 4"
@@ -16,7 +17,19 @@ on a free loopback port, its ledger in a temporary SQLite file), waits for
 ``/health``, streams greedy completions (``temperature`` 0, ``ignore_eos``,
 ``--output-len`` tokens each) with ``benchmarks.load``'s client for each
 ``--streams`` count N (a closed loop of N requests in flight,
-``max(N, --min-requests)`` requests), then stops it. Then, with no server
+``max(N, --min-requests)`` requests), then stops it.
+
+``--anchor`` picks what llama.cpp runs. ``llama-server`` (the default where
+the binary is cached or cmake and a C++ compiler are on PATH; built on first
+use, minutes, before our servers start, by ``benchmarks.llama_server``;
+``--llama-server-binary`` names another): llama.cpp's own HTTP server with
+continuous batching, ``-np`` the largest stream count, ``--threads`` threads,
+the same GGUF, gets the same load (runs, prompts) after our servers have
+stopped (``benchmarks.vs_llama_server``); in this mode both sides get the
+prompts as the same token ids and one connection per request (llama-server
+closes each one after a streamed response), and a table of both sides'
+tokens/s, TTFT and ITL p50/p99 with the ratios xlaserve / llama-server comes
+first. ``llama-cpp-python`` (the default elsewhere; ``both`` runs both): with no server
 running, llama.cpp (llama-cpp-python, ``--threads`` threads, in a child
 process) decodes the same prompts' token ids through ``llama_batch`` /
 ``llama_decode``, N sequences per batch (``benchmarks.baselines.LlamaCppBatched``,
@@ -89,17 +102,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from benchmarks.closed_loop import format_profile, mixed_prompts, profile_delta, scrape_profile
 from benchmarks.common import cli_module
-from benchmarks.load import LoadConfig, RequestResult, _run_one, send_request, summarize
+from benchmarks.load import RequestResult, _payload, _run_one, send_request, summarize
+from benchmarks.vs_tables import Row, fmt, format_anchor_table, format_latency_table, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE_PROMPTS = Path(__file__).with_name("prose_prompts.jsonl")
 METRIC_WORDS = ("spec", "draft", "accept")
+ANCHORS = ("llama-server", "llama-cpp-python", "both")
 
 
 @dataclass(frozen=True)
@@ -254,15 +269,18 @@ class Server:
         self._log.close()
 
 
-async def _drive(url: str, texts: list[str], warmup: str, runs: list[tuple[int, list[int]]],
-                 output_len: int, timeout_s: float
+async def _drive(url: str, texts: list[str], warmup: int, runs: list[tuple[int, list[int]]],
+                 output_len: int, timeout_s: float, same_ids: bool = False
                  ) -> tuple[str, list[list[int]], list[list[RequestResult]], str, list[dict[str, float]]]:
     """Against one healthy server: (model id, token ids of texts, results per run, /metrics text,
-    the step profile of each run: ``closed_loop.profile_delta`` of /metrics around it)."""
+    the step profile of each run: ``closed_loop.profile_delta`` of /metrics around it).
+    ``warmup``: the index of the warm-up prompt. ``same_ids``: send the prompts as those token
+    ids, one connection per request (as ``vs_llama_server`` sends them to llama-server)."""
     import httpx
 
-    max_conn = max(n for n, _ in runs)
-    limits = httpx.Limits(max_connections=max_conn + 2, max_keepalive_connections=max_conn + 2)
+    from benchmarks.vs_llama_server import load_config, request_limits
+
+    limits = request_limits(max(n for n, _ in runs), keepalive=not same_ids)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=30.0),
                                  limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -271,11 +289,9 @@ async def _drive(url: str, texts: list[str], warmup: str, runs: list[tuple[int, 
             r = await client.post("/tokenize", json={"model": model, "prompt": t, "add_special_tokens": True})
             r.raise_for_status()
             ids.append(r.json()["tokens"])
-        cfg = LoadConfig(base_url=f"{url}/v1", model=model, output_len=output_len, ignore_eos=True,
-                         temperature=0.0, timeout_s=timeout_s, progress=False)
-        body = {"model": model, "prompt": warmup, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        w = await send_request(client, f"{url}/v1/completions", body)
+        cfg = load_config(url, model, output_len, timeout_s)  # the bodies llama-server gets too
+        prompts = ids if same_ids else texts
+        w = await send_request(client, f"{url}/v1/completions", _payload(cfg, prompts[warmup], 16))
         if not w.ok:
             raise RuntimeError(f"warm-up request failed: {w.error}")
         results, profiles = [], []
@@ -283,7 +299,7 @@ async def _drive(url: str, texts: list[str], warmup: str, runs: list[tuple[int, 
         for n, idx in runs:
             before = scrape_profile(metrics)
             results.append(await _run_one(cfg, client, f"{url}/v1/completions", "concurrency", n,
-                                          [(texts[i], output_len) for i in idx]))
+                                          [(prompts[i], output_len) for i in idx]))
             metrics = (await client.get("/metrics")).text
             profiles.append(profile_delta(before, scrape_profile(metrics)))
     return model, ids, results, metrics, profiles
@@ -373,59 +389,6 @@ def run_llamacpp(gguf: Path, runs: list[tuple[int, list[list[int]]]], new_tokens
 # --------------------------------------------------------------------------- report
 
 
-@dataclass
-class Row:
-    """One (stream count, variant) cell of the table; llama.cpp's numbers are shared per stream count."""
-
-    streams: int
-    variant: str
-    ok: int
-    requests: int
-    out_tps: float | None
-    decode_tps: float | None
-    ttft_p50: float | None  # seconds
-    itl_p50: float | None  # seconds
-    same_text: int | None = None
-    llama: dict[str, float] = field(default_factory=dict)
-    ttft: dict[str, float | None] = field(default_factory=dict)  # benchmarks.load.distribution, seconds
-    itl: dict[str, float | None] = field(default_factory=dict)
-    profile: dict[str, float] = field(default_factory=dict)  # closed_loop.profile_delta of the run
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def format_table(rows: Sequence[Row], base_variant: str) -> str:
-    """The results as a Markdown table (tokens/s, milliseconds, ratios to llama.cpp)."""
-    head = ["streams", "variant", "ok", "out tok/s", "decode tok/s", "TTFT p50 ms", "ITL p50 ms",
-            "llama.cpp decode tok/s", "llama.cpp e2e tok/s", "out / llama decode", "out / llama e2e",
-            f"same text as {base_variant}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        ld, le = r.llama.get("decode_tokens_per_s"), r.llama.get("e2e_tokens_per_s")
-        ratio = lambda d: None if r.out_tps is None or not d else r.out_tps / d  # noqa: E731
-        ms = lambda s: None if s is None else s * 1e3  # noqa: E731
-        cells = [str(r.streams), r.variant, f"{r.ok}/{r.requests}", _f(r.out_tps, ".1f"), _f(r.decode_tps, ".1f"),
-                 _f(ms(r.ttft_p50), ".0f"), _f(ms(r.itl_p50), ".1f"), _f(ld, ".1f"), _f(le, ".1f"),
-                 _f(ratio(ld), ".2f") + ("x" if ratio(ld) is not None else ""),
-                 _f(ratio(le), ".2f") + ("x" if ratio(le) is not None else ""),
-                 "-" if r.same_text is None else f"{r.same_text}/{r.requests}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def format_latency_table(rows: Sequence[Row]) -> str:
-    """TTFT and ITL p50 / p90 / p99 per row, in milliseconds, as a Markdown table."""
-    head = ["streams", "variant", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [_f(None if d.get(q) is None else d[q] * 1e3, ".1f") for d in (r.ttft, r.itl)
-                 for q in ("p50", "p90", "p99")]
-        lines.append("| " + " | ".join([str(r.streams), r.variant, *cells]) + " |")
-    return "\n".join(lines)
-
-
 def _loadavg() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -461,6 +424,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="configs/models.yaml name or .gguf path, for the server (--model) and llama.cpp")
     ap.add_argument("--gguf", help="the GGUF llama.cpp loads (default: --model's)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all cores)")
+    ap.add_argument("--anchor", choices=ANCHORS,
+                    help="what llama.cpp runs: its own server through the same HTTP load (llama-server), the "
+                         "llama-cpp-python batched decode, or both (default: llama-server where the binary is "
+                         "built or cmake and a C++ compiler are on PATH, else llama-cpp-python)")
+    ap.add_argument("--llama-server-binary", type=Path, help="a llama-server to run (default: build or reuse "
+                    "the cached one, benchmarks.llama_server)")
     ap.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="our variants only")
     ap.add_argument("--server-dir", type=Path, default=ROOT, help="source tree to serve from (default: this one)")
     ap.add_argument("--timeout", type=float, default=900.0, help="server start and per-request timeout, s")
@@ -476,6 +445,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--streams, --min-requests and --rounds must be at least 1, --output-len at least 2")
     if not 1 <= a.prompt_tokens[0] <= a.prompt_tokens[1]:
         ap.error("--prompt-tokens MIN MAX: 1 <= MIN <= MAX")
+    if a.anchor is None:
+        from benchmarks.llama_server import can_build
+
+        a.anchor = "llama-server" if a.llama_server_binary or can_build() else "llama-cpp-python"
+    a.anchors = () if not a.llamacpp else ("llama-server", "llama-cpp-python") if a.anchor == "both" else (a.anchor,)
     return a
 
 
@@ -488,6 +462,10 @@ def median_run(runs: Sequence[int], values: Sequence[float | None], streams: int
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     texts = load_prompts(a.prompts_file)
+    if "llama-server" in a.anchors and a.llama_server_binary is None:  # build before anything runs
+        from benchmarks.llama_server import ensure_built
+
+        a.llama_server_binary = ensure_built()
     plan = [n for n in a.streams for _ in range(a.rounds)]  # the runs against each server, in order
     per_run = [max(2 * n if a.closed_loop else n, a.min_requests) for n in plan]
     source = a.prompts_file
@@ -513,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"   healthy after {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 model, v_ids, results, metrics, profiles = asyncio.run(_drive(
-                    server.url, texts, texts[warm], list(zip(plan, groups)), a.output_len, a.timeout))
+                    server.url, texts, warm, list(zip(plan, groups)), a.output_len, a.timeout,
+                    "llama-server" in a.anchors))
             finally:
                 server.stop()
         if ids is None:
@@ -531,8 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"   warning: {len(bad)} requests' usage.prompt_tokens differ from /tokenize's count")
             for e in sorted({r.error for r in res if r.error})[:3]:
                 print(f"   error: {e}")
-            print(f"   streams {n:3}: {s['completed']}/{s['requests']} ok, {_f(s['output_throughput'], '.1f')} "
-                  f"out tok/s, TTFT p50 {_f(s['ttft']['p50'] and s['ttft']['p50'] * 1e3, '.0f')} ms", flush=True)
+            print(f"   streams {n:3}: {s['completed']}/{s['requests']} ok, {fmt(s['output_throughput'], '.1f')} "
+                  f"out tok/s, TTFT p50 {fmt(s['ttft']['p50'] and s['ttft']['p50'] * 1e3, '.0f')} ms", flush=True)
         for n in a.streams:
             k = median_run(plan, [s["output_throughput"] for s in summaries], n)
             s, res = summaries[k], results[k]
@@ -542,11 +521,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                             decode_throughput(res), s["ttft"]["p50"], s["itl"]["p50"], same,
                             ttft=s["ttft"], itl=s["itl"], profile=profiles[k]))
     llama: dict[int, dict[str, float]] = {}
-    version = None
-    if a.llamacpp:
-        from benchmarks import baselines
+    version = server_line = None
+    anchor_rows: list[Row] = []
+    from benchmarks import baselines
 
-        gguf = Path(a.gguf) if a.gguf else baselines.model_gguf_path(a.model)
+    gguf = Path(a.gguf) if a.gguf else baselines.model_gguf_path(a.model) if a.anchors else None
+    if "llama-server" in a.anchors:
+        from benchmarks.vs_llama_server import median_rows, run_anchor
+
+        print(f"\n== llama-server: {gguf.name}, {a.threads} threads, the same token ids", flush=True)
+        server_line, got = run_anchor(gguf, ids[warm], [(n, [ids[i] for i in idx]) for n, idx in zip(plan, groups)],
+                                      a.output_len, a.threads, a.timeout, a.llama_server_binary)
+        anchor_rows = median_rows("llama-server", plan, a.streams, got)
+    if "llama-cpp-python" in a.anchors:
         print(f"\n== llama.cpp: {gguf.name}, {a.threads} threads, in a child process", flush=True)
         version, got = run_llamacpp(gguf, [(n, [ids[i] for i in idx]) for n, idx in zip(plan, groups)],
                                     a.output_len, a.threads, a.timeout)
@@ -558,8 +545,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         r.llama = llama.get(r.streams, {})
     rows.sort(key=lambda r: (-r.streams, [v.name for v in a.variant].index(r.variant)))
-    print("\n" + format_table(rows, a.variant[0].name))
-    print("\nLatency (ms):\n" + format_latency_table(rows))
+    if anchor_rows:
+        print(f"\nAgainst {server_line} (ratios: xlaserve / llama-server):\n"
+              + format_anchor_table(rows, anchor_rows))
+    if a.anchors != ("llama-server",):
+        print("\n" + format_table(rows, a.variant[0].name))
+    print("\nLatency (ms):\n" + format_latency_table(sorted(anchor_rows + rows, key=lambda r: -r.streams)))
     if a.closed_loop:
         for r in rows:
             print(f"\nstep profile, {r.variant}, {r.streams} streams:\n  "
@@ -571,7 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({
             "variants": {v.name: list(v.flags) for v in a.variant}, "llama_cpp": version,
-            "rows": [r.__dict__ for r in rows],
+            "llama_server": server_line, "rows": [r.__dict__ for r in rows],
+            "llama_server_rows": [r.__dict__ for r in anchor_rows],
             "speculation_metrics": spec}, indent=1))
     return 0
 

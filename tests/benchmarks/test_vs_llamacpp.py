@@ -1,15 +1,25 @@
-"""benchmarks.vs_llamacpp without servers or llama.cpp: arguments, prompts, statistics, the table,
-and the child process's SIGILL fallback (with a stand-in child)."""
+"""benchmarks.vs_llamacpp without servers or llama.cpp: arguments, prompts, statistics, the tables,
+the child process's SIGILL fallback (with a stand-in child), and the llama-server anchor without
+building llama.cpp: the cmake command lines and the build's caching (a stand-in cmake), the
+server's command line, its process kept and killed (a stand-in binary, SIGILL included), the
+requests and SSE parsing against a fake llama-server on loopback."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import io
 import os
 import signal
+import sys
+import tarfile
+import threading
 from pathlib import Path
 
 import pytest
 
+from benchmarks import llama_server as ls
+from benchmarks import vs_llama_server as vls
 from benchmarks.load import RequestResult
 from benchmarks.vs_llamacpp import (
     PROSE_PROMPTS,
@@ -17,6 +27,7 @@ from benchmarks.vs_llamacpp import (
     Variant,
     assign_prompts,
     decode_throughput,
+    format_anchor_table,
     format_table,
     interval_union,
     load_prompts,
@@ -26,6 +37,7 @@ from benchmarks.vs_llamacpp import (
     parse_variant,
     run_llamacpp,
 )
+from tests.support.fake_llama_server import FakeLlamaServer
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -154,3 +166,176 @@ def test_xlaserve_bench_runs_it(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "vs-llamacpp", "--help"])
     assert e.value.code == 0 and "--variant" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the llama-server anchor
+
+
+def test_cmake_configures_without_downloads_and_builds_only_the_server(tmp_path):
+    cmd = ls.configure_command(tmp_path / "src", tmp_path / "build", "Ninja")
+    assert cmd[:7] == ["cmake", "-S", str(tmp_path / "src"), "-B", str(tmp_path / "build"), "-G", "Ninja"]
+    opts = dict(o[2:].split("=", 1) for o in cmd[7:])
+    assert len(opts) == len(cmd) - 7 and all(o.startswith("-D") for o in cmd[7:])
+    assert {k: opts[k] for k in ("CMAKE_BUILD_TYPE", "BUILD_SHARED_LIBS", "GGML_NATIVE", "LLAMA_OPENSSL", "LLAMA_CURL",
+                                 "LLAMA_USE_PREBUILT_UI", "LLAMA_BUILD_UI", "LLAMA_BUILD_TESTS",
+                                 "LLAMA_BUILD_EXAMPLES", "LLAMA_BUILD_SERVER", "LLAMA_BUILD_TOOLS")} == {
+        "CMAKE_BUILD_TYPE": "Release", "BUILD_SHARED_LIBS": "OFF", "GGML_NATIVE": "ON", "LLAMA_OPENSSL": "OFF",
+        "LLAMA_CURL": "OFF", "LLAMA_USE_PREBUILT_UI": "OFF", "LLAMA_BUILD_UI": "OFF", "LLAMA_BUILD_TESTS": "OFF",
+        "LLAMA_BUILD_EXAMPLES": "OFF", "LLAMA_BUILD_SERVER": "ON", "LLAMA_BUILD_TOOLS": "ON"}
+    assert "-G" not in ls.configure_command(tmp_path, tmp_path / "b")
+    assert "-DGGML_NATIVE=OFF" in ls.configure_command(tmp_path, tmp_path / "b", options={"GGML_NATIVE": "OFF"})
+    assert ls.build_command(tmp_path, 2) == ["cmake", "--build", str(tmp_path), "--target", "llama-server", "-j", "2"]
+
+
+def test_server_command_and_its_context(tmp_path):
+    assert ls.context_size(32, 430, 128) == 32 * 768 and ls.context_size(1, 120, 128) == 256
+    cmd = ls.server_command(tmp_path / "llama-server", tmp_path / "m.gguf", 8123, 32, 2, 32 * 768)
+    assert cmd[0] == str(tmp_path / "llama-server")
+    flags = " ".join(cmd[1:])
+    assert flags == (f"-m {tmp_path / 'm.gguf'} --host 127.0.0.1 --port 8123 -np 32 -cb -t 2 -tb 2 -c 24576 "
+                     "--no-webui")
+
+
+def _sdist_with(tmp_path, files: dict[str, str]) -> Path:
+    sdist = tmp_path / "sdist.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return sdist
+
+
+def test_build_runs_cmake_once_then_reuses_the_binary(tmp_path, monkeypatch):
+    """ensure_built with a stand-in cmake on PATH: extracts only vendor/llama.cpp, configures, builds
+    the llama-server target, caches the binary; a second call builds nothing; a failed build raises
+    with the log's tail."""
+    monkeypatch.setenv("XLASERVE_DATA_DIR", str(tmp_path / "data"))
+    prefix = f"llama_cpp_python-{ls.SDIST_VERSION}/"
+    sdist = _sdist_with(tmp_path, {prefix + "vendor/llama.cpp/CMakeLists.txt": "project(x)\n",
+                                   prefix + "vendor/llama.cpp/tools/server/main.cpp": "int main(){}\n",
+                                   prefix + "setup.py": "\n"})
+    monkeypatch.setattr(ls, "fetch_sdist", lambda folder: sdist)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    calls = tmp_path / "calls"
+    (tools / "cmake").write_text(  # configure: checks the sources; build: writes build/bin/llama-server
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ -n "$FAIL_CMAKE" ] && echo "error: no compiler" && exit 2\n'
+        'if [ "$1" = "-S" ]; then test -f "$2/CMakeLists.txt" || exit 3; exit 0; fi\n'
+        'mkdir -p "$2/bin" && printf "#!/bin/sh\\n" > "$2/bin/llama-server" && chmod +x "$2/bin/llama-server"\n')
+    (tools / "cmake").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+    monkeypatch.setattr(ls.shutil, "which", lambda name: str(tools / name) if name == "cmake" else None)
+    lines = []
+    binary = ls.ensure_built(jobs=3, nice=0, log=lines.append)
+    root = ls.install_root()
+    assert binary == root / "bin" / "llama-server" and os.access(binary, os.X_OK)
+    assert sorted(p.name for p in (root / "src").iterdir()) == [".complete", "CMakeLists.txt", "tools"]
+    made = calls.read_text().splitlines()
+    assert len(made) == 2 and made[0].startswith(f"-S {root / 'src'} -B {root / 'build'} -DCMAKE_BUILD_TYPE=Release")
+    assert made[1] == f"--build {root / 'build'} --target llama-server -j 3"
+    assert "not built yet" in lines[0] and lines[1].startswith("llama-server: built in ")
+    assert ls.ensure_built(log=lines.append) == binary and len(calls.read_text().splitlines()) == 2
+    binary.unlink()
+    monkeypatch.setenv("FAIL_CMAKE", "1")
+    with pytest.raises(RuntimeError, match=r"cmake -S failed \(exit 2\)(.|\n)*error: no compiler"):
+        ls.ensure_built(log=lines.append)
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(close: bool = True) -> FakeLlamaServer:
+        srv = FakeLlamaServer(close=close)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_llama_server_load_sends_token_ids_and_one_connection_per_request(fake_server, close):
+    """The requests (prompt as token ids, max_tokens, greedy, ignore_eos, streamed with usage), the
+    parsed SSE chunks, and a new connection per request whether or not the server closes it."""
+    srv = fake_server(close)
+    runs = [(2, [[2, 10, 11], [2, 12], [2, 13, 14, 15]]), (1, [[2, 16]])]
+    model, results = asyncio.run(vls.drive(srv.url, [2, 9], runs, 5, 30.0))
+    assert model == "fake-gemma.gguf"
+    posts = [b for path, b in srv.bodies if path == "/v1/completions"]
+    assert posts[0]["prompt"] == [2, 9] and posts[-1]["prompt"] == [2, 16]  # warm-up first; 2 streams
+    assert sorted(b["prompt"] for b in posts[1:4]) == [[2, 10, 11], [2, 12], [2, 13, 14, 15]]
+    assert next(b for b in posts if b["prompt"] == [2, 10, 11]) == {
+        "model": "fake-gemma.gguf", "prompt": [2, 10, 11], "max_tokens": 5, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True}
+    assert posts[0]["max_tokens"] == 16
+    assert srv.connections == 1 + len(posts)  # GET /v1/models, then one per completion
+    flat = [r for res in results for r in res]
+    assert [len(res) for res in results] == [3, 1] and all(r.ok for r in flat)
+    assert all(r.text == " t0 t1 t2 t3 t4" and r.completion_tokens == 5 and len(r.content_times) == 5 for r in flat)
+    assert [r.prompt_tokens for r in flat] == [3, 2, 4, 2]
+    assert all(0 < r.ttft <= r.e2e and len(r.itls) == 4 for r in flat)
+    rows = vls.median_rows("llama-server", [2, 1], [2, 1], results)
+    assert [(r.streams, r.ok, r.requests) for r in rows] == [(2, 3, 3), (1, 1, 1)]
+    assert rows[0].itl["p50"] is not None and rows[0].out_tps > 0
+
+
+def _fake_binary(tmp_path, *flags: str) -> Path:
+    script = Path(__file__).resolve().parents[1] / "support" / "fake_llama_server.py"
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {script} {" ".join(flags)} "$@"\n')
+    binary.chmod(0o755)
+    return binary
+
+
+def test_llama_server_process_is_waited_for_and_killed(tmp_path):
+    with ls.LlamaServer(_fake_binary(tmp_path), tmp_path / "m.gguf", tmp_path, 4, 2, 1024, timeout_s=30) as srv:
+        import httpx
+
+        assert httpx.get(f"{srv.url}/health").status_code == 200 and not srv.amx_denied
+        assert srv.command[srv.command.index("-np") + 1] == "4"
+    assert srv.proc.returncode is not None
+    with pytest.raises(RuntimeError, match="exited with 7(.|\n)*failing on purpose"):
+        ls.LlamaServer(_fake_binary(tmp_path, "--exit", "7"), tmp_path / "m.gguf", tmp_path, 1, 2, 256, 30)
+
+
+@pytest.mark.parametrize("sig", ["SIGILL", "SIGSEGV"])
+def test_llama_server_that_dies_of_an_amx_fault_is_started_again_with_amx_denied(tmp_path, capsys, sig):
+    srv = ls.LlamaServer(_fake_binary(tmp_path, "--die-unless-seccomp", sig), tmp_path / "m.gguf", tmp_path, 1, 2,
+                         256, timeout_s=30)
+    try:
+        assert srv.amx_denied and f"died of {sig}" in capsys.readouterr().out
+    finally:
+        srv.stop()
+    assert srv.proc.returncode is not None
+
+
+def test_anchor_table_has_both_sides_and_ratios():
+    ttft, itl = {"p50": 0.5, "p99": 2.0}, {"p50": 0.1, "p99": 0.4}
+    anchor = [Row(32, "llama-server", 64, 64, 200.0, 210.0, 0.5, 0.1, ttft=ttft, itl=itl),
+              Row(1, "llama-server", 4, 4, 50.0, 60.0, 0.05, 0.02, ttft={"p50": 0.05, "p99": 0.06},
+                  itl={"p50": 0.02, "p99": 0.03})]
+    rows = [Row(32, "base", 64, 64, 100.0, 105.0, 1.0, 0.2, ttft={"p50": 1.0, "p99": 3.0},
+                itl={"p50": 0.2, "p99": 0.5}),
+            Row(1, "base", 3, 4, None, None, None, None)]
+    lines = format_anchor_table(rows, anchor).splitlines()
+    assert lines[0].startswith("| streams | server | ok | out tok/s |") and lines[1] == "|" + "---|" * 13
+    assert lines[2] == "| 32 | llama-server | 64/64 | 200.0 | 210.0 | 500 | 2000 | 100.0 | 400.0 | - | - | - | - |"
+    assert lines[3] == ("| 32 | xlaserve base | 64/64 | 100.0 | 105.0 | 1000 | 3000 | 200.0 | 500.0 "
+                        "| 0.50x | 0.50x | 2.00x | 2.00x |")
+    assert lines[4] == "| 1 | llama-server | 4/4 | 50.0 | 60.0 | 50 | 60 | 20.0 | 30.0 | - | - | - | - |"
+    assert lines[5] == "| 1 | xlaserve base | 3/4 | - | - | - | - | - | - | - | - | - | - |"
+
+
+def test_anchor_flag_and_its_default(monkeypatch):
+    monkeypatch.setattr(ls, "can_build", lambda: True)
+    assert parse_args([]).anchors == ("llama-server",)
+    assert parse_args(["--anchor", "both"]).anchors == ("llama-server", "llama-cpp-python")
+    assert parse_args(["--anchor", "both", "--no-llamacpp"]).anchors == ()
+    monkeypatch.setattr(ls, "can_build", lambda: False)
+    assert parse_args([]).anchors == ("llama-cpp-python",)
+    assert parse_args(["--llama-server-binary", "/x/llama-server"]).anchors == ("llama-server",)

@@ -6,7 +6,7 @@ llama.cpp ships, for each of a set of vocabularies, ``models/ggml-vocab-NAME.ggu
 line per input); ``tests/test-tokenizer-0.cpp`` checks them with
 ``llama_tokenize(..., add_special=false, parse_special=false)``. llama-cpp-python
 vendors llama.cpp, so its sdist on PyPI carries the files. The pinned sdist is
-downloaded once with ``pip download`` (its sha256 checked) into
+downloaded once with ``pip download`` (its sha256 checked; ``benchmarks.llama_cpp_sdist``) into
 ``cache_dir("llama-cpp-vocab")`` under ``XLASERVE_DATA_DIR``, and only the
 ``models/ggml-vocab-*`` members are extracted. A failed download fails the test.
 
@@ -17,15 +17,15 @@ how many give equal ids through ``BPETokenizer.from_gguf``.
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
-SDIST_VERSION = "0.3.36"
-SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-_MEMBER_PREFIX = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/models/"
+from benchmarks.llama_cpp_sdist import LLAMA_CPP_PREFIX, SDIST_NAME, SDIST_SHA256, SDIST_VERSION, fetch_sdist
+
+__all__ = ["SDIST_NAME", "SDIST_SHA256", "SDIST_VERSION", "TESTED_VOCABS", "models_dir", "tokenizer_cache",
+           "vocab_cases"]
+
+_MEMBER_PREFIX = LLAMA_CPP_PREFIX + "models/"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 # The vocabularies with .inp/.out pairs in that sdist (a new one must be added here, and pass).
@@ -33,14 +33,6 @@ TESTED_VOCABS = (
     "bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
     "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder",
 )
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def models_dir() -> Path:
@@ -55,18 +47,7 @@ def models_dir() -> Path:
     done = root / "models" / ".complete"
     if done.is_file():
         return root / "models"
-    sdist = root / SDIST_NAME
-    if not sdist.is_file() or _sha256(sdist) != SDIST_SHA256:
-        root.mkdir(parents=True, exist_ok=True)
-        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                              f"llama-cpp-python=={SDIST_VERSION}", "-d", str(root)],
-                             capture_output=True, text=True, timeout=900)
-        if res.returncode != 0 or not sdist.is_file():
-            raise RuntimeError(f"pip download llama-cpp-python=={SDIST_VERSION} failed: "
-                               f"{res.stdout[-1000:]}{res.stderr[-2000:]}")
-    digest = _sha256(sdist)
-    if digest != SDIST_SHA256:
-        raise RuntimeError(f"{SDIST_NAME} has sha256 {digest}, not the pinned {SDIST_SHA256}")
+    sdist = fetch_sdist(root)
     out = root / "models"
     out.mkdir(exist_ok=True)
     with tarfile.open(sdist, "r:gz") as tar:
