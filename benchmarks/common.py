@@ -1,7 +1,8 @@
-"""Shared pieces of the engine benchmarks: build an engine, time one request's events."""
+"""Shared pieces of the benchmarks: build an engine, time one request's events, a free port."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -46,3 +47,10 @@ def cli_module(source_tree: Path) -> str:
     ``serving.cli.main``, or ``serving.cli`` in a tree from before the packages by layer (so a
     benchmark can still start a server of an older ref)."""
     return "serving.cli.main" if (Path(source_tree) / "serving" / "cli" / "main.py").is_file() else "serving.cli"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a server the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

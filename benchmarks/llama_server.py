@@ -210,7 +210,7 @@ class LlamaServer:
     def __init__(self, binary: Path, gguf: Path, workdir: Path, slots: int, threads: int, ctx: int,
                  timeout_s: float = 300.0):
         from benchmarks.baselines import deny_amx_permission
-        from benchmarks.vs_llamacpp import free_port
+        from benchmarks.common import free_port
 
         self.log_path = Path(workdir) / "llama-server.log"
         self.proc: subprocess.Popen | None = None

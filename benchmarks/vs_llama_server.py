@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from benchmarks.load import LoadConfig, RequestResult, _payload, _run_one, send_request, summarize
-from benchmarks.vs_tables import ANCHOR, Row
+from benchmarks.vs_tables import ANCHOR, Row, decode_throughput, median_run
 
 
 def request_limits(max_conn: int, keepalive: bool):
@@ -69,7 +69,6 @@ def median_rows(name: str, plan: Sequence[int], streams: Sequence[int],
                 results: Sequence[Sequence[RequestResult]]) -> list[Row]:
     """One ``Row`` per stream count: the run (of ``plan``'s runs with that count) with the median
     output tokens/s, its TTFT and ITL distributions (seconds)."""
-    from benchmarks.vs_llamacpp import decode_throughput, median_run
 
     summaries = [summarize(r) for r in results]
     rows = []

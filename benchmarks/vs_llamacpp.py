@@ -97,7 +97,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -107,9 +106,10 @@ from pathlib import Path
 from typing import Sequence
 
 from benchmarks.closed_loop import format_profile, mixed_prompts, profile_delta, scrape_profile
-from benchmarks.common import cli_module
+from benchmarks.common import cli_module, free_port
 from benchmarks.load import RequestResult, _payload, _run_one, send_request, summarize
-from benchmarks.vs_tables import Row, fmt, format_anchor_table, format_latency_table, format_table
+from benchmarks.vs_tables import (  # noqa: F401  (decode_throughput, interval_union: this module's API too)
+    Row, decode_throughput, fmt, format_anchor_table, format_latency_table, format_table, interval_union, median_run)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE_PROMPTS = Path(__file__).with_name("prose_prompts.jsonl")
@@ -182,26 +182,6 @@ def assign_prompts(num_prompts: int, runs: Sequence[int]) -> tuple[int, list[lis
     return num_prompts - 1, out, k > pool
 
 
-def interval_union(intervals: Sequence[tuple[float, float]]) -> float:
-    """Total length covered by [start, end] intervals (overlaps counted once)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (cur_e - cur_s if cur_e is not None else 0.0)
-
-
-def decode_throughput(results: Sequence[RequestResult]) -> float | None:
-    """Tokens after each stream's first / the union of its [first token, end] intervals (tokens/s)."""
-    ok = [r for r in results if r.ok and r.first_content is not None and r.completion_tokens]
-    span = interval_union([(r.first_content, r.end) for r in ok])
-    return sum(r.completion_tokens - 1 for r in ok) / span if span > 0 else None
-
-
 def metric_lines(metrics_text: str, words: Sequence[str] = METRIC_WORDS) -> list[str]:
     """Prometheus text-format samples whose metric name contains one of ``words`` (comments dropped)."""
     out = []
@@ -214,12 +194,6 @@ def metric_lines(metrics_text: str, words: Sequence[str] = METRIC_WORDS) -> list
 
 
 # --------------------------------------------------------------------------- our server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -451,12 +425,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.anchor = "llama-server" if a.llama_server_binary or can_build() else "llama-cpp-python"
     a.anchors = () if not a.llamacpp else ("llama-server", "llama-cpp-python") if a.anchor == "both" else (a.anchor,)
     return a
-
-
-def median_run(runs: Sequence[int], values: Sequence[float | None], streams: int) -> int:
-    """Index of the median (upper, for an even count) of ``values`` among the runs of ``streams`` streams."""
-    ks = sorted((k for k, n in enumerate(runs) if n == streams), key=lambda k: values[k] or 0.0)
-    return ks[len(ks) // 2]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,13 +4,16 @@
 (its decode and end-to-end tokens/s, the ratios); ``format_latency_table``:
 TTFT and ITL p50 / p90 / p99 per row; ``format_anchor_table``: our variants
 against llama-server through the same HTTP load, each side's tokens/s, TTFT and
-ITL p50 / p99, and xlaserve / llama-server ratios.
+ITL p50 / p99, and xlaserve / llama-server ratios; ``decode_throughput`` and
+``median_run``, the numbers both sides' rows are made of.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from benchmarks.load import RequestResult
 
 
 @dataclass
@@ -98,3 +101,29 @@ def format_anchor_table(rows: Sequence[Row], anchor: Sequence[Row]) -> str:
                           _ratio(r.ttft.get("p50"), ref.ttft.get("p50")), _ratio(r.itl.get("p50"), ref.itl.get("p50"))]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def interval_union(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by [start, end] intervals (overlaps counted once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def decode_throughput(results: Sequence[RequestResult]) -> float | None:
+    """Tokens after each stream's first / the union of its [first token, end] intervals (tokens/s)."""
+    ok = [r for r in results if r.ok and r.first_content is not None and r.completion_tokens]
+    span = interval_union([(r.first_content, r.end) for r in ok])
+    return sum(r.completion_tokens - 1 for r in ok) / span if span > 0 else None
+
+
+def median_run(runs: Sequence[int], values: Sequence[float | None], streams: int) -> int:
+    """Index of the median (upper, for an even count) of ``values`` among the runs of ``streams`` streams."""
+    ks = sorted((k for k, n in enumerate(runs) if n == streams), key=lambda k: values[k] or 0.0)
+    return ks[len(ks) // 2]
