@@ -3,7 +3,7 @@ and against the same background work sent as interactive requests, in one run.
 
     python -m benchmarks.batch_interference [--model gemma-3-270m] [--lines 200]
         [--line-max-tokens 64] [--requests 20] [--max-tokens 16] [--max-slots 8]
-        [--batch-concurrency 8] [--max-model-len 1024] [--num-pages N] [--json out.json]
+        [--batch-concurrency 8] [--max-model-len 1024] [--num-pages N] [--skip-warmup] [--json out.json]
 
 One ``xlaserve serve`` process (a fresh SQLite database). After a warm-up,
 three phases each send ``requests`` interactive streamed chat completions one
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-concurrency", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--num-pages", type=int, help="the KV pool in pages (default: the server's)")
+    ap.add_argument("--skip-warmup", action="store_true",
+                    help="serve with --skip-warmup: each step shape compiles at its first use, during "
+                         "the measured phases (a smoke run, as the tests do; not for numbers)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         proc = _start(["serve", "--model", args.model, "--max-model-len", str(args.max_model_len),
                        "--max-slots", str(args.max_slots), "--batch-concurrency", str(args.batch_concurrency),
                        *(["--num-pages", str(args.num_pages)] if args.num_pages else []),
+                       *(["--skip-warmup"] if args.skip_warmup else []),
                        "--port", str(port), "--database-url", f"sqlite:///{Path(d) / 'ledger.db'}"], log)
         try:
             url = f"http://127.0.0.1:{port}"

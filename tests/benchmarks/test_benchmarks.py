@@ -127,14 +127,20 @@ def test_xlaserve_bench_hands_arguments_to_the_benchmark(argv, capsys):
             "cpu-kernels": "--copy-mib"}[argv[1]] in out
 
 
+@pytest.mark.slow(90)
 def test_batch_interference_runs_on_the_tiny_model(tmp_path):
-    """Its three phases run and report (the server's shapes are the tests' tiny server's)."""
+    """Its three phases run and report (the server's shapes are the tests' tiny server's;
+    ``--skip-warmup``: only the shapes the run reaches compile, not the warmup's ~100 programs).
+
+    Slow: a server process, a 16-line batch of 400-token lines and three measured phases of
+    streamed requests, on a tiny model whose shapes (decode, prefill and the batch's lines)
+    compile in the server on a cold cache (136 s with the warmup, before --skip-warmup)."""
     from benchmarks import batch_interference
 
     out = batch_interference.main([
         "--model", "tiny-random", "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
         "--batch-concurrency", "4", "--lines", "16", "--line-max-tokens", "400", "--requests", "2",
-        "--max-tokens", "4", "--json", str(tmp_path / "out.json")])
+        "--max-tokens", "4", "--skip-warmup", "--json", str(tmp_path / "out.json")])
     assert list(out["phases"]) == ["idle", "batch", "interactive load"]
     assert all(len(p["ttft_s"]) == 2 and p["ttft_p50_s"] > 0 for p in out["phases"].values())
     assert json.loads((tmp_path / "out.json").read_text())["args"]["lines"] == 16

@@ -86,7 +86,14 @@ def gemma_pd(tmp_path_factory):
         stop(procs)
 
 
+@pytest.mark.slow(90)
 def test_gemma_golden_through_a_prefill_and_a_decode_replica(gemma_pd, golden):
+    """The 8 golden prompts through a gateway, a prefill replica and a decode replica over
+    secured ports: the golden continuations, each hop's replica in the trace, the full pages moved.
+
+    Slow: two Gemma 3 270M replica processes start (their module fixture) and compile the prompt
+    and decode shapes of 8 prompts (the 712-token one in three chunks) at first use: ~55 s of
+    call and ~30 s of setup cold."""
     gateway, urls, _, _ = gemma_pd
     assert all(url.startswith("grpcs://") for url in urls.values())
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0)

@@ -130,7 +130,12 @@ def assert_sse(text: str) -> None:
         assert isinstance(event, dict) and ("choices" in event or "error" in event), event
 
 
+@pytest.mark.slow(50)
 def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_schema):
+    """schemathesis sends examples of every route of /openapi.json: no 5xx, every response
+    as the schema says.
+
+    Slow: hundreds of generated requests against a real server, some of which generate tokens."""
     operations = _operations(api_schema)
     labels = {op.label for op in operations}
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",

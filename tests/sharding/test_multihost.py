@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from model.config import ModelConfig
@@ -53,7 +54,12 @@ def _run_two_processes(out_dir: Path) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow(50)
 def test_two_processes_one_mesh(tmp_path):
+    """Two processes join one mesh (jax.distributed on loopback) and compute the one-device
+    model's logits.
+
+    Slow: two child processes each start JAX and compile the sharded steps."""
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")

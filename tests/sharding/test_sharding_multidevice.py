@@ -17,12 +17,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.paths import REPO_ROOT as ROOT
 
 TIMEOUT_S = 600
 
 
+@pytest.mark.slow(175)
 def test_sharding_suite_on_8_cpu_devices():
+    """tests/sharding/multidevice passes in a child process with 8 fake CPU devices.
+
+    Slow: the child starts JAX anew and compiles every sharded program its ~30 tests run (tiny
+    dense, MoE and LoRA models and Gemma 3 270M on 1x2x1 to 1x4x1 meshes, a served completion,
+    checkpoint restores): ~175 s on a cold cache, one process (its 8 devices are its parallelism)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["XLASERVE_SHARDING_TESTS"] = "1"

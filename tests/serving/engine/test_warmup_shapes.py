@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from serving.core.sched.sched_request import SchedRequest, Status
 from serving.engine.step_batch import PrefillBatch
 from tests.support.tiny_engine import make_loop
 
 
+@pytest.mark.slow(50)
 def test_after_warmup_a_closed_loop_of_fresh_prompts_compiles_nothing():
+    """After ``warmup``, a closed loop of fresh prompts compiles no prefill program.
+
+    Slow: the warmup itself compiles every prefill shape of a 16-slot engine (both row buckets,
+    each token bucket and page-table width): the one test of the warmup, so cold by design."""
     # 4-token pages: prefill page-table widths of 16 and 32 pages (64 and 128 tokens).
     loop = make_loop(max_slots=16, page_size=4, num_pages=512, max_model_len=256, prefill_chunk=128,
                      enable_prefix_caching=False)
