@@ -276,11 +276,8 @@ class BackendPolicy:
         """
         if setting == "off" or (setting == "auto" and not (cpu.avx512 and cpu.int8_dot)):
             return None
-        import kernels_cpu
-
-        if not kernels_cpu.available():
-            _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
-                       f"({kernels_cpu.load_error()}); the dots use XLA's")  # one line for both kernels
+        kernels_cpu = _kernels_library(setting)
+        if kernels_cpu is None:
             return None
         return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
 
@@ -300,11 +297,8 @@ class BackendPolicy:
         """
         if setting == "off" or (setting == "auto" and (batch_invariant or not cpu.avx512)):
             return None
-        import kernels_cpu
-
-        if not kernels_cpu.available():
-            _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
-                       f"({kernels_cpu.load_error()}); the dots use XLA's")  # one line for both kernels
+        kernels_cpu = _kernels_library(setting)
+        if kernels_cpu is None:
             return None
         return kernels_cpu.Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS if setting == "auto" else None)
 
@@ -384,6 +378,18 @@ class BackendPolicy:
 
 
 @functools.cache
+def _kernels_library(setting: str):
+    """The ``kernels_cpu`` module if its compiled library loads, else None after one warning
+    (one line whichever kernels ``--cpu-kernels setting`` wanted: the dots then use XLA's)."""
+    import kernels_cpu
+
+    if kernels_cpu.available():
+        return kernels_cpu
+    _warn_once(f"--cpu-kernels {setting}: the CPU kernels are unavailable "
+               f"({kernels_cpu.load_error()}); the dots use XLA's")
+    return None
+
+
 def _warn_once(message: str) -> None:
     log.warning(message)
 
