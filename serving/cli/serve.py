@@ -72,6 +72,9 @@ def register(sub) -> None:
                        "(default: the model's own name)")
     serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
                        help="serve a non-loopback address even though no API keys exist")
+    serve.add_argument("--lora-root", default=None, metavar="DIR",
+                       help="the folder POST /v1/load_lora_adapter may load adapters from (its "
+                       "lora_path must lie under it; default: none, run-time loads are refused)")
     serve.add_argument("--otel-traces", action="store_true", default=None,
                        help="emit OpenTelemetry spans per request to the global tracer provider")
     serve.add_argument("--prefix-cache-group", action="append", metavar="GROUP=TENANT,TENANT",
@@ -169,6 +172,8 @@ def open_gateway_services(cfg):
                 f"refusing to serve {cfg.host} without API keys: create one with "
                 f"'xlaserve keys create --tenant NAME{db}', or pass --allow-unauthenticated")
         log.warning("no API keys configured: the API is open to anyone who can reach %s", cfg.host)
+    # The same rule while it runs: keys deleted later never turn a non-loopback gateway open.
+    services.authenticator.require_keys = not _is_loopback(cfg.host) and not cfg.allow_unauthenticated
     return services
 
 
@@ -196,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.loading.model_source import resolve_task
 
     overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port",
-                                  "enable_prefix_caching", "allow_unauthenticated",
+                                  "enable_prefix_caching", "allow_unauthenticated", "lora_root",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
@@ -278,7 +283,7 @@ def _run_gateway(args, cfg, services, models, loop) -> int:
                                stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes,
                                media=media)
         batches = BatchSettings(concurrency=cfg.batch_concurrency, lease_seconds=cfg.batch_lease_seconds)
-        app = create_app(models, services, limits, batches)
+        app = create_app(models, services, limits, batches, lora_root=cfg.lora_root)
         for name in models:
             log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()

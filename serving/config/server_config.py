@@ -71,6 +71,7 @@ class ServerConfig:
     redis_url: str | None = None
     prices: str | None = None
     allow_unauthenticated: bool = False
+    lora_root: str | None = None
     policy_blocklist: tuple[str, ...] = ()
     policy_blocklist_applies_to: tuple[str, ...] = ("input", "output")
     policy_plugins: tuple[str, ...] = ()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import uuid
 from typing import Mapping
 
@@ -174,7 +175,8 @@ def _parse_time(value: str | None, name: str) -> float | None:
 
 
 def create_app(models: Mapping[str, ServedModel], services: GatewayServices | None = None,
-               limits: GatewayLimits | None = None, batches: BatchSettings | None = None) -> FastAPI:
+               limits: GatewayLimits | None = None, batches: BatchSettings | None = None,
+               lora_root: str | os.PathLike | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -184,6 +186,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
         threads (default: :class:`GatewayLimits`'s defaults).
       batches: how batches run: concurrency, lease, clock (default:
         :class:`BatchSettings`'s defaults).
+      lora_root: the folder ``POST /v1/load_lora_adapter`` may load from (None: such
+        loads are refused; ``lora_routes.py``).
 
     Returns:
       A FastAPI (ASGI) app.
@@ -270,7 +274,7 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
                        EMBEDDINGS_PATH: embeddings.create_embedding}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
-    install_lora_routes(app, serving, principal)
+    install_lora_routes(app, serving, principal, lora_root)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
                           DetokenizeRequest, CreateBatchRequest, EmbeddingRequest, LoadLoraRequest,
                           UnloadLoraRequest],

@@ -16,10 +16,12 @@ import httpx
 import openai
 import pytest
 
+from serving.gateway.services.gateway_services import GatewayServices
 from tests.support import hf_dir_fixtures as hfx
 from tests.support.hf_tiny_parity import golden
 from tests.support.paths import TEST_DATA
-from tests.support.replica_processes import metric, start_engine, trace, wait_for, wait_healthy
+from tests.support.replica_processes import metric, start_engine, wait_for, wait_healthy
+from tests.support.replica_processes import trace as replica_trace
 from tests.support.server_process import serve_process
 
 BASE = "tiny-llama-lora"
@@ -28,6 +30,7 @@ ARGS = ["--dtype", "float32", "--max-model-len", "64", "--max-slots", "2", "--nu
         "--page-size", "8", "--prefill-chunk", "32", "--min-decode-batch", "2", "--max-loras", "2",
         "--max-lora-rank", "8"]
 PROMPT = golden("llama")["prompt"]  # 16 token ids
+ADMIN: dict[str, str] = {}  # the admin key's Authorization header (set by the fixture)
 
 
 def modules(*names: str) -> list[str]:
@@ -45,6 +48,14 @@ def processes(tmp_path_factory):
             shutil.copy(f, model / f.name)
     hfx.write_char_tokenizer(model)
     engine_args = ["--model", str(model), *ARGS]
+    # Both servers share tmp/ledger.db (serve_process's default): one admin key loads adapters on
+    # either (the anonymous caller of an open server is no admin), from under --lora-root.
+    global ADMIN
+    services = GatewayServices.open_server(database_url=f"sqlite:///{tmp / 'ledger.db'}",
+                                           ledger_spool_dir=str(tmp / "spool"))
+    ADMIN = {"Authorization": f"Bearer {services.authenticator.key_store.create_key('ops', is_admin=True)[0]}"}
+    services.close()
+    lora_root = ["--lora-root", str(LORA)]
     started = []
     try:
         started.append(start_engine(tmp / "engine0.log", [*engine_args, *modules("a4")]))
@@ -52,9 +63,10 @@ def processes(tmp_path_factory):
         started.append(start_engine(tmp / "engine1.log", [*engine_args, *modules("a4", "a8")]))
         wait_healthy(*started[-1], tmp / "engine1.log")
         urls = [u for _, u in started]
-        with serve_process([*engine_args, *modules("a4", "a8")], tmp / "single.log") as (_, single, _), \
-                serve_process(["--engines", ",".join(urls), "--router", "kv-aware"], tmp / "gateway.log") as \
-                (_, gateway, _):
+        with serve_process([*engine_args, *modules("a4", "a8"), *lora_root], tmp / "single.log") as \
+                (_, single, _), \
+                serve_process(["--engines", ",".join(urls), "--router", "kv-aware", *lora_root],
+                              tmp / "gateway.log") as (_, gateway, _):
             yield gateway, single, urls
     finally:
         for proc, _ in started:
@@ -64,7 +76,12 @@ def processes(tmp_path_factory):
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=ADMIN["Authorization"].split()[1], timeout=120,
+                         max_retries=0)
+
+
+def trace(gateway: str, response_id: str) -> dict:
+    return replica_trace(gateway, response_id, ADMIN)
 
 
 def greedy(url: str, model: str) -> tuple[list[str], str, str]:
@@ -129,19 +146,19 @@ def test_an_adapters_follow_ups_go_where_its_pages_are(processes):
 def test_load_and_unload_through_the_router_reach_every_replica(processes):
     gateway, single, urls = processes
     rs8 = str(LORA / "llama_rs8")
-    r = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "rs8", "lora_path": rs8}, timeout=120)
+    r = httpx.post(f"{gateway}/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "rs8", "lora_path": rs8}, timeout=120)
     assert r.status_code == 200, r.text
     assert models(gateway)["rs8"] == BASE
-    assert httpx.post(f"{single}/v1/load_lora_adapter", json={"lora_name": "rs8", "lora_path": rs8},
+    assert httpx.post(f"{single}/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "rs8", "lora_path": rs8},
                       timeout=120).status_code == 200
     assert greedy(gateway, "rs8")[0] == greedy(single, "rs8")[0]
-    taken = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "rs8", "lora_path": rs8}, timeout=60)
+    taken = httpx.post(f"{gateway}/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "rs8", "lora_path": rs8}, timeout=60)
     assert taken.status_code == 400 and taken.json()["error"]["code"] == "lora_name_taken"
-    bad = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"},
-                     timeout=60)
+    bad = httpx.post(f"{gateway}/v1/load_lora_adapter", headers=ADMIN,
+                     json={"lora_name": "x", "lora_path": str(LORA / "nonexistent")}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_lora_adapter"
     assert "x" not in models(gateway)
-    r = httpx.post(f"{gateway}/v1/unload_lora_adapter", json={"lora_name": "rs8"}, timeout=60)
+    r = httpx.post(f"{gateway}/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "rs8"}, timeout=60)
     assert r.status_code == 200, r.text
     assert "rs8" not in models(gateway)
     with client(gateway) as c, pytest.raises(openai.NotFoundError):

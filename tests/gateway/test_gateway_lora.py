@@ -57,7 +57,7 @@ def setup(services):
     engine = FakeLoraEngine(text="ok")
     base = ServedModel(BASE, engine, FakeTokenizer(), 512, created=1)
     app = create_app({BASE: base, "busy": adapter_model(base, "busy"), "plain": adapter_model(base, "plain")},
-                     services)
+                     services, lora_root="/adapters")
     admin, _ = services.authenticator.key_store.create_key("ops", is_admin=True)
     user, _ = services.authenticator.key_store.create_key("acme")
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
@@ -107,7 +107,7 @@ async def test_load_and_unload_at_run_time(setup):
                             400)
         engine.serves_lora = False
         assert_openai_error(await client.post("/v1/load_lora_adapter", headers=admin, json={
-            "lora_name": "y", "lora_path": "/p"}), 400, code="lora_not_supported")
+            "lora_name": "y", "lora_path": "/adapters/p"}), 400, code="lora_not_supported")
         engine.serves_lora = True
         assert_openai_error(await client.post("/v1/unload_lora_adapter", headers=user,
                                               json={"lora_name": "fresh"}), 403)
@@ -119,6 +119,42 @@ async def test_load_and_unload_at_run_time(setup):
         assert r.status_code == 200 and "fresh" not in engine.adapters
         assert_openai_error(await client.post("/v1/completions", headers=user,
                                               json={"model": "fresh", "prompt": "hi"}), 404, code="model_not_found")
+
+
+async def test_adapter_paths_must_lie_under_the_lora_root(services, tmp_path):
+    """An admin loads only folders under --lora-root (a relative path is taken under it); a path
+    outside, a ``..`` escape or a symbolic link out of it gets the same 400 whether or not it exists
+    (no file-existence oracle); without a root every run-time load is refused."""
+    root = tmp_path / "adapters"
+    (root / "good").mkdir(parents=True)
+    (root / "escape").symlink_to(tmp_path)
+    engine = FakeLoraEngine(text="ok")
+    admin, _ = services.authenticator.key_store.create_key("ops", is_admin=True)
+    headers = {"Authorization": f"Bearer {admin}"}
+    models = {BASE: ServedModel(BASE, engine, FakeTokenizer(), 512, created=1)}
+    loaded = []
+    engine.load_lora = lambda name, path: _record(loaded, name, path)
+    for lora_root in (None, root):
+        app = create_app(models, services, lora_root=lora_root)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            async def load(name, path):
+                return await client.post("/v1/load_lora_adapter", headers=headers,
+                                         json={"lora_name": name, "lora_path": path})
+            if lora_root is None:
+                assert_openai_error(await load("a", str(root / "good")), 403, code="lora_loading_disabled")
+                continue
+            for path in ("/etc", "/nonexistent/x", str(root / ".." / "x"), str(root / "escape" / "x"),
+                         "../x", str(root)):
+                err = assert_openai_error(await load("a", path), 400, param="lora_path",
+                                          code="lora_path_outside_root")
+                assert path not in err["message"]
+            assert (await load("a", str(root / "good"))).status_code == 200
+            assert (await load("b", "good")).status_code == 200
+    assert loaded == [("a", str(root / "good")), ("b", str(root / "good"))]
+
+
+async def _record(loaded, name, path):
+    loaded.append((name, path))
 
 
 @dataclasses.dataclass(eq=False)

@@ -57,8 +57,8 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, security: Cli
             time.sleep(0.3)
 
 
-def trace(gateway: str, response_id: str) -> dict:
-    r = httpx.get(f"{gateway}/v1/requests/{response_id}", timeout=10)
+def trace(gateway: str, response_id: str, headers: dict[str, str] | None = None) -> dict:
+    r = httpx.get(f"{gateway}/v1/requests/{response_id}", headers=headers, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 

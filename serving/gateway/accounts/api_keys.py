@@ -75,8 +75,9 @@ class Principal:
         return self.models is None or model in self.models
 
 
-ANONYMOUS = Principal(tenant="anonymous", key_id=None, is_admin=True)
-"""The caller when the server runs open (loopback, no keys configured)."""
+ANONYMOUS = Principal(tenant="anonymous", key_id=None, is_admin=False)
+"""The caller when the server runs open (loopback, no keys configured). Never an admin: an open
+server loads no LoRA adapters and shows no other tenant's usage or traces (admin keys do)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,9 +4,11 @@
   KEY`` is required; a missing or unknown key is 401 ``invalid_api_key``, a
   revoked key 403 ``api_key_revoked``.
 * No keys configured: the server runs open and every caller is the
-  ``anonymous`` tenant (whatever Authorization header it sends, so clients
-  that always send one, like the openai package, work). ``xlaserve serve``
-  allows that only on a loopback address, or with ``--allow-unauthenticated``.
+  ``anonymous`` tenant, never an admin (whatever Authorization header it sends, so
+  clients that always send one, like the openai package, work). ``xlaserve serve``
+  allows that only on a loopback address, or with ``--allow-unauthenticated``; the
+  rule holds at run time too (``require_keys``): a non-loopback gateway whose keys
+  are all deleted while it runs answers 503 ``no_api_keys`` rather than run open.
 
 Database look-ups run in a worker thread, never on the event loop. While the
 database is unreachable, a key answers as it did at its last successful look-up
@@ -33,6 +35,12 @@ def database_unavailable() -> OpenAIError:
                        code="database_unavailable", headers={"Retry-After": "5"})
 
 
+def no_api_keys() -> OpenAIError:
+    return OpenAIError("This server serves only callers with an API key and none is configured now; "
+                       "an operator must create one ('xlaserve keys create --tenant NAME').",
+                       status_code=503, type=SERVER_ERROR, code="no_api_keys")
+
+
 def unauthorized(message: str) -> OpenAIError:
     return OpenAIError(message, status_code=401, code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
@@ -43,10 +51,14 @@ class Authenticator:
 
     Args:
       key_store: the keys (None: always open, for in-process use and tests).
+      require_keys: never run open: while no key exists, every caller gets 503
+        ``no_api_keys`` (``xlaserve serve`` sets it on a non-loopback address without
+        ``--allow-unauthenticated``).
     """
 
-    def __init__(self, key_store: KeyStore | None) -> None:
+    def __init__(self, key_store: KeyStore | None, require_keys: bool = False) -> None:
         self.key_store = key_store
+        self.require_keys = require_keys
         self._has_keys: tuple[float, bool | None] = (-1e9, None)
         # sha256 of a key -> its last look-up that found it ("ok" or "revoked"), for outages.
         self._known: dict[str, tuple[str, Principal | None]] = {}
@@ -84,9 +96,12 @@ class Authenticator:
         """The caller for an ``Authorization`` header value (or None).
 
         Raises:
-          OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key).
+          OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key), 503
+            ``no_api_keys`` (no key exists and ``require_keys``), 503 ``database_unavailable``.
         """
         if self.key_store is None or not await self._keys_configured():
+            if self.require_keys:
+                raise no_api_keys()
             return ANONYMOUS
         if not authorization:
             raise unauthorized("You didn't provide an API key. Send it in an Authorization header "

@@ -14,7 +14,12 @@
   other weights loaded later under the same name (the engine salts them with the
   adapter's digest).
 
-Admin keys only (403 ``forbidden`` otherwise); errors in OpenAI's shape. The engine
+Admin keys only (403 ``forbidden`` otherwise; the anonymous caller of an open server is no
+admin). ``lora_path`` must lie under the server's ``--lora-root`` (a relative path is taken
+under it; symbolic links are resolved first, on the gateway's machine): 400
+``lora_path_outside_root`` otherwise, the same answer whether or not the path exists, so the
+route is no file-existence oracle; without a root, 403 ``lora_loading_disabled``. Errors in
+OpenAI's shape. The engine
 does the loading (``EngineLoop.load_lora``; an engine takes adapters when its ``serves_lora``);
 behind ``serve --engines`` the router sends the load or unload to every replica up that takes
 adapters (``Router.load_lora``: one refusing a load undoes it on the others), and the gateway
@@ -22,6 +27,8 @@ lists what the replicas report (``OpenAIServing.follow_adapters``).
 """
 
 from __future__ import annotations
+
+import os
 
 from fastapi import Depends, FastAPI, Request
 from starlette.responses import JSONResponse, Response
@@ -55,6 +62,26 @@ def _admin(caller: Principal) -> None:
                           code="forbidden")
 
 
+def lora_path_under(root: str | os.PathLike | None, path: str) -> str:
+    """The path an adapter is loaded from: `path` (relative ones taken under `root`), its
+    symbolic links resolved, when it lies under `root`.
+
+    Raises:
+      OpenAIError: 403 ``lora_loading_disabled`` without a root; 400 ``lora_path_outside_root``
+        for a path outside it (whether or not it exists).
+    """
+    if root is None:
+        raise OpenAIError("This server loads no LoRA adapters at run time: start it with "
+                          "--lora-root DIR to allow adapters under DIR.", status_code=403,
+                          code="lora_loading_disabled")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, path))
+    if os.path.commonpath([real_root, real]) != real_root or real == real_root:
+        raise OpenAIError("`lora_path` must name a folder under the server's --lora-root.",
+                          param="lora_path", code="lora_path_outside_root")
+    return real
+
+
 def _base(serving: OpenAIServing, name: str | None) -> ServedModel:
     """The base model an adapter is loaded over (``name``, or the only one that takes LoRA)."""
     if name is not None:
@@ -74,8 +101,13 @@ def _base(serving: OpenAIServing, name: str | None) -> ServedModel:
     return bases[0]
 
 
-def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None:
-    """Adds the two routes; they change ``serving.models`` (what requests and ``/v1/models`` see)."""
+def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal,
+                        lora_root: str | os.PathLike | None = None) -> None:
+    """Adds the two routes; they change ``serving.models`` (what requests and ``/v1/models`` see).
+
+    Args:
+      lora_root: the folder adapters may be loaded from (None: run-time loads are refused).
+    """
 
     @app.post("/v1/load_lora_adapter", openapi_extra=json_request_body(LoadLoraRequest),
               responses=error_responses(400, 401, 403, 404, 413, 415))
@@ -84,11 +116,12 @@ def install_lora_routes(app: FastAPI, serving: OpenAIServing, principal) -> None
         req = LoadLoraRequest.model_validate(await read_json(request))
         serving.follow_adapters()
         base = _base(serving, req.base_model)
+        path = lora_path_under(lora_root, req.lora_path)
         if req.lora_name in serving.models:
             raise OpenAIError(f"A model named `{req.lora_name}` is already served.", param="lora_name",
                               code="lora_name_taken")
         try:
-            await base.engine.load_lora(req.lora_name, req.lora_path)
+            await base.engine.load_lora(req.lora_name, path)
         except ValueError as e:  # LoraAdapterError: the folder cannot be served, and why
             raise OpenAIError(str(e), param="lora_path", code="invalid_lora_adapter") from None
         serving.models[req.lora_name] = adapter_model(base, req.lora_name)
