@@ -25,11 +25,23 @@ left by a crash between the two, reads as 0).
 The bound, ``max_bytes``, is on the file's size: :attr:`LedgerSpool.full`
 tells the gateway to refuse new requests (see ``ledger.py``); writes of
 requests already admitted are appended past it.
+
+Appends are unbuffered (``os.write`` on an ``O_APPEND`` descriptor, then
+``fsync``): an append that fails part-way (``ENOSPC``, ``EFBIG``) is cut back
+with ``ftruncate`` to the size before it, and the size and record count are then
+read back from the file itself, so they never drift from what it holds.
+
+A complete line that is not a JSON object (a disk error, a hand edit) is moved
+to ``quarantine.jsonl`` beside the spool when replay reaches it, logged, counted
+(:attr:`LedgerSpool.quarantined`, the metric
+``xlaserve:ledger_spool_quarantined_total``) and skipped, so it cannot hold the
+records behind it back.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -37,6 +49,9 @@ from typing import Any
 
 SPOOL_FILE = "spool.jsonl"
 OFFSET_FILE = "replayed"
+QUARANTINE_FILE = "quarantine.jsonl"
+
+log = logging.getLogger("xlaserve.ledger")
 
 
 class LedgerSpool:
@@ -64,13 +79,14 @@ class LedgerSpool:
         self.path = self.directory / SPOOL_FILE
         self._offset_path = self.directory / OFFSET_FILE
         self._lock = threading.Lock()
-        self._file = open(self.path, "ab")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.quarantined = 0
         self._offset = self._read_offset()
         self._size = self._cut_torn_tail()
         if self._offset > self._size:  # truncated after a full replay, offset not yet reset
             self._offset = 0
             self._write_offset(0)
-        self._records = sum(1 for _ in self._lines(self._offset, None))
+        self._records = self._count_lines(self._offset)
 
     # -- state ------------------------------------------------------------------
 
@@ -100,26 +116,56 @@ class LedgerSpool:
         """Appends `records` and fsyncs them; when this returns they survive a crash.
 
         Raises:
-          OSError: the write or the fsync failed (the disk is full, say); the
-            file is cut back to where it was.
+          OSError: the write or the fsync failed (the disk is full, the file-size
+            limit is reached); the file is cut back to where it was and the counts
+            read back from it.
           TypeError: a record is not JSON-serializable.
         """
         data = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)
         try:
-            self._file.write(data)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
         except OSError:
-            self._file.truncate(self._size)
+            self._rollback()
             raise
         with self._lock:
             self._size += len(data)
             self._records += len(records)
 
+    def _rollback(self) -> None:
+        """Cuts the file back to the last size known good; the counts come from the file."""
+        try:
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+        except OSError as e:  # what is there stays; count it as it is
+            log.error("the ledger spool could not be cut back after a failed append: %r", e)
+        size = self._cut_torn_tail()
+        with self._lock:
+            self._size = size
+            self._records = self._count_lines(self._offset)
+
     def read(self, limit: int) -> list[tuple[int, dict[str, Any]]]:
         """Up to `limit` records not yet replayed, oldest first, each with the
-        offset just past it (what :meth:`mark_replayed` takes)."""
-        return list(self._lines(self._offset, limit))
+        offset just past it (what :meth:`mark_replayed` takes).
+
+        A corrupt line met first is quarantined and skipped (counted replayed); one met
+        after good records ends the batch there, to be quarantined by the next read.
+        """
+        out: list[tuple[int, dict[str, Any]]] = []
+        while True:
+            for end, line in self._raw_lines(self._offset, limit):
+                record = _parse(line)
+                if record is not None:
+                    out.append((end, record))
+                    continue
+                if out:  # let the good ones before it be replayed first
+                    return out
+                self._quarantine(line, end)
+                break  # read again from past it
+            else:
+                return out
 
     def mark_replayed(self, offset: int, count: int) -> None:
         """Records that the records up to byte `offset` (`count` of them) are in
@@ -129,8 +175,8 @@ class LedgerSpool:
             self._offset = offset
             self._records -= count
         if self._offset == self._size:
-            self._file.truncate(0)
-            os.fsync(self._file.fileno())
+            os.ftruncate(self._fd, 0)
+            os.fsync(self._fd)
             with self._lock:
                 self._size = 0
                 self._offset = 0
@@ -138,11 +184,27 @@ class LedgerSpool:
             self._write_offset(0)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
     # -- files ------------------------------------------------------------------
 
-    def _lines(self, start: int, limit: int | None):
+    def _quarantine(self, line: bytes, end: int) -> None:
+        """Moves the corrupt `line` (ending at byte `end`, the next to replay) to the
+        quarantine file, logs and counts it, and marks it replayed."""
+        path = self.directory / QUARANTINE_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.quarantined += 1
+        log.error("a corrupt ledger spool record (%d bytes at offset %d) is moved to %s and skipped",
+                  len(line), end - len(line), path)
+        self.mark_replayed(end, 1)
+
+    def _raw_lines(self, start: int, limit: int | None):
+        """(offset past it, the line's bytes) of whole lines from byte `start`."""
         if start >= self._size:
             return
         n = 0
@@ -155,7 +217,10 @@ class LedgerSpool:
                     return
                 pos += len(line)
                 n += 1
-                yield pos, json.loads(line)
+                yield pos, line
+
+    def _count_lines(self, start: int) -> int:
+        return sum(1 for _ in self._raw_lines(start, None))
 
     def _cut_torn_tail(self) -> int:
         """The size up to the last whole line; a torn last line is cut off."""
@@ -168,8 +233,8 @@ class LedgerSpool:
                 return data_end
             f.seek(0)
             keep = f.read().rfind(b"\n") + 1
-        self._file.truncate(keep)
-        os.fsync(self._file.fileno())
+        os.ftruncate(self._fd, keep)
+        os.fsync(self._fd)
         return keep
 
     def _read_offset(self) -> int:
@@ -185,3 +250,12 @@ class LedgerSpool:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._offset_path)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """A spool line's record, or None when it is no JSON object with an ``op``."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "op" in record else None

@@ -22,6 +22,7 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
   ledger      xlaserve:ledger_spool_records, xlaserve:ledger_spool_bytes (gauges: usage-row
               writes waiting in the spool for the database), xlaserve:ledger_spool_replayed_total,
+              xlaserve:ledger_spool_quarantined_total (corrupt spool lines moved aside),
               xlaserve:ledger_unavailable_rejections_total (503s while the spool is full);
               no model_name label
 
@@ -152,6 +153,10 @@ class _ReplayedCollector(Collector):
         yield CounterMetricFamily("xlaserve:ledger_spool_replayed",
                                   "Spooled usage-row writes replayed into the database.",
                                   value=self.ledger.replayed_total)
+        spool = getattr(self.ledger, "spool", None)
+        yield CounterMetricFamily("xlaserve:ledger_spool_quarantined",
+                                  "Corrupt spool lines moved to the quarantine file and skipped.",
+                                  value=0 if spool is None else spool.quarantined)
 
 
 class GatewayMetrics:
