@@ -14,7 +14,11 @@ writer has replayed the spool into the database (tried every ``retry_s``
 seconds), so rows reach the database in the order they were written. Each
 write is idempotent (a row is inserted only if its ``request_id`` is absent,
 and a completion applies only to a "running" row), so a replay repeated after
-a crash doubles nothing. While the spool is full (or cannot be written),
+a crash doubles nothing. A request whose admission row could not be written
+(a write the database refused, a spool that failed) is still served, so its
+completion carries the whole row and inserts it (``{"op": "close", ...,
+"row": ...}``): every admitted request gets its row once it ends.
+While the spool is full (or cannot be written),
 :attr:`Ledger.admitting` is False and the gateway refuses new requests with
 503 rather than serve what it could not meter.
 
@@ -51,6 +55,10 @@ INCOMPLETE = ("running", "interrupted")
 REPLAY_CHUNK = 500
 """Spooled writes replayed per database transaction."""
 
+MAX_UNOPENED = 100_000
+"""Admission rows that failed to write, kept until their request's completion inserts them
+(past this many, the oldest is dropped, logged)."""
+
 
 def utc_day(t: float) -> str:
     """UTC date "YYYY-MM-DD" of Unix time `t`."""
@@ -63,8 +71,10 @@ def apply_writes(conn: sa.Connection, records: Sequence[Mapping[str, Any] | None
     Args:
       records: each ``{"op": "open", "row": columns}`` (inserted unless a row with
         its request_id exists) or ``{"op": "close", "request_id": id, "values":
-        columns}`` (applied only while the row is "running"); None: nothing (a
-        flush marker). Every open is applied before every close: a request's
+        columns}`` (applied only while the row is "running"; with a ``"row"`` too,
+        the admission row the open could not write, that row completed with
+        ``values`` is inserted unless a row with its request_id exists); None:
+        nothing (a flush marker). Every open is applied before every close: a request's
         close always follows its open, so this is the order they were written
         in as far as any row can tell, and it lets each kind go as one
         executemany (replaying hundreds of spooled writes takes one round trip
@@ -76,6 +86,7 @@ def apply_writes(conn: sa.Connection, records: Sequence[Mapping[str, Any] | None
     t = requests_table
     opens: dict[tuple, list[dict]] = {}
     closes: dict[tuple, list[dict]] = {}
+    late_opens: dict[tuple, list[dict]] = {}  # rows whose open failed, inserted completed
     for record in records:
         if record is None:
             continue
@@ -84,10 +95,24 @@ def apply_writes(conn: sa.Connection, records: Sequence[Mapping[str, Any] | None
         elif record["op"] == "close":
             closes.setdefault(tuple(sorted(record["values"])), []).append(
                 {**{f"v_{k}": v for k, v in record["values"].items()}, "rid": record["request_id"]})
+            if record.get("row") is not None:
+                row = {**record["row"], **record["values"]}
+                late_opens.setdefault(tuple(sorted(row)), []).append(row)
         else:
             raise ValueError(f"unknown ledger write {record['op']!r}")
+    _insert_absent(conn, opens)
+    for columns, params in closes.items():
+        stmt = (t.update().where(t.c.request_id == sa.bindparam("rid"), t.c.status == "running")
+                .values({c: sa.bindparam(f"v_{c}") for c in columns}))
+        conn.execute(stmt, params)
+    _insert_absent(conn, late_opens)
+
+
+def _insert_absent(conn: sa.Connection, groups: dict[tuple, list[dict]]) -> None:
+    """Inserts each row of `groups` (rows grouped by column set) unless its request_id exists."""
+    t = requests_table
     dialect = conn.dialect.name
-    for rows in opens.values():
+    for rows in groups.values():
         if dialect in ("postgresql", "sqlite"):
             if dialect == "postgresql":
                 from sqlalchemy.dialects.postgresql import insert
@@ -98,10 +123,6 @@ def apply_writes(conn: sa.Connection, records: Sequence[Mapping[str, Any] | None
         for row in rows:
             if conn.execute(sa.select(t.c.request_id).where(t.c.request_id == row["request_id"])).first() is None:
                 conn.execute(t.insert().values(**row))
-    for columns, params in closes.items():
-        stmt = (t.update().where(t.c.request_id == sa.bindparam("rid"), t.c.status == "running")
-                .values({c: sa.bindparam(f"v_{c}") for c in columns}))
-        conn.execute(stmt, params)
 
 
 def replay_spool(spool: LedgerSpool, engine: sa.Engine, chunks: int | None = None) -> int:
@@ -184,6 +205,8 @@ class Ledger:
         self.replayed_total = 0
         self._next_replay = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # request_id -> its "running" row that could not be written (writer thread only).
+        self._unopened: dict[str, dict] = {}
         self._thread = threading.Thread(target=self._run, name="xlaserve-ledger", daemon=True)
         self._closed = False
         self._thread.start()
@@ -288,7 +311,26 @@ class Ledger:
             log.warning("the ledger database is back: the spool is replayed (%d writes in all)",
                         self.replayed_total)
 
+    def _failed(self, record: Mapping[str, Any] | None, fut: concurrent.futures.Future,
+                error: BaseException) -> None:
+        """A write that could not be made; a failed admission row waits for its completion."""
+        if record is not None and record["op"] == "open" and record["row"].get("status") == "running":
+            self._unopened[record["row"]["request_id"]] = record["row"]
+            if len(self._unopened) > MAX_UNOPENED:
+                rid = next(iter(self._unopened))
+                log.error("the admission row of %s was never written and its completion has not come; "
+                          "dropped", rid)
+                del self._unopened[rid]
+        fut.set_exception(error)
+
+    def _attach(self, record: Mapping[str, Any] | None) -> None:
+        """Gives a completion the admission row that could not be written, to insert it."""
+        if record is not None and record["op"] == "close" and record["request_id"] in self._unopened:
+            record["row"] = self._unopened.pop(record["request_id"])
+
     def _write(self, ops) -> None:
+        for record, _ in ops:
+            self._attach(record)
         if self.spool is not None and self.spool.depth_records:
             self._spool(ops)  # behind what is spooled already, in order
             return
@@ -305,6 +347,7 @@ class Ledger:
             # One bad row must not lose the others: retry each in its own transaction.
             log.warning("ledger batch of %d failed (%s); writing one by one", len(ops), batch_error)
             for i, (record, fut) in enumerate(ops):
+                self._attach(record)
                 try:
                     with self.engine.begin() as conn:
                         apply_writes(conn, [record])
@@ -314,13 +357,15 @@ class Ledger:
                         self._spool(ops[i:])
                         return
                     log.error("ledger write failed: %s", e)
-                    fut.set_exception(e)
+                    self._failed(record, fut, e)
             return
         self.spool_write_failed = False
         for _, fut in ops:
             fut.set_result(None)
 
     def _spool(self, ops) -> None:
+        for record, _ in ops:
+            self._attach(record)
         records = [record for record, _ in ops if record is not None]
         try:
             if records:
@@ -329,8 +374,8 @@ class Ledger:
             self.spool_write_failed = True
             log.error("the ledger spool cannot be written (%r): %d row writes lost; new requests "
                       "are refused until it can", e, len(records))
-            for _, fut in ops:
-                fut.set_exception(e)
+            for record, fut in ops:
+                self._failed(record, fut, e)
             return
         self.spool_write_failed = False
         for _, fut in ops:
