@@ -12,7 +12,17 @@ gateways share the spool directory.
 
 An instance is *gone* when its ``lock`` can be taken: the kernel releases an
 ``flock`` when its process dies, SIGKILL included, so a live gateway's
-directory is never taken over. At start-up a gateway takes over every gone
+directory is never taken over. A directory is created and locked in one step
+as far as others can see: it is made under a temporary name (``.new-...``,
+never taken over), its lock file created and locked inside, then renamed into
+place; a directory without a lock file is skipped (never taken over, never
+given one).
+
+A gateway that stops cleanly (:func:`release_instance`) marks its own rows still
+"running" (streams cut at the drain timeout, a request its writer never
+completed) "interrupted" before its directory goes; if the database cannot be
+reached then, or its spool still holds writes, the directory stays, and the
+next start takes it over and does the same. At start-up a gateway takes over every gone
 instance of its database: it replays that instance's spool (rows completed
 before the crash, while the database was away), marks the instance's rows
 still "running" as "interrupted", and deletes the directory.
@@ -70,15 +80,17 @@ class GatewayInstance:
     def __init__(self, root: Path) -> None:
         self.id = "gw-" + uuid.uuid4().hex[:12]
         self.directory = Path(root) / self.id
+        staging = Path(root) / f".new-{self.id}"
         for attempt in range(3):  # the parent may be removed by another gateway's release meanwhile
             try:
-                self.directory.mkdir(parents=True)
+                staging.mkdir(parents=True)
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise
-        self._lock = _try_lock(self.directory)
+        self._lock = _try_lock(staging, create=True)
         assert self._lock is not None, "a fresh instance directory is locked by someone"
+        os.rename(staging, self.directory)  # appears with its lock held
 
     def release(self, remove: bool) -> None:
         """Unlocks the directory; with `remove`, deletes it first (nothing left to replay)."""
@@ -107,8 +119,8 @@ def take_over_gone_instances(root: Path, engine: sa.Engine, by: str) -> list[dic
     if not Path(root).is_dir():
         return done
     for directory in sorted(p for p in Path(root).iterdir() if p.is_dir()):
-        if directory.name == by:
-            continue
+        if directory.name == by or not directory.name.startswith("gw-"):
+            continue  # ours, or one being created (.new-...)
         fd = _try_lock(directory)
         if fd is None:
             continue  # a live gateway
@@ -151,11 +163,11 @@ def _remove_if_empty(directory: Path) -> None:
         pass
 
 
-def _try_lock(directory: Path) -> int | None:
-    """An fd holding an exclusive flock on `directory`/lock, or None if someone holds it
-    (or the directory vanished)."""
+def _try_lock(directory: Path, create: bool = False) -> int | None:
+    """An fd holding an exclusive flock on `directory`/lock, or None if someone holds it,
+    the directory vanished, or (unless `create`) it has no lock file."""
     try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     except FileNotFoundError:
         return None
     try:
@@ -164,6 +176,29 @@ def _try_lock(directory: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def release_instance(instance: GatewayInstance, ledger) -> int | None:
+    """At a clean stop, after `ledger` (a closed ``Ledger``, or None) wrote what it could:
+    marks this instance's rows still "running" as "interrupted" and removes its
+    directory; a spool left with writes, or a database that cannot be reached now,
+    keeps the directory for the next start to take over.
+
+    Returns:
+      How many rows were marked (None: left for the next start).
+    """
+    marked = None
+    if ledger is not None and not ledger.spooled_records:
+        try:
+            marked = mark_interrupted(ledger.engine, instance.id, instance.id)
+        except Exception as e:
+            log.error("could not mark this gateway's running rows interrupted (%r); the next start "
+                      "will", e)
+        else:
+            if marked:
+                log.warning("%d requests still running at shutdown are marked interrupted", marked)
+    instance.release(remove=ledger is None or marked is not None)
+    return marked
 
 
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from serving.gateway.accounts.api_keys import KeyStore
 from serving.gateway.accounts.auth import Authenticator
 from serving.gateway.accounts.ledger import Ledger
-from serving.gateway.accounts.ledger_instances import DEFAULT_SPOOL_MAX_BYTES, GatewayInstance
+from serving.gateway.accounts.ledger_instances import DEFAULT_SPOOL_MAX_BYTES, GatewayInstance, release_instance
 from serving.gateway.accounts.pricing import PriceTable, load_price_table
 from serving.gateway.accounts.rate_limit import RateLimiter
 from serving.gateway.services.cache_scope import PrefixCacheScopes
@@ -95,10 +95,13 @@ class GatewayServices:
                    ledger=ledger, log_text=log_text, cache_scopes=cache_scopes, instance=instance)
 
     def close(self) -> None:
+        """Stops the services: the ledger writes what is queued, this gateway's rows still
+        running are marked "interrupted" and its instance directory goes (kept for the next
+        start when its spool holds writes or the database is away: ``ledger_instances.py``)."""
         self.metering.limiter.close()
         if self.ledger is not None:
             self.ledger.close()
             if self.ledger.spool is not None:
                 self.ledger.spool.close()
-        if self.instance is not None:  # an empty spool is removed; one left is replayed at the next start
-            self.instance.release(remove=self.ledger is None or not self.ledger.spooled_records)
+        if self.instance is not None:
+            release_instance(self.instance, self.ledger)
