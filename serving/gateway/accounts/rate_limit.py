@@ -12,6 +12,12 @@ takes from all of them. State is in process memory: each gateway process
 enforces its own share. Several gateways share limits through Redis instead
 (``redis_rate_limit.py``, the same semantics behind the :class:`Limiter` interface).
 
+Changing a key's or a tenant's limits while it runs carries its state over:
+requests in flight keep their concurrency slots (and give them back to the same
+state when they end), and a bucket keeps what was taken from it (its level is
+the new capacity less what the old one had used), so a change never refills a
+bucket nor leaks a slot.
+
 Response headers follow OpenAI's: ``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests`` (time until
 the bucket is full again, e.g. "1.5s", "6m0s") and the same for ``-tokens``,
@@ -39,6 +45,16 @@ class TokenBucket:
         self.rate = capacity / 60.0
         self.level = float(capacity)
         self.updated = now
+
+    def resized(self, capacity: int | None, now: float) -> "TokenBucket | None":
+        """This bucket under a new limit (None: no bucket), refilled to `now` first and
+        keeping what was taken from it: level = new capacity - (old capacity - old level)."""
+        if not capacity:
+            return None
+        self.refill(now)
+        out = TokenBucket(capacity, now)
+        out.level = max(min(out.capacity, out.capacity - (self.capacity - self.level)), -out.capacity)
+        return out
 
     def refill(self, now: float) -> None:
         if now > self.updated:
@@ -158,12 +174,17 @@ class RateLimiter:
         if limits == Limits():
             return None
         s = self._scopes.get((kind, name))
-        if s is None or s.limits != limits:  # new, or its limits were changed
+        if s is None:
             s = ScopeState(limits,
                            TokenBucket(limits.rpm, now) if limits.rpm else None,
-                           TokenBucket(limits.tpm, now) if limits.tpm else None,
-                           active=s.active if s else 0)
+                           TokenBucket(limits.tpm, now) if limits.tpm else None)
             self._scopes[(kind, name)] = s
+        elif s.limits != limits:  # changed: the same state, so admissions in flight settle against it
+            s.requests = (s.requests.resized(limits.rpm, now) if s.requests
+                          else TokenBucket(limits.rpm, now) if limits.rpm else None)
+            s.tokens = (s.tokens.resized(limits.tpm, now) if s.tokens
+                        else TokenBucket(limits.tpm, now) if limits.tpm else None)
+            s.limits = limits
         return s
 
     def _scopes_of(self, p: Principal, now: float) -> list[tuple[str, ScopeState]]:

@@ -26,7 +26,7 @@ Design:
   replicates scripts by their effects, so a script may read the time before
   writing), never a gateway's, so gateways whose clocks disagree still agree
   on every bucket. A bucket stored with another capacity (its limit was
-  changed) starts full again, as in process. A bucket expires once it would
+  changed) keeps what was taken from it, as in process. A bucket expires once it would
   be full again: a full bucket and a missing one are the same.
 * **Concurrency is leases with a TTL**: a sorted set per scope of lease id ->
   expiry (Redis time). Admission drops the expired ones, counts the rest
@@ -124,18 +124,21 @@ end
 
 local function fmt(x) return string.format('%.17g', x) end
 
--- A bucket's (level, updated, changed) at `now`, refilled at capacity/60 per second. A missing
--- bucket is full; so is one stored with another capacity (its limit changed), and then `changed`.
+-- A bucket's (level, updated) at `now`, refilled at capacity/60 per second. A missing bucket is
+-- full; one stored with another capacity (its limit changed) keeps what was taken from it:
+-- level = capacity - (old capacity - old level), as rate_limit.TokenBucket.resized.
 local function bucket(key, capacity, now)
   local b = redis.call('HMGET', key, 'level', 'updated', 'capacity')
-  if not b[1] then return capacity, now, false end
-  if tonumber(b[3]) ~= capacity then return capacity, now, true end
-  local level, updated = tonumber(b[1]), tonumber(b[2])
+  if not b[1] then return capacity, now end
+  local level, updated, old = tonumber(b[1]), tonumber(b[2]), tonumber(b[3])
   if now > updated then
-    level = math.min(capacity, level + (now - updated) * capacity / 60)
+    level = math.min(old, level + (now - updated) * old / 60)
     updated = now
   end
-  return level, updated, false
+  if old ~= capacity then
+    level = math.max(-capacity, math.min(capacity, capacity - (old - level)))
+  end
+  return level, updated
 end
 
 -- Stores a bucket, to expire once it would be full again.
@@ -204,8 +207,8 @@ for i = 1, #KEYS / 2 do
   local tk, lk, tpm = KEYS[2 * i - 1], KEYS[2 * i], tonumber(ARGV[2 + i])
   redis.call('ZREM', lk, lease)
   if tpm > 0 and give ~= 0 then
-    local level, updated, changed = bucket(tk, tpm, now)
-    if not changed then store(tk, tpm, math.min(tpm, level + give), updated) end
+    local level, updated = bucket(tk, tpm, now)
+    store(tk, tpm, math.min(tpm, level + give), updated)
   end
 end
 return 1

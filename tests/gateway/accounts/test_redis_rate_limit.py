@@ -196,13 +196,15 @@ def test_decisions_and_headers_are_those_of_the_in_process_limiter(gateway):
     assert shared.headers(Principal(tenant="t", key_id=None)) == {}  # unlimited: Redis not asked
 
 
-def test_a_changed_limit_starts_a_full_bucket_as_in_process(gateway):
+def test_a_changed_limit_keeps_what_was_taken_as_in_process(gateway):
     shared = gateway()
     shared.admit(principal(rpm=1), 0)
     with pytest.raises(RateLimited):
         shared.admit(principal(rpm=1), 0)
     raised = principal(rpm=3)  # e.g. `xlaserve keys` changed it; both gateways read it from the database
-    assert [shared.admit(raised, 0).decisions[0]["requests_remaining"] for _ in range(3)] == [2, 1, 0]
+    assert [shared.admit(raised, 0).decisions[0]["requests_remaining"] for _ in range(2)] == [1, 0]
+    with pytest.raises(RateLimited):  # 1 of 3 was taken before the change: not refilled by it
+        shared.admit(raised, 0)
 
 
 # ------------------------------------------------------- tokens, all or nothing
