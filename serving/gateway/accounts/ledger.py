@@ -402,10 +402,12 @@ class Ledger:
                 if row is not None:
                     out = dict(row)
                     out["trace"] = json.loads(out["trace"]) if out["trace"] else {}
-                    # Earlier requests with the same X-Request-ID: client retries.
+                    # Earlier requests of the same tenant with the same X-Request-ID: client retries
+                    # (another tenant's ids are not this client's, nor its business).
+                    same_tenant = (t.c.tenant.is_(None) if out["tenant"] is None else t.c.tenant == out["tenant"])
                     out["retries"] = conn.execute(
                         sa.select(sa.func.count()).select_from(t).where(
-                            t.c.x_request_id == out["x_request_id"],
+                            t.c.x_request_id == out["x_request_id"], same_tenant,
                             t.c.created_at < out["created_at"])).scalar_one() if out["x_request_id"] else 0
                     return out
         return None

@@ -277,9 +277,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 
 
 async def _overloaded(request: Request, exc: EngineOverloadedError) -> Response:
+    logger.warning("engine overloaded: %s", exc)  # the detail (replica addresses) stays in the log
     return error_response(
         503,
-        f"The engine is overloaded; retry after {RETRY_AFTER_S}s. ({exc})",
+        f"The engine is overloaded; retry after {RETRY_AFTER_S}s.",
         type=SERVER_ERROR,
         code="engine_overloaded",
         headers={"Retry-After": str(RETRY_AFTER_S)},

@@ -124,7 +124,7 @@ class ChoiceStreams:
             await gen.settle("ok")
             self.log_done(gen, None if parts is None else ["".join(p) for p in parts])
         except OpenAIError as e:
-            logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
+            logger.warning("request %s failed mid-stream: %s", gen.id, getattr(e, "detail", e.message))
             await gen.settle_exception(e)
             if isinstance(e, EngineFailure):
                 for k in range(len(gen.outputs)):

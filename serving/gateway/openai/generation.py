@@ -16,27 +16,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import AsyncIterator, Callable, Sequence
 
 import anyio
 
 from serving.contract.engine_client import EngineOverloadedError, EngineRequest, RequestRejectedError
 from serving.gateway.http.errors import SERVER_ERROR, ClientDisconnected, OpenAIError
+from serving.gateway.http.log_context import request_id_var
 from serving.gateway.openai.served_model import ServedModel
 from serving.gateway.schema.response_models import Usage
 from serving.gateway.services.metering import RequestMeter
 from serving.output.output_processor import GenerationError, OutputFilter, TextGeneration
 
+logger = logging.getLogger("xlaserve.gateway")
+
 
 class EngineFailure(OpenAIError):
     """The engine ended a request with an error (HTTP 500, code ``engine_error``).
 
+    The client is told only that, and the request's X-Request-ID to quote: the
+    engine's own words (an exception's text, a replica's address) stay in the log
+    and the request's trace (:attr:`detail`).
+
     Args:
-      message: what went wrong (the engine's message when it gave one).
+      detail: what went wrong (the engine's message when it gave one).
     """
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, status_code=500, type=SERVER_ERROR, code="engine_error")
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"The engine failed while serving this request; quote request id "
+                         f"{request_id_var.get()} when reporting it.", status_code=500, type=SERVER_ERROR,
+                         code="engine_error")
+        self.detail = detail
 
 
 class MeteredGeneration:
@@ -208,6 +219,9 @@ class MeteredGeneration:
         away, else "error" with a description."""
         if isinstance(exc, (ClientDisconnected, asyncio.CancelledError)):
             await self.settle("cancelled")
+        elif isinstance(exc, EngineFailure):
+            logger.error("request %s: the engine failed: %s", self.id, exc.detail)
+            await self.settle("error", exc.detail)
         elif isinstance(exc, OpenAIError):
             await self.settle("error", exc.message)
         elif isinstance(exc, (EngineOverloadedError, RequestRejectedError)):
