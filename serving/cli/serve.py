@@ -72,6 +72,12 @@ def register(sub) -> None:
                        "(default: the model's own name)")
     serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
                        help="serve a non-loopback address even though no API keys exist")
+    serve.add_argument("--limit-concurrency", type=int, default=None,
+                       help="HTTP connections and requests at once; past it new requests get 503 "
+                       "(default 2048)")
+    serve.add_argument("--header-timeout", type=float, default=None,
+                       help="seconds a connection has to send a request's headers, from its start or "
+                       "its last response, before it is closed (default 10)")
     serve.add_argument("--lora-root", default=None, metavar="DIR",
                        help="the folder POST /v1/load_lora_adapter may load adapters from (its "
                        "lora_path must lie under it; default: none, run-time loads are refused)")
@@ -202,6 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port",
                                   "enable_prefix_caching", "allow_unauthenticated", "lora_root",
+                                  "limit_concurrency", "header_timeout",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
                                   "stream_write_timeout", "default_chat_max_tokens",
@@ -272,6 +279,7 @@ def _run_gateway(args, cfg, services, models, loop) -> int:
 
     from serving.gateway.app import GatewayLimits, create_app
     from serving.gateway.batch.batch_runner import BatchSettings
+    from serving.gateway.http.header_timeout import header_timeout_protocol
     from serving.gateway.http.limits import MediaLimits
 
     try:
@@ -288,8 +296,10 @@ def _run_gateway(args, cfg, services, models, loop) -> int:
             log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()
         # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
+        # Slow or idle clients: a deadline on each request's headers, and a bound on connections.
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config())
+                    timeout_graceful_shutdown=cfg.drain_timeout, log_config=_uvicorn_log_config(),
+                    limit_concurrency=cfg.limit_concurrency, http=header_timeout_protocol(cfg.header_timeout))
     finally:
         if loop is not None:
             loop.stop()

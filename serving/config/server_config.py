@@ -45,6 +45,8 @@ class ServerConfig:
     host_kv_cache_gib: float = 0.0
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
+    limit_concurrency: int | None = 2048
+    header_timeout: float = 10.0
     max_request_bytes: int = 4 * 1024 * 1024
     max_file_bytes: int = 100 * 1024 * 1024
     batch_concurrency: int = 8
@@ -123,9 +125,11 @@ class ServerConfig:
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
                             ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1),
                             ("ledger_spool_max_bytes", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
-                            ("max_images_per_request", 1)):
+                            ("max_images_per_request", 1), ("limit_concurrency", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout!r}")
         if self.flex_max_waiting < 0 or self.flex_starvation_preemptions < 0:
             raise ValueError("flex_max_waiting and flex_starvation_preemptions must be >= 0")
         if not 0 <= self.flex_max_kv_usage <= 1 or not self.flex_starvation_seconds > 0:
