@@ -28,7 +28,8 @@ from PIL import Image, UnidentifiedImageError
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.limits import MediaLimits
 
-__all__ = ["MEDIA_TYPES", "MediaLimits", "check_image_count", "decode_image", "load_image"]
+__all__ = ["MEDIA_TYPES", "MediaLimits", "check_image_count", "decode_image", "image_bytes", "image_pixels",
+           "load_image"]
 
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
                "image/gif": "GIF", "image/bmp": "BMP"}
@@ -55,6 +56,16 @@ def decode_image(data: bytes, media_type: str | None, limits: MediaLimits, param
     Raises:
       OpenAIError: 400 naming ``param``.
     """
+    image = _open_checked(data, media_type, limits, param)
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise _refuse(f"The image could not be decoded ({type(e).__name__}: {e}).", param) from None
+    return image
+
+
+def _open_checked(data: bytes, media_type: str | None, limits: MediaLimits, param: str) -> Image.Image:
+    """The image in ``data`` opened (its header read, no pixels), its bytes, type and size checked."""
     if len(data) > limits.max_image_bytes:
         raise _refuse(f"The image is {len(data)} bytes; at most {limits.max_image_bytes} are allowed.",
                       param, "image_too_large")
@@ -72,10 +83,6 @@ def decode_image(data: bytes, media_type: str | None, limits: MediaLimits, param
     if w * h > limits.max_image_pixels:
         raise _refuse(f"The image is {w}x{h} = {w * h} pixels; at most {limits.max_image_pixels} are allowed.",
                       param, "image_too_large")
-    try:
-        image.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise _refuse(f"The image could not be decoded ({type(e).__name__}: {e}).", param) from None
     return image
 
 
@@ -88,7 +95,20 @@ def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     return False
 
 
-async def load_image(url: str, limits: MediaLimits, param: str, client=None) -> Image.Image:
+def image_pixels(data: bytes, media_type: str | None, limits: MediaLimits, param: str) -> int:
+    """Width x height of the image in ``data``, read from its header (no pixels decoded), after
+    the checks of :func:`decode_image` that need no pixels.
+
+    Raises:
+      OpenAIError: 400 naming ``param``.
+    """
+    image = _open_checked(data, media_type, limits, param)
+    w, h = image.size
+    image.close()
+    return w * h
+
+
+async def load_image(url: str, limits: MediaLimits, param: str, client=None, run=None) -> Image.Image:
     """The image an ``image_url`` part names.
 
     Args:
@@ -96,6 +116,22 @@ async def load_image(url: str, limits: MediaLimits, param: str, client=None) -> 
       param: the content part, for error messages (``messages[0].content[1]``).
       client: an ``httpx.AsyncClient`` for remote fetches (tests pass one with a mock
         transport); None: a fresh one per fetch.
+      run: runs a blocking call off the event loop (``await run(fn, *args)``; the gateway's
+        worker threads); None: on the event loop.
+
+    Raises:
+      OpenAIError: 400 naming ``param`` (see the module docstring).
+    """
+    data, media_type = await image_bytes(url, limits, param, client, run)
+    if run is None:
+        return decode_image(data, media_type, limits, param)
+    return await run(decode_image, data, media_type, limits, param)
+
+
+async def image_bytes(url: str, limits: MediaLimits, param: str, client=None, run=None
+                      ) -> tuple[bytes, str | None]:
+    """The encoded bytes and declared media type of an ``image_url`` part (a data URL's
+    payload, base64-decoded through ``run`` when given, or a remote fetch); nothing decoded.
 
     Raises:
       OpenAIError: 400 naming ``param`` (see the module docstring).
@@ -115,10 +151,11 @@ async def load_image(url: str, limits: MediaLimits, param: str, client=None) -> 
         if len(payload) > (limits.max_image_bytes * 4) // 3 + 8:
             raise _refuse(f"The image is over {limits.max_image_bytes} bytes.", param, "image_too_large")
         try:
-            data = base64.b64decode(payload, validate=True)
+            data = (base64.b64decode(payload, validate=True) if run is None
+                    else await run(base64.b64decode, payload, validate=True))
         except (binascii.Error, ValueError):
             raise _refuse("The data URL's payload is not valid base64.", param) from None
-        return decode_image(data, media_type, limits, param)
+        return data, media_type
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise _refuse("An image URL must be a data URL (data:image/...;base64,...) or an http(s) URL.", param,
@@ -127,8 +164,7 @@ async def load_image(url: str, limits: MediaLimits, param: str, client=None) -> 
         raise _refuse(f"Images from {parsed.hostname!r} are not allowed; send the image as a data URL "
                       "(the operator lists the hosts it fetches from with --allowed-media-domains).",
                       param, "image_url_not_allowed")
-    data, media_type = await _fetch(url, limits, param, client)
-    return decode_image(data, media_type, limits, param)
+    return await _fetch(url, limits, param, client)
 
 
 async def _fetch(url: str, limits: MediaLimits, param: str, client) -> tuple[bytes, str | None]:

@@ -15,31 +15,50 @@ image's encoder output (``serving.contract.engine_client.ImageInput``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Awaitable, Callable, Sequence
 
 from serving.contract.engine_client import ImageInput, VisionSpec
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.limits import MediaLimits
-from serving.gateway.media.image_input import load_image
+from serving.gateway.media import image_input
+from serving.gateway.media.image_input import image_bytes
 from serving.gateway.media.image_processing import pixel_digest, preprocess
+from serving.gateway.media.pixel_budget import PixelBudget
 
 __all__ = ["expand_image_placeholders", "load_images", "prompt_images"]
 
 
 async def load_images(parts: Sequence[tuple[str, str]], spec: VisionSpec, limits: MediaLimits,
-                      run: Callable[..., Awaitable], client=None) -> list[tuple[object, str]]:
-    """(pixels [3, S, S] float32, digest) of each ``(param, url)`` image part, in order;
-    decoding and preprocessing run through ``run`` (the gateway's worker threads).
+                      run: Callable[..., Awaitable], client=None, budget: PixelBudget | None = None
+                      ) -> list[tuple[object, str]]:
+    """(pixels [3, S, S] float32, digest) of each ``(param, url)`` image part, in order.
+
+    Nothing but waiting runs on the event loop: base64 decoding, the header check, decoding,
+    preprocessing and the digest run through ``run`` (the gateway's bounded worker threads),
+    and each decode first holds its image's pixels of ``budget`` (None: unbounded).
 
     Raises:
       OpenAIError: 400 naming the part (``serving.gateway.media.image_input``).
     """
     out = []
     for param, url in parts:
-        image = await load_image(url, limits, param, client)
-        pixels = await run(preprocess, image, spec.image_size)
-        out.append((pixels, pixel_digest(pixels)))
+        data, media_type = await image_bytes(url, limits, param, client, run)
+        pixels = await run(image_input.image_pixels, data, media_type, limits, param)
+        async with (budget.hold(pixels) if budget is not None else contextlib.nullcontext()):
+            out.append(await run(_decoded, data, media_type, limits, param, spec.image_size))
     return out
+
+
+def _decoded(data: bytes, media_type: str | None, limits: MediaLimits, param: str, size: int
+             ) -> tuple[object, str]:
+    """(pixels, digest) of one image (blocking: a worker thread's)."""
+    image = image_input.decode_image(data, media_type, limits, param)
+    try:
+        pixels = preprocess(image, size)
+    finally:
+        image.close()
+    return pixels, pixel_digest(pixels)
 
 
 def expand_image_placeholders(ids: Sequence[int], spec: VisionSpec, newline_ids: Sequence[int],

@@ -22,12 +22,15 @@ request is cancelled and it is metered as cancelled ("client not reading").
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from email.message import Message
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+
+import anyio
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -37,6 +40,7 @@ from serving.gateway.accounts.api_keys import ANONYMOUS, Principal
 from serving.gateway.accounts.rate_limit import RateLimited
 from serving.gateway.http.disconnect import until_disconnect
 from serving.gateway.http.errors import (
+    ClientDisconnected,
     OpenAIError,
     context_length_exceeded,
     model_not_allowed,
@@ -48,6 +52,7 @@ from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
 from serving.gateway.media.image_input import check_image_count
 from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
+from serving.gateway.media.pixel_budget import PixelBudget
 from serving.gateway.openai.chat_plan import chat_plan
 from serving.gateway.openai.chat_run import ChatRun
 from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
@@ -146,6 +151,8 @@ class OpenAIServing:
         self.services = services or GatewayServices()
         self.limits = limits or GatewayLimits()
         self.prompts = PromptWorkers(self.limits.max_prompt_chars, self.limits.tokenizer_threads)
+        # Decoded image pixels in flight, all requests together: two of the largest images allowed.
+        self.pixel_budget = PixelBudget(2 * self.limits.media.max_image_pixels)
         self.streams = ChoiceStreams(self.services, self.limits)
 
     def follow_adapters(self) -> None:
@@ -260,11 +267,16 @@ class OpenAIServing:
     async def _start(self, request: Request, principal: Principal, arrival: float,
                      served: ServedModel, id_prefix: str, prompt_ids: list[list[int]], req,
                      max_tokens: int, per_prompt: int, param: str, texts: list[str],
-                     structured_output: StructuredOutput | None = None, images: tuple = (),
+                     structured_output: StructuredOutput | None = None,
+                     images: tuple | Callable[[], Awaitable[tuple]] = (),
                      ) -> tuple[MeteredGeneration, list[Slot]]:
         """Context check (per prompt), the service tier (allow-list, flex shedding),
         rate limits and metering (once, for all completions), input policy, then
         submit every (prompt, choice); returns once the engine has admitted them all.
+
+        ``images``: the chat prompt's ``ImageInput``s, or an async callable making them,
+        awaited only once the request is admitted (its images' soft tokens are in
+        ``prompt_ids`` already); a failure there is metered as the request's error.
 
         Raises:
           OpenAIError: 400 when a prompt plus max_tokens exceeds the context
@@ -286,8 +298,8 @@ class OpenAIServing:
         engine_requests, slots = fan_out(
             response_id, prompt_ids, sampling, per_prompt,
             priority="batch" if req.priority == "batch" else ENGINE_PRIORITY[tier],
-            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt), images=images,
-            lora_name=served.lora_name)
+            cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt),
+            images=() if callable(images) else images, lora_name=served.lora_name)
         rid, _ = request_id_of(request)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         logger.info("request %s (X-Request-ID %s): model=%s prompts=%d choices=%d prompt_tokens=%d "
@@ -308,6 +320,20 @@ class OpenAIServing:
             logger.info("request %s rate limited: %s %s limit", response_id, e.scope, e.limit)
             raise rate_limited(e) from None
         request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
+        if callable(images):
+            try:
+                images = await until_disconnect(request, images())
+            except BaseException as e:
+                with anyio.CancelScope(shield=True):
+                    gone = isinstance(e, (ClientDisconnected, asyncio.CancelledError))
+                    await meter.finish("cancelled" if gone else "error",
+                                       error=None if gone else getattr(e, "message", repr(e)))
+                raise
+            engine_requests, slots = fan_out(
+                response_id, prompt_ids, sampling, per_prompt,
+                priority="batch" if req.priority == "batch" else ENGINE_PRIORITY[tier],
+                cache_salt=self.services.cache_scopes.salt(principal.tenant, req.cache_salt), images=images,
+                lora_name=served.lora_name)
         if images:  # in prompt_tokens already (their soft tokens); counted apart in the trace and ledger
             meter.note("images", count=len(images), soft_tokens=sum(im.num_tokens for im in images))
             meter.images = len(images)
@@ -397,7 +423,6 @@ class OpenAIServing:
                 raise OpenAIError(f"{image_parts[0][0]}: the model {served.name!r} takes no image inputs.",
                                   param=image_parts[0][0], code="images_not_supported")
             check_image_count(len(image_parts), self.limits.media, "messages")
-            loaded = await load_images(image_parts, spec, self.limits.media, self.prompts.run)
         try:
             prompt_ids = await self.prompts.chat(served.tokenizer, [m.to_template(i) for i, m in enumerate(req.messages)],
                                                  tools=plan.template_tools)
@@ -407,7 +432,11 @@ class OpenAIServing:
         if image_parts:
             newline = await self.prompts.run(served.tokenizer.encode, "\n\n")
             prompt_ids, starts = expand_image_placeholders(prompt_ids, spec, newline, len(image_parts))
-            images = prompt_images(starts, loaded, spec)
+
+            async def images():  # decoded once admitted: a rate-limited caller costs no decode
+                loaded = await load_images(image_parts, spec, self.limits.media, self.prompts.run,
+                                           budget=self.pixel_budget)
+                return prompt_images(starts, loaded, spec)
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = served.max_request_tokens - len(prompt_ids)
