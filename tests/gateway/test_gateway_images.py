@@ -190,8 +190,9 @@ async def test_remote_urls_are_fetched_only_from_allowed_hosts_with_a_size_cap()
     png = (IMAGES / "image_a.png").read_bytes()
     seen = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(str(request.url))
+    def handler(request: httpx.Request) -> httpx.Response:  # sees the checked address, the name as Host
+        assert request.url.host == "93.184.215.14"
+        seen.append(f"{request.url.scheme}://{request.headers['host']}{request.url.path}")
         if request.url.path == "/big.png":
             return httpx.Response(200, content=b"x" * 50_000, headers={"content-type": "image/png"})
         if request.url.path == "/moved.png":
@@ -199,16 +200,19 @@ async def test_remote_urls_are_fetched_only_from_allowed_hosts_with_a_size_cap()
         return httpx.Response(200, content=png, headers={"content-type": "image/png"})
 
     limits = MediaLimits(max_image_bytes=20_000, allowed_media_domains=("img.test", "*.cdn.test"))
+    async def resolve(host, port):  # every test host is a public address
+        return ["93.184.215.14"]
+
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        im = await load_image("https://img.test/a.png", limits, "p", client)
+        im = await load_image("https://img.test/a.png", limits, "p", client, resolve=resolve)
         assert im.size == (70, 40)
-        im = await load_image("https://eu.cdn.test/a.png", limits, "p", client)
+        im = await load_image("https://eu.cdn.test/a.png", limits, "p", client, resolve=resolve)
         for url, code in (("https://other.test/a.png", "image_url_not_allowed"),
                           ("https://cdn.test.evil/a.png", "image_url_not_allowed"),
                           ("https://img.test/big.png", "image_too_large"),
                           ("https://img.test/moved.png", "image_fetch_failed")):
             with pytest.raises(OpenAIError) as e:
-                await load_image(url, limits, "messages[0].content[1]", client)
+                await load_image(url, limits, "messages[0].content[1]", client, resolve=resolve)
             assert e.value.code == code and e.value.param == "messages[0].content[1]", url
     assert seen == ["https://img.test/a.png", "https://eu.cdn.test/a.png", "https://img.test/big.png",
                     "https://img.test/moved.png"]  # refused hosts were never asked

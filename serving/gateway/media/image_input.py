@@ -1,13 +1,20 @@
 """An ``image_url`` content part -> a decoded, checked, preprocessed image.
 
 A part's URL is a data URL (``data:image/png;base64,...``) or, when the operator lists its
-host in ``--allowed-media-domains``, an ``http(s)`` URL fetched with a size and a time cap
-(httpx). Every refusal is an :class:`~serving.gateway.http.errors.OpenAIError` (400) whose
+host in ``--allowed-media-domains``, an ``http(s)`` URL fetched with a size cap and a total
+deadline (httpx; ``fetch_timeout_s`` for resolving, connecting and every byte together, so a
+server trickling a byte now and then cannot hold a fetch). The host's name is resolved first
+and every address it resolves to must be public (no loopback, private, link-local, shared,
+reserved or multicast address, IPv4-mapped ones included): an allowed wildcard cannot reach
+an internal host. The fetch then connects to the address that was checked (the URL's name
+still goes as ``Host`` and as the TLS server name, which the certificate must match), so a
+second resolution cannot hand it another one. Every refusal is an :class:`~serving.gateway.http.errors.OpenAIError` (400) whose
 ``param`` names the content part (``messages[0].content[1]``), so nothing but that request
 is affected:
 
 * a URL that is neither a data URL nor an allowed ``http(s)`` URL (``--allowed-media-domains``
-  empty: remote URLs are refused), a remote fetch that fails, times out or exceeds the size;
+  empty: remote URLs are refused), a host resolving to a non-public address
+  (``image_url_not_allowed``), a remote fetch that fails, passes its deadline or exceeds the size;
 * a data URL that is not base64, whose media type is not one of :data:`MEDIA_TYPES`, or
   whose bytes are not an image of that type (Pillow decides);
 * an image of more than ``max_image_bytes`` bytes or ``max_image_pixels`` pixels (checked
@@ -17,11 +24,17 @@ is affected:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
+import ipaddress
 import re
+import socket
 import urllib.parse
+from typing import Awaitable, Callable
+
+import anyio
 
 from PIL import Image, UnidentifiedImageError
 
@@ -108,7 +121,26 @@ def image_pixels(data: bytes, media_type: str | None, limits: MediaLimits, param
     return w * h
 
 
-async def load_image(url: str, limits: MediaLimits, param: str, client=None, run=None) -> Image.Image:
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""``await resolve(host, port)``: the IP addresses `host` resolves to (strings)."""
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to, through the event loop's resolver (a worker thread)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def is_public_address(address: str) -> bool:
+    """Whether ``address`` is a global unicast address (IPv4-mapped IPv6 judged as its IPv4)."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+async def load_image(url: str, limits: MediaLimits, param: str, client=None, run=None,
+                     resolve: Resolver | None = None) -> Image.Image:
     """The image an ``image_url`` part names.
 
     Args:
@@ -118,18 +150,19 @@ async def load_image(url: str, limits: MediaLimits, param: str, client=None, run
         transport); None: a fresh one per fetch.
       run: runs a blocking call off the event loop (``await run(fn, *args)``; the gateway's
         worker threads); None: on the event loop.
+      resolve: the resolver of remote hosts (tests pass their own); None: :func:`resolve_host`.
 
     Raises:
       OpenAIError: 400 naming ``param`` (see the module docstring).
     """
-    data, media_type = await image_bytes(url, limits, param, client, run)
+    data, media_type = await image_bytes(url, limits, param, client, run, resolve)
     if run is None:
         return decode_image(data, media_type, limits, param)
     return await run(decode_image, data, media_type, limits, param)
 
 
-async def image_bytes(url: str, limits: MediaLimits, param: str, client=None, run=None
-                      ) -> tuple[bytes, str | None]:
+async def image_bytes(url: str, limits: MediaLimits, param: str, client=None, run=None,
+                      resolve: Resolver | None = None) -> tuple[bytes, str | None]:
     """The encoded bytes and declared media type of an ``image_url`` part (a data URL's
     payload, base64-decoded through ``run`` when given, or a remote fetch); nothing decoded.
 
@@ -164,18 +197,42 @@ async def image_bytes(url: str, limits: MediaLimits, param: str, client=None, ru
         raise _refuse(f"Images from {parsed.hostname!r} are not allowed; send the image as a data URL "
                       "(the operator lists the hosts it fetches from with --allowed-media-domains).",
                       param, "image_url_not_allowed")
-    return await _fetch(url, limits, param, client)
+    try:
+        with anyio.fail_after(limits.fetch_timeout_s):  # one deadline for all of it
+            return await _fetch(url, parsed, limits, param, client, resolve or resolve_host)
+    except TimeoutError:
+        raise _refuse(f"Fetching the image took over {limits.fetch_timeout_s} s.", param,
+                      "image_fetch_failed") from None
 
 
-async def _fetch(url: str, limits: MediaLimits, param: str, client) -> tuple[bytes, str | None]:
-    """The body (at most ``max_image_bytes``) and media type of a GET of ``url``, without
-    following redirects (a redirect could leave the allowed hosts)."""
+async def _fetch(url: str, parsed: urllib.parse.SplitResult, limits: MediaLimits, param: str, client,
+                 resolve: Resolver) -> tuple[bytes, str | None]:
+    """The body (at most ``max_image_bytes``) and media type of a GET of ``url``, from a
+    public address its host resolves to, without following redirects (a redirect could leave
+    the allowed hosts)."""
     import httpx
 
+    host = parsed.hostname
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        addresses = await resolve(host, port)
+    except OSError as e:
+        raise _refuse(f"The image's host could not be resolved ({type(e).__name__}).", param,
+                      "image_fetch_failed") from None
+    if not addresses:
+        raise _refuse("The image's host resolves to no address.", param, "image_fetch_failed")
+    if not all(is_public_address(a) for a in addresses):
+        raise _refuse(f"The image's host {host!r} resolves to a non-public address; images are fetched "
+                      "only from public ones.", param, "image_url_not_allowed")
+    address = addresses[0]
+    netloc = (f"[{address}]" if ":" in address else address) + (f":{parsed.port}" if parsed.port else "")
+    pinned = urllib.parse.urlunsplit((parsed.scheme, netloc, parsed.path or "/", parsed.query, ""))
+    host_header = host + (f":{parsed.port}" if parsed.port else "")
     own = client is None
     client = client or httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False)
     try:
-        async with client.stream("GET", url, timeout=limits.fetch_timeout_s) as resp:
+        async with client.stream("GET", pinned, headers={"Host": host_header}, timeout=limits.fetch_timeout_s,
+                                 extensions={"sni_hostname": host}) as resp:
             if resp.status_code != 200:
                 raise _refuse(f"Fetching the image gave HTTP {resp.status_code}.", param, "image_fetch_failed")
             body = bytearray()
