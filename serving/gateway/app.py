@@ -238,7 +238,7 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
 
     async def principal(request: Request) -> Principal:
         p = await services.authenticator.authenticate(request.headers.get("authorization"))
-        headers = services.metering.limiter.headers(p)
+        headers = await services.metering.headers(p)
         if headers:
             request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = headers
         return p

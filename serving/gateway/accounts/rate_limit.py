@@ -147,7 +147,12 @@ class Admission:
 
 class Limiter(Protocol):
     """What metering asks of rate limits: :class:`RateLimiter` (per process) or
-    :class:`~serving.gateway.accounts.redis_rate_limit.RedisRateLimiter` (shared through Redis)."""
+    :class:`~serving.gateway.accounts.redis_rate_limit.RedisRateLimiter` (shared through Redis).
+
+    ``blocking``: its calls wait on the network (Redis), so the gateway makes them in a worker
+    thread, never on the event loop."""
+
+    blocking: bool
 
     def admit(self, principal: Principal, tokens: int) -> Admission: ...
 
@@ -164,6 +169,8 @@ class RateLimiter:
     Args:
       clock: seconds, monotonic (injectable for tests).
     """
+
+    blocking = False  # memory and a lock: cheap enough for the event loop
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock

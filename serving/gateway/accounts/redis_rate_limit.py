@@ -59,8 +59,11 @@ a slot; the client here talks to one Redis server)::
     xlaserve:rl:{TENANT}:key:KEY_ID:requests | :tokens | :leases
     xlaserve:rl:{TENANT}:tenant:requests     | :tokens | :leases
 
-The client is redis-py's synchronous one (``Metering.admit`` is synchronous;
-a decision is one round trip, well under a millisecond on loopback), with
+The client is redis-py's synchronous one, called from worker threads, never on
+the event loop (:attr:`RedisRateLimiter.blocking`: ``Metering.admit_async``, the
+settlement at a request's end and the headers of the gateway's auth dependency
+hop to a thread, so a Redis that hangs for its timeout stalls only the request
+that asked; a decision is one round trip, well under a millisecond on loopback), with
 :data:`SOCKET_TIMEOUT_S` on connecting and on every reply and no retries
 (a script whose reply was lost may have run: retrying could take twice).
 """
@@ -278,6 +281,8 @@ class RedisRateLimiter:
     Raises:
       ValueError: `url` is not a Redis URL, or `lease_ttl_s` is not positive.
     """
+
+    blocking = True  # every decision is a round trip (up to socket_timeout_s): called from worker threads
 
     def __init__(self, url: str, *, prefix: str = KEY_PREFIX, lease_ttl_s: float = LEASE_TTL_S,
                  socket_timeout_s: float = SOCKET_TIMEOUT_S, redis_retry_s: float = REDIS_RETRY_S,

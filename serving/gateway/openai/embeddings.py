@@ -147,8 +147,8 @@ class EmbeddingServing:
                     response_id, rid, served.name, len(inputs), prompt_tokens)
         services = self.serving.services
         try:
-            meter = services.metering.admit(principal, response_id, rid, served.name, priority, False, arrival,
-                                            prompt_tokens, 0)
+            meter = await services.metering.admit_async(principal, response_id, rid, served.name, priority,
+                                                        False, arrival, prompt_tokens, 0)
         except RateLimited as e:
             logger.info("request %s rate limited: %s %s limit", response_id, e.scope, e.limit)
             raise rate_limited(e) from None

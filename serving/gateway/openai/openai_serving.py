@@ -313,7 +313,7 @@ class OpenAIServing:
                                         arrival, prompt_tokens, max_tokens * len(engine_requests), tier, overload)
             raise flex_shed(overload, flex.retry_after_s)
         try:
-            meter = self.services.metering.admit(
+            meter = await self.services.metering.admit_async(
                 principal, response_id, rid, served.name, req.priority, bool(req.stream), arrival,
                 prompt_tokens, max_tokens * len(engine_requests), service_tier=tier)
         except RateLimited as e:

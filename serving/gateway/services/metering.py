@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable
+
+import anyio
 
 from serving.contract.engine_client import ReplicaRetry, TokenEvent
 from serving.gateway.accounts.api_keys import Principal
@@ -212,6 +215,23 @@ class Metering:
                 "requested_prompt_tokens": prompt_tokens, "requested_max_tokens": max_tokens}})
         return meter
 
+    async def admit_async(self, principal: Principal, request_id: str, x_request_id: str, model: str,
+                          priority: str, stream: bool, arrival: float, prompt_tokens: int,
+                          max_tokens: int, service_tier: str | None = None) -> RequestMeter:
+        """:meth:`admit`, in a worker thread when the limiter waits on the network (Redis), so
+        the event loop never does; same arguments, result and errors."""
+        call = functools.partial(self.admit, principal, request_id, x_request_id, model, priority, stream,
+                                 arrival, prompt_tokens, max_tokens, service_tier=service_tier)
+        if getattr(self.limiter, "blocking", False):
+            return await anyio.to_thread.run_sync(call)
+        return call()
+
+    async def headers(self, principal: Principal) -> dict[str, str]:
+        """The limiter's ``x-ratelimit-*`` headers of `principal`, off the event loop when it blocks."""
+        if getattr(self.limiter, "blocking", False):
+            return await anyio.to_thread.run_sync(self.limiter.headers, principal)
+        return self.limiter.headers(principal)
+
     def shed(self, principal: Principal, request_id: str, x_request_id: str, model: str,
              priority: str, stream: bool, arrival: float, prompt_tokens: int, max_tokens: int,
              service_tier: str, reason: str) -> None:
@@ -238,7 +258,10 @@ class Metering:
         cached_tokens = m.cached_tokens if prompt_tokens else 0
         used = prompt_tokens + completion_tokens
         if m.admission is not None:
-            m.admission.settle(used)
+            if getattr(self.limiter, "blocking", False):
+                await anyio.to_thread.run_sync(m.admission.settle, used)
+            else:
+                m.admission.settle(used)
         images = m.images if prompt_tokens else 0
         cost = self.prices.cost(m.model, prompt_tokens, cached_tokens, completion_tokens, m.priority,
                                 m.service_tier, images=images)
