@@ -51,6 +51,8 @@ their table first shipped), so a database file from an older version keeps worki
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable
 
 import sqlalchemy as sa
 
@@ -225,6 +227,26 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.execute("PRAGMA synchronous=NORMAL")  # durable across a process crash in WAL mode
     cur.execute("PRAGMA busy_timeout=10000")  # the CLI and the server share the file
     cur.close()
+
+
+def database_time(conn: sa.Connection) -> float:
+    """Unix seconds now by the database server's clock (PostgreSQL's ``clock_timestamp()``,
+    SQLite's ``julianday('now')``, which is this machine's; another dialect: this machine's),
+    so gateways on machines whose clocks disagree agree on leases and expiries."""
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        return float(conn.execute(sa.text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")).scalar_one())
+    if dialect == "sqlite":
+        return float(conn.execute(sa.text("SELECT (julianday('now') - 2440587.5) * 86400.0")).scalar_one())
+    return time.time()
+
+
+def database_clock(engine: sa.Engine) -> Callable[[], float]:
+    """A clock reading :func:`database_time` (one round trip a call: call it from a worker thread)."""
+    def now() -> float:
+        with engine.connect() as conn:
+            return database_time(conn)
+    return now
 
 
 def is_unreachable(error: BaseException) -> bool:

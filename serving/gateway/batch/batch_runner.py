@@ -46,7 +46,6 @@ import json
 import logging
 import os
 import socket
-import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -56,6 +55,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from serving.gateway.accounts.api_keys import ANONYMOUS, Principal
+from serving.gateway.accounts.database import database_clock
 from serving.gateway.batch.batches import BatchStore, install_batch_routes
 from serving.gateway.batch.files import FileStore, install_file_routes
 from serving.gateway.http.errors import SERVER_ERROR, OpenAIError, error_response
@@ -82,8 +82,9 @@ class BatchSettings:
       lease_seconds: how long a batch's lease lasts unrenewed (renewed every third of it).
       poll_seconds: how often the database is polled for batches (None: a sixth
         of the lease, at most 5 s).
-      clock: Unix seconds now, for every batch timestamp, the lease and the
-        24 h window (tests pass a fake one to expire a batch without waiting).
+      clock: Unix seconds now, for every batch timestamp and the 24 h window (None: the
+        database's clock, so gateways whose clocks disagree agree; tests pass a fake one to
+        expire a batch without waiting). Leases always go by the database's clock.
 
     Raises:
       ValueError: a value that is not positive.
@@ -92,7 +93,7 @@ class BatchSettings:
     concurrency: int = DEFAULT_BATCH_CONCURRENCY
     lease_seconds: float = DEFAULT_BATCH_LEASE_S
     poll_seconds: float | None = None
-    clock: Callable[[], float] = time.time
+    clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "lease_seconds", "poll_seconds"):
@@ -241,7 +242,7 @@ class BatchRunner:
                 return
             if row["status"] == "cancelling":
                 job.halt("cancelled")
-            elif row["status"] == "in_progress" and self.store.clock() >= row["expires_at"]:
+            elif row["status"] == "in_progress" and await self._db(self.store.clock) >= row["expires_at"]:
                 job.halt("expired")
             elif await self._db(self.principal_of, row["key_id"]) is None:
                 job.halt("revoked")
@@ -251,7 +252,7 @@ class BatchRunner:
         while job.reason not in ("lost", "shutdown"):
             row = await self._db(store.get, bid)
             status = row["status"]
-            if status in ("validating", "in_progress") and store.clock() >= row["expires_at"]:
+            if status in ("validating", "in_progress") and await self._db(store.clock) >= row["expires_at"]:
                 await self._db(store.recover_lines, bid)
                 await self._db(store.expire_lines, bid)
                 await self._db(store.finish, bid, owner, "expired", from_status=status)
@@ -416,8 +417,9 @@ def install_batch_api(app: FastAPI, services, endpoints: Mapping[str, Handler], 
     runner = None
     file_store = batch_store = None
     if services.ledger is not None:
-        file_store = FileStore(services.ledger.engine, settings.clock)
-        batch_store = BatchStore(services.ledger.engine, file_store, settings.clock)
+        clock = settings.clock or database_clock(services.ledger.engine)
+        file_store = FileStore(services.ledger.engine, clock)
+        batch_store = BatchStore(services.ledger.engine, file_store, clock)
         key_store = services.authenticator.key_store
 
         def principal_of(key_id: str | None) -> Principal | None:

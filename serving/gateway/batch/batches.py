@@ -35,7 +35,6 @@ batch's state is conditional on that lease.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, Callable, Literal, Mapping
 
@@ -46,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.responses import JSONResponse, Response
 
 from serving.gateway.accounts.api_keys import Principal
-from serving.gateway.accounts.database import batch_lines, batches, cursor_page
+from serving.gateway.accounts.database import batch_lines, batches, cursor_page, database_clock, database_time
 from serving.gateway.accounts.database import requests as requests_table
 from serving.gateway.batch.files import FileStore, file_not_found, list_page
 from serving.gateway.http.errors import OpenAIError
@@ -239,19 +238,21 @@ def parse_batch_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, di
 
 class BatchStore:
     """Batches and their lines in the gateway database. Every method blocks on it
-    (call from a worker thread). Times come from `clock` (Unix seconds), which
-    tests replace to move past the completion window without waiting.
+    (call from a worker thread). Leases are stamped and compared by the database's
+    clock (``database_time``); other times (timestamps, the completion window) come
+    from `clock` (Unix seconds), which tests replace to move past the completion
+    window without waiting.
 
     Args:
       engine: a SQLAlchemy engine (tables created; see ``database.py``).
       files: where input files are read and output files written.
-      clock: Unix seconds now.
+      clock: Unix seconds now (None: the database's clock, ``database_clock``).
     """
 
-    def __init__(self, engine: sa.Engine, files: FileStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: sa.Engine, files: FileStore, clock: Callable[[], float] | None = None) -> None:
         self.engine = engine
         self.files = files
-        self.clock = clock
+        self.clock = clock or database_clock(engine)
 
     # -- the API's side ------------------------------------------------------
 
@@ -309,9 +310,10 @@ class BatchStore:
     # -- the runner's side: the lease ------------------------------------------
 
     def claimable(self, limit: int = 16) -> list[str]:
-        """Ids of batches with work to do whose lease is free or expired, oldest first."""
-        now = self.clock()
+        """Ids of batches with work to do whose lease is free or expired (by the database's
+        clock, as every lease decision), oldest first."""
         with self.engine.connect() as conn:
+            now = database_time(conn)
             return list(conn.execute(
                 sa.select(batches.c.batch_id)
                 .where(batches.c.status.in_(ACTIVE),
@@ -320,9 +322,11 @@ class BatchStore:
 
     def claim(self, batch_id: str, owner: str, lease_s: float) -> bool:
         """Takes the lease of `batch_id` for `lease_s` seconds if it is free or expired
-        (one conditional UPDATE: of several gateways racing, one wins)."""
-        now = self.clock()
+        (one conditional UPDATE: of several gateways racing, one wins). Expired by the
+        database's clock, never this machine's: a gateway whose clock runs ahead cannot take
+        a live lease."""
         with self.engine.begin() as conn:
+            now = database_time(conn)
             res = conn.execute(batches.update().where(
                 batches.c.batch_id == batch_id, batches.c.status.in_(ACTIVE),
                 sa.or_(batches.c.lease_owner.is_(None), batches.c.lease_expires_at < now))
@@ -334,7 +338,7 @@ class BatchStore:
         with self.engine.begin() as conn:
             res = conn.execute(batches.update().where(batches.c.batch_id == batch_id,
                                                       batches.c.lease_owner == owner)
-                               .values(lease_expires_at=self.clock() + lease_s))
+                               .values(lease_expires_at=database_time(conn) + lease_s))
             if res.rowcount != 1:
                 return None
             return dict(conn.execute(sa.select(batches).where(batches.c.batch_id == batch_id))
