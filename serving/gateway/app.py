@@ -13,6 +13,8 @@ Routes:
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
   POST /v1/responses (JSON or typed SSE events), GET /v1/responses/{id},
     DELETE /v1/responses/{id} (OpenAI's Responses API over chat: ``responses_api.py``),
+  POST /v1/messages (JSON or typed SSE events), POST /v1/messages/count_tokens (Anthropic's
+    Messages API over chat, with Anthropic's error shape: ``serving/gateway/anthropic/``),
   POST /v1/files (multipart upload, purpose "batch", held to
     ``limits.max_file_bytes``), GET /v1/files, GET /v1/files/{id},
     GET /v1/files/{id}/content, DELETE /v1/files/{id} (``files.py``),
@@ -26,8 +28,8 @@ Routes:
   GET /openapi.json (request and response schemas of every route, errors
   included; see ``openapi.py``).
 
-``/v1`` and tokenizer routes need ``Authorization: Bearer KEY`` once keys exist (see
-``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
+``/v1`` and tokenizer routes need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) once
+keys exist (see ``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
 it sent one: visible ASCII, at most 256 characters; otherwise a fresh id),
 which is also in every log line of the request, and, for callers with rate
 limits, OpenAI's ``x-ratelimit-*`` headers. A request body over
@@ -53,6 +55,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.accounts.ledger import GROUP_BY
+from serving.gateway.anthropic.anthropic_errors import AnthropicErrorMiddleware, anthropic_error_responses
+from serving.gateway.anthropic.messages_api import install_messages_api
+from serving.gateway.anthropic.messages_events import MessageStreamEvent
+from serving.gateway.anthropic.messages_protocol import CountTokensRequest, MessagesRequest
 from serving.gateway.batch.batch_runner import BatchSettings, install_batch_api
 from serving.gateway.batch.batches import CreateBatchRequest
 from serving.gateway.batch.files import FILES_PATH, upload_body_limit
@@ -222,7 +228,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     # Inside the request-id middleware, so a 413 carries X-Request-ID too.
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_bytes, path_limits={
         FILES_PATH: (upload_body_limit(limits.max_file_bytes), "max_file_bytes plus the form's framing")})
-    app.add_middleware(RequestIdMiddleware)  # outermost: also tags 500s
+    app.add_middleware(RequestIdMiddleware)  # also tags 500s
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: Anthropic's error shape on /v1/messages
     app.state.serving = serving
     app.state.services = services
     metrics = services.metering.metrics
@@ -233,7 +240,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
             metrics.add_engine_collector(m.engine.collector(name))
 
     async def principal(request: Request) -> Principal:
-        p = await services.authenticator.authenticate(request.headers.get("authorization"))
+        p = await services.authenticator.authenticate(request.headers.get("authorization"),
+                                                      request.headers.get("x-api-key"))
         headers = services.metering.limiter.headers(p)
         if headers:
             request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = headers
@@ -262,6 +270,7 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
 
     response_store = ResponseStore(services.ledger.engine) if services.ledger is not None else None
     responses = install_responses_api(app, serving, response_store, principal, generation_errors)
+    install_messages_api(app, serving, principal, anthropic_error_responses(400, 401, 403, 404, 413, 415, 429, 503, 529))
 
     # The endpoints a batch line may name, and their handlers.
     batch_endpoints = {"/v1/completions": serving.create_completion,
@@ -273,8 +282,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     install_lora_routes(app, serving, principal)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
                           DetokenizeRequest, CreateBatchRequest, EmbeddingRequest, LoadLoraRequest,
-                          UnloadLoraRequest],
-                    stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent])
+                          UnloadLoraRequest, MessagesRequest, CountTokensRequest],
+                    stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent])
 
     def card(name: str) -> ModelCard:
         m = serving.models[name]

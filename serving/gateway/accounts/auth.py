@@ -1,7 +1,8 @@
 """Bearer-token authentication of ``/v1`` routes.
 
 * Keys configured (any key in the database, revoked ones included): ``Authorization: Bearer
-  KEY`` is required; a missing or unknown key is 401 ``invalid_api_key``, a
+  KEY`` is required (or, Anthropic's form, ``x-api-key: KEY``; Authorization wins when both
+  are sent); a missing or unknown key is 401 ``invalid_api_key``, a
   revoked key 403 ``api_key_revoked``.
 * No keys configured: the server runs open and every caller is the
   ``anonymous`` tenant (whatever Authorization header it sends, so clients
@@ -80,17 +81,20 @@ class Authenticator:
             self._known.pop(digest, None)
         return status, principal
 
-    async def authenticate(self, authorization: str | None) -> Principal:
-        """The caller for an ``Authorization`` header value (or None).
+    async def authenticate(self, authorization: str | None, api_key: str | None = None) -> Principal:
+        """The caller for an ``Authorization`` header value (or None), or else an
+        ``x-api-key`` header value (`api_key`: the key itself, Anthropic's header).
 
         Raises:
           OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key).
         """
         if self.key_store is None or not await self._keys_configured():
             return ANONYMOUS
+        if not authorization and api_key and api_key.strip():
+            authorization = f"Bearer {api_key.strip()}"
         if not authorization:
             raise unauthorized("You didn't provide an API key. Send it in an Authorization header "
-                               "as 'Authorization: Bearer YOUR_KEY'.")
+                               "as 'Authorization: Bearer YOUR_KEY' (or as 'x-api-key: YOUR_KEY').")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:

@@ -48,7 +48,7 @@ from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
 from serving.gateway.media.image_input import check_image_count
 from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
-from serving.gateway.openai.chat_plan import chat_plan
+from serving.gateway.openai.chat_plan import ChatPlan, chat_plan
 from serving.gateway.openai.chat_run import ChatRun
 from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
 from serving.gateway.openai.choice_stream import ChoiceStreams
@@ -388,6 +388,37 @@ class OpenAIServing:
           that leave no room for a completion when ``max_tokens`` is not given.
         """
         served = self.generative(self.model(req.model, principal))
+        plan, prompt_ids, images = await self.chat_prompt(req, served)
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = served.max_request_tokens - len(prompt_ids)
+            if max_tokens < 1:
+                raise no_room_for_completion(served.max_model_len, served.kv_capacity_tokens,
+                                             len(prompt_ids))
+            if served.default_chat_max_tokens is not None:
+                max_tokens = min(max_tokens, served.default_chat_max_tokens)
+        texts = [m.content for m in req.messages if isinstance(m.content, str)]
+        plan.bind_prompt(prompt_ids)
+        gen, _ = await self._start(request, principal, arrival, served, id_prefix, [prompt_ids],
+                                   req, max_tokens, req.n, "messages", texts,
+                                   structured_output=plan.structured_output, images=images)
+        texts_of = token_texts(served.tokenizer)
+        renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
+                                        as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
+                     for o in gen.outputs]
+        return ChatRun(self.streams, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
+
+    async def chat_prompt(self, req: ChatCompletionRequest, served: ServedModel,
+                          ) -> tuple[ChatPlan, list[int], tuple]:
+        """The plan (tools, constraint, parsers), the prompt's token ids and its images
+        (``EngineRequest.images``) of a chat request on `served`: what
+        :meth:`start_chat` submits, and what ``/v1/messages/count_tokens`` counts.
+
+        Raises:
+          OpenAIError: 400 for messages the chat template rejects, images on a model
+            that takes none or that fail to load, too many images or characters,
+            and ``tool_choice`` "auto" on a model without a tool-call parser.
+        """
         plan = chat_plan(req, served)
         image_parts = [(f"messages[{i}].content[{k}]", url)
                        for i, m in enumerate(req.messages) for k, url in m.image_urls]
@@ -408,21 +439,4 @@ class OpenAIServing:
             newline = await self.prompts.run(served.tokenizer.encode, "\n\n")
             prompt_ids, starts = expand_image_placeholders(prompt_ids, spec, newline, len(image_parts))
             images = prompt_images(starts, loaded, spec)
-        max_tokens = req.requested_max_tokens
-        if max_tokens is None:
-            max_tokens = served.max_request_tokens - len(prompt_ids)
-            if max_tokens < 1:
-                raise no_room_for_completion(served.max_model_len, served.kv_capacity_tokens,
-                                             len(prompt_ids))
-            if served.default_chat_max_tokens is not None:
-                max_tokens = min(max_tokens, served.default_chat_max_tokens)
-        texts = [m.content for m in req.messages if isinstance(m.content, str)]
-        plan.bind_prompt(prompt_ids)
-        gen, _ = await self._start(request, principal, arrival, served, id_prefix, [prompt_ids],
-                                   req, max_tokens, req.n, "messages", texts,
-                                   structured_output=plan.structured_output, images=images)
-        texts_of = token_texts(served.tokenizer)
-        renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
-                                        as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
-                     for o in gen.outputs]
-        return ChatRun(self.streams, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
+        return plan, prompt_ids, images
