@@ -54,6 +54,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.accounts.api_keys import Principal
+from serving.gateway.accounts.auth import credentials
 from serving.gateway.accounts.ledger import GROUP_BY
 from serving.gateway.anthropic.anthropic_errors import AnthropicErrorMiddleware, anthropic_error_responses
 from serving.gateway.anthropic.messages_api import install_messages_api
@@ -240,8 +241,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
             metrics.add_engine_collector(m.engine.collector(name))
 
     async def principal(request: Request) -> Principal:
-        p = await services.authenticator.authenticate(request.headers.get("authorization"),
-                                                      request.headers.get("x-api-key"))
+        p = await services.authenticator.authenticate(credentials(request.headers.get("authorization"),
+                                                                  request.headers.get("x-api-key")))
         headers = services.metering.limiter.headers(p)
         if headers:
             request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = headers

@@ -39,6 +39,14 @@ def unauthorized(message: str) -> OpenAIError:
                        headers={"WWW-Authenticate": "Bearer"})
 
 
+def credentials(authorization: str | None, api_key: str | None) -> str | None:
+    """The ``Authorization`` value to authenticate: the header, or else ``Bearer <x-api-key>``
+    (Anthropic's header), or None when neither was sent."""
+    if authorization:
+        return authorization
+    return f"Bearer {api_key.strip()}" if api_key and api_key.strip() else None
+
+
 class Authenticator:
     """Resolves a request's Authorization header to a :class:`Principal`.
 
@@ -81,17 +89,15 @@ class Authenticator:
             self._known.pop(digest, None)
         return status, principal
 
-    async def authenticate(self, authorization: str | None, api_key: str | None = None) -> Principal:
-        """The caller for an ``Authorization`` header value (or None), or else an
-        ``x-api-key`` header value (`api_key`: the key itself, Anthropic's header).
+    async def authenticate(self, authorization: str | None) -> Principal:
+        """The caller for an ``Authorization`` header value (or None; see :func:`credentials`
+        for ``x-api-key``).
 
         Raises:
           OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key).
         """
         if self.key_store is None or not await self._keys_configured():
             return ANONYMOUS
-        if not authorization and api_key and api_key.strip():
-            authorization = f"Bearer {api_key.strip()}"
         if not authorization:
             raise unauthorized("You didn't provide an API key. Send it in an Authorization header "
                                "as 'Authorization: Bearer YOUR_KEY' (or as 'x-api-key: YOUR_KEY').")
