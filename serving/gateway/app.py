@@ -13,6 +13,8 @@ Routes:
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
   POST /v1/responses (JSON or typed SSE events), GET /v1/responses/{id},
     DELETE /v1/responses/{id} (OpenAI's Responses API over chat: ``responses_api.py``),
+  POST /v1/rerank (also /rerank, /v2/rerank), POST /v1/score (also /score): a ``--task rerank``
+    model's scores (``serving/gateway/rerank/``),
   POST /v1/messages (JSON or typed SSE events), POST /v1/messages/count_tokens (Anthropic's
     Messages API over chat, with Anthropic's error shape: ``serving/gateway/anthropic/``),
   POST /v1/files (multipart upload, purpose "batch", held to
@@ -60,6 +62,8 @@ from serving.gateway.anthropic.anthropic_errors import AnthropicErrorMiddleware,
 from serving.gateway.anthropic.messages_api import install_messages_api
 from serving.gateway.anthropic.messages_events import MessageStreamEvent
 from serving.gateway.anthropic.messages_protocol import CountTokensRequest, MessagesRequest
+from serving.gateway.rerank.rerank_api import RERANK_PATHS, SCORE_PATHS, install_rerank_api
+from serving.gateway.rerank.rerank_protocol import RerankRequest, ScoreRequest
 from serving.gateway.batch.batch_runner import BatchSettings, install_batch_api
 from serving.gateway.batch.batches import CreateBatchRequest
 from serving.gateway.batch.files import FILES_PATH, upload_body_limit
@@ -272,18 +276,20 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     response_store = ResponseStore(services.ledger.engine) if services.ledger is not None else None
     responses = install_responses_api(app, serving, response_store, principal, generation_errors)
     install_messages_api(app, serving, principal, anthropic_error_responses(400, 401, 403, 404, 413, 415, 429, 503, 529))
+    rerank = install_rerank_api(app, serving, principal, generation_errors)
 
     # The endpoints a batch line may name, and their handlers.
     batch_endpoints = {"/v1/completions": serving.create_completion,
                        "/v1/chat/completions": serving.create_chat_completion,
                        RESPONSES_PATH: responses.create,
-                       EMBEDDINGS_PATH: embeddings.create_embedding}
+                       EMBEDDINGS_PATH: embeddings.create_embedding,
+                       RERANK_PATHS[0]: rerank.rerank, SCORE_PATHS[0]: rerank.score}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
     install_lora_routes(app, serving, principal)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
                           DetokenizeRequest, CreateBatchRequest, EmbeddingRequest, LoadLoraRequest,
-                          UnloadLoraRequest, MessagesRequest, CountTokensRequest],
+                          UnloadLoraRequest, MessagesRequest, CountTokensRequest, RerankRequest, ScoreRequest],
                     stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent])
 
     def card(name: str) -> ModelCard:

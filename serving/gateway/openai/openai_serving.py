@@ -184,10 +184,11 @@ class OpenAIServing:
         """`served`, if it generates text.
 
         Raises:
-          OpenAIError: 400 ``model_not_supported`` for an embedding model.
+          OpenAIError: 400 ``model_not_supported`` for an embedding or rerank model.
         """
         if served.task != "generate":
-            raise OpenAIError(f"The model `{served.name}` is an embedding model: it serves POST /v1/embeddings "
+            routes = "POST /v1/embeddings" if served.task == "embed" else "POST /v1/rerank and /v1/score"
+            raise OpenAIError(f"The model `{served.name}` is an {served.task} model: it serves {routes} "
                               f"only, not completions, chat or responses.", param="model",
                               code="model_not_supported")
         return served

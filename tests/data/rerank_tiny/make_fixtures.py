@@ -117,6 +117,7 @@ def build_cross(case: str, model: torch.nn.Module, tok: Tokenizer, tok_config: d
     one = [float(ce.predict([p], convert_to_numpy=True)[0]) for p in PAIRS]
     assert max(abs(a - b) for a, b in zip(scores.tolist(), one)) < 1e-5, "padding changed the scores"
     enc = [ce.tokenizer(a, b) for a, b in PAIRS]
+    assert case != "bert_cross" or all(1 in e["token_type_ids"] for e in enc), "no token types reach BERT"
     ids = [e["input_ids"] for e in enc]
     type_starts = [(e["token_type_ids"].index(1) if 1 in e.get("token_type_ids", []) else len(e["input_ids"]))
                    for e in enc]
@@ -177,7 +178,8 @@ def main() -> None:
                                    num_labels=1, pad_token_id=0)
     build_cross("bert_cross", transformers.BertForSequenceClassification(bcfg), bert_tok,
                 {"tokenizer_class": "PreTrainedTokenizerFast", "cls_token": "[CLS]", "sep_token": "[SEP]",
-                 "pad_token": "[PAD]", "unk_token": "[UNK]", "model_max_length": 64}, seed=3)
+                 "pad_token": "[PAD]", "unk_token": "[UNK]", "model_max_length": 64,
+                 "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}, seed=3)
 
     xlmr_specials = ["<s>", "<pad>", "</s>", "<unk>"]
     xlmr_tok = word_level(xlmr_specials, "<unk>", processors.TemplateProcessing(
