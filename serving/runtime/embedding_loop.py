@@ -214,8 +214,12 @@ class EmbeddingLoop:
         for req in in_step.values():
             req.steps += 1
         try:
-            starts = [len(r.inputs[i]) if r.type_starts is None else r.type_starts[i] for r, i in rows]
-            out = self.engine.embed([r.inputs[i] for r, i in rows], type_starts=starts)
+            batch = [r.inputs[i] for r, i in rows]
+            if any(r.type_starts is not None for r, _ in rows):  # a cross-encoder's pairs
+                starts = [len(r.inputs[i]) if r.type_starts is None else r.type_starts[i] for r, i in rows]
+                out = self.engine.embed(batch, type_starts=starts)
+            else:
+                out = self.engine.embed(batch)
         except Exception as e:
             log.exception("embedding step of %d inputs failed", len(rows))
             for req in {id(r): r for r, _ in rows}.values():
