@@ -186,9 +186,11 @@ class BPETokenizer:
         tc_eos = token_id("eos_token")
         if tc_eos is not None:
             eos_ids.append(tc_eos)
+        if not eos_ids and "sep_token" in tc:  # an encoder's (BERT's): it ends an input, generates nothing
+            eos_ids.append(token_id("sep_token"))
         if not eos_ids:
             raise ValueError(f"{tokenizer_json.parent}: neither generation_config.json eos_token_id nor "
-                             f"tokenizer_config.json eos_token names an EOS token")
+                             f"tokenizer_config.json eos_token (nor sep_token) names an EOS token")
         if isinstance(tc.get("add_bos_token"), bool):
             add_bos = tc["add_bos_token"]
         else:
@@ -337,6 +339,24 @@ class BPETokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode_input expects str, got {type(text).__name__}")
         return list(self._text.encode(text, add_special_tokens=True).ids)
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """Encode two texts as one input, framed by ``tokenizer.json``'s post-processor as a
+        cross-encoder sees a (query, document) pair (BERT: ``[CLS] a [SEP] b [SEP]``; RoBERTa:
+        ``<s> a </s></s> b </s>``); special-token spellings stay plain text.
+
+        Returns:
+          (token ids, the position of the first token of type 1: ``len(ids)`` when the
+          post-processor gives every token type 0).
+
+        Raises:
+          TypeError: either text is not a ``str``.
+        """
+        if not isinstance(first, str) or not isinstance(second, str):
+            raise TypeError("encode_pair expects two str")
+        enc = self._text.encode(first, second, add_special_tokens=True)
+        types = enc.type_ids
+        return list(enc.ids), next((i for i, t in enumerate(types) if t), len(types))
 
     def encode_markup(self, text: str) -> list[int]:
         """Encode a chat template's own markup: special-token spellings become their ids.

@@ -101,6 +101,39 @@ def build_embedding_engine(cfg, warmup: bool = True):
     return loop, tokenizer, name, head
 
 
+def build_rerank_engine(cfg, warmup: bool = True):
+    """Loads a reranker (``--task rerank``: a cross-encoder, or a decoder scored by label tokens)
+    onto the embedding engine and starts its loop. Returns (EmbeddingLoop, ``RerankModel``).
+
+    Raises:
+      ValueError: a mesh or checkpoint setting (rerankers run on one device), a bad
+        ``--rerank-template``, or what ``load_rerank_model`` raises.
+    """
+    from model.rerank_prompt import RerankTemplate
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.engine.embedding_engine import EmbeddingEngine
+    from serving.loading.rerank_model import load_rerank_model
+    from serving.runtime.embedding_loop import EmbeddingLoop
+
+    if cfg.mesh or cfg.checkpoint or cfg.num_processes:
+        raise ValueError("--task rerank serves a --model on one device (no --mesh, --checkpoint or multi-process "
+                         "settings)")
+    template = RerankTemplate.from_file(cfg.rerank_template) if cfg.rerank_template else None
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    rerank = load_rerank_model(cfg.model, cfg.dtype, revision=cfg.revision, template=template)
+    max_len = min(cfg.max_model_len, rerank.head.max_seq_length or cfg.max_model_len)
+    engine = EmbeddingEngine(rerank.model, rerank.head, max_len=max_len, max_batch=cfg.embed_max_batch,
+                             max_batch_tokens=max(cfg.embed_max_batch_tokens, max_len),
+                             policy=BackendPolicy.detect(attention_impl="xla"))
+    loop = EmbeddingLoop(engine, max_waiting=max(cfg.max_waiting, cfg.embed_max_batch) * 16)
+    loop.start(warmup=warmup)
+    log.info("rerank engine ready in %.1f s (model %s, %s, pairs up to %d tokens)", time.perf_counter() - t0,
+             rerank.name, rerank.kind, engine.max_len)
+    return loop, rerank
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -5,9 +5,13 @@ remote engine replicas (``--engines``: the router :func:`build_router` builds).
     xlaserve serve --model tiny-random --port 8100
     xlaserve serve --engines grpc://127.0.0.1:50051,grpc://127.0.0.1:50052 --router kv-aware
     xlaserve serve --model path/to/embeddinggemma --task embed   # POST /v1/embeddings only
+    xlaserve serve --model path/to/cross-encoder                   # --task rerank: /v1/rerank, /v1/score
 
 ``--task embed`` (``auto``: when the model's directory has ``modules.json``) serves a
 sentence-transformers model through the embedding loop (``serving.cli.bootstrap.build_embedding_engine``).
+``--task rerank`` (``auto``: when ``config.json`` names a ``*ForSequenceClassification``) serves a
+cross-encoder, or a decoder scored by label tokens (``--rerank-template``), on the same loop
+(``serving.cli.bootstrap.build_rerank_engine``).
 
 ``serve --engines grpcs://...`` reaches replicas over TLS; ``--grpc-ca-file``,
 ``--grpc-client-cert/--grpc-client-key`` and ``--grpc-token-file`` say what it trusts,
@@ -44,9 +48,14 @@ def register(sub) -> None:
     """Adds the ``serve`` subcommand to the CLI's subparsers."""
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_settings(serve)
-    serve.add_argument("--task", default=None, choices=("auto", "generate", "embed"),
+    serve.add_argument("--task", default=None, choices=("auto", "generate", "embed", "rerank"),
                        help="generate (completions, chat, responses) | embed (a sentence-transformers model on "
-                       "/v1/embeddings) | auto (default): embed when the model's directory has modules.json")
+                       "/v1/embeddings) | rerank (a cross-encoder, or a decoder scored by label tokens, on "
+                       "/v1/rerank and /v1/score) | auto (default): rerank when config.json names a "
+                       "*ForSequenceClassification, embed when the model's directory has modules.json")
+    serve.add_argument("--rerank-template", default=None, metavar="PATH",
+                       help="--task rerank with a decoder: a JSON file of prefix, body, suffix, instruction and "
+                       "labels (default: Qwen3-Reranker's prompt and its no/yes tokens)")
     serve.add_argument("--embed-max-batch", type=int, default=None,
                        help="--task embed: most inputs in one step, a power of two (default 32)")
     serve.add_argument("--embed-max-batch-tokens", type=int, default=None,
@@ -206,8 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.gateway.tools.output_formats import pick_reasoning_parser, pick_tool_call_parser
     from serving.loading.model_source import resolve_task
 
-    overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "host", "port",
-                                  "enable_prefix_caching", "allow_unauthenticated", "lora_root",
+    overrides = _overrides(args, ("task", "embed_max_batch", "embed_max_batch_tokens", "rerank_template", "host",
+                                  "port", "enable_prefix_caching", "allow_unauthenticated", "lora_root",
                                   "limit_concurrency", "header_timeout",
                                   "otel_traces", "database_url", "prices", "served_model_name",
                                   "max_request_bytes", "max_prompt_chars", "stream_buffer_events",
@@ -230,8 +239,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop = None
     try:
         task = "generate" if args.engines else resolve_task(cfg.task, cfg.model, cfg.revision)
-        if task == "embed":
-            loop, served = _embedding_model(cfg, warmup=not args.skip_warmup)
+        if task in ("embed", "rerank"):
+            loop, served = (_embedding_model if task == "embed" else _rerank_model)(cfg, warmup=not args.skip_warmup)
             return _run_gateway(args, cfg, services, {served.name: served}, loop)
         if args.engines:  # a gateway over remote replicas: no weights here
             engine, tokenizer, name, _ = build_router(
@@ -271,6 +280,17 @@ def _embedding_model(cfg, warmup: bool = True):
     return loop, ServedModel(name=name, engine=loop, tokenizer=tokenizer, max_model_len=loop.max_model_len,
                              task="embed", embedding_dim=head.dim, matryoshka_dims=head.matryoshka_dims,
                              vocab_size=loop.vocab_size)
+
+
+def _rerank_model(cfg, warmup: bool = True):
+    """The embedding loop over a reranker and the ServedModel of ``--task rerank``."""
+    from serving.cli.bootstrap import build_rerank_engine
+    from serving.gateway.app import ServedModel
+
+    loop, rerank = build_rerank_engine(cfg, warmup=warmup)
+    name = cfg.served_model_name or rerank.name
+    return loop, ServedModel(name=name, engine=loop, tokenizer=rerank.tokenizer, max_model_len=loop.max_model_len,
+                             task="rerank", vocab_size=loop.vocab_size, pair_encoder=rerank.pair_encoder)
 
 
 def _run_gateway(args, cfg, services, models, loop) -> int:

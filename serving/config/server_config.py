@@ -27,6 +27,7 @@ class ServerConfig:
     task: str = "auto"
     embed_max_batch: int = 32
     embed_max_batch_tokens: int = 16384
+    rerank_template: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "bfloat16"
@@ -116,8 +117,8 @@ class ServerConfig:
         if self.host_kv_cache_gib and not self.enable_prefix_caching:
             raise ValueError("host_kv_cache_gib needs the prefix cache (host pages are found by prefix hash): "
                              "turn prefix caching on or the host tier off")
-        if self.task not in ("auto", "generate", "embed"):  # serving.loading.model_source.TASKS
-            raise ValueError(f"task must be auto, generate or embed, got {self.task!r}")
+        if self.task not in ("auto", "generate", "embed", "rerank"):  # serving.loading.model_source.TASKS
+            raise ValueError(f"task must be auto, generate, embed or rerank, got {self.task!r}")
         if self.embed_max_batch < 1 or self.embed_max_batch & (self.embed_max_batch - 1):
             raise ValueError(f"embed_max_batch must be a power of two, got {self.embed_max_batch}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):

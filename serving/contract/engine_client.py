@@ -347,6 +347,9 @@ class EngineStats:
       host_kv_hits, host_kv_stores, host_kv_evictions: the host KV tier's pages reloaded,
         stored and dropped (lifetime; all 0 without one).
       host_kv_usage_bytes, host_kv_capacity_bytes: its bytes held and its bound.
+      lora_running: the LoRA adapters of requests in the running batch (sorted, unique).
+      lora_waiting: the LoRA adapters of requests waiting (for a slot or an adapter slot).
+      max_loras: the most adapters resident on the device at once (0: no LoRA serving).
       turn_profile: where the engine loop's time went (lifetime): ``seconds.<part>``,
         ``turns.<kind>``, ``prefill_tokens``, ``decode_rows``
         (``serving.runtime.turn_profile``); empty for an engine that keeps none.
@@ -369,6 +372,9 @@ class EngineStats:
     host_kv_evictions: int = 0
     host_kv_usage_bytes: int = 0
     host_kv_capacity_bytes: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
     turn_profile: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 

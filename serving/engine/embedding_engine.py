@@ -3,9 +3,14 @@
 An embedding request keeps no KV cache and samples nothing, so the step is one pure function of
 the parameters and the batch, jitted once per (batch bucket, length bucket)::
 
-    embed_step(params, tokens [B, S] int32, lengths [B] int32) -> embeddings [B, dim] float32
-        = head(model.encode(tokens, lengths))     pooling, Dense layers, Normalize
-                                                   (model.sentence_transformers.EmbeddingHead)
+    embed_step(params, tokens [B, S] int32, lengths [B] int32[, type_starts [B] int32])
+        -> embeddings [B, dim] float32
+        = head(model.encode(tokens, lengths[, type_starts]))
+                                  pooling, Dense layers, Normalize (model.sentence_transformers.EmbeddingHead),
+                                  or a reranker's score head (model.score_heads: dim 1, the score)
+
+``type_starts`` (each row's first token of type 1) goes to encoders that take token types
+(``takes_token_types``: ``model.bert.BertEncoder``, a cross-encoder's pair framing) only.
 
 ``B`` is a power of two up to ``max_batch``; ``S`` a power of two from ``min_len`` up to
 ``max_len`` (the last bucket is ``max_len`` itself). Padding rows have length 1 and their
@@ -53,17 +58,21 @@ def batch_bucket(n: int, max_batch: int) -> int:
     return _pow2(n, 1, max_batch)
 
 
-def _embed_step(graphdef, head: EmbeddingHead, compute, params, tokens, lengths):
+def _embed_step(graphdef, head: EmbeddingHead, compute, params, tokens, lengths, type_starts=None):
     model = nnx.merge(graphdef, params)
-    return head(model.encode(tokens, lengths, compute), lengths)
+    if type_starts is None:
+        return head(model.encode(tokens, lengths, compute), lengths)
+    return head(model.encode(tokens, lengths, compute, type_starts=type_starts), lengths)
 
 
 class EmbeddingEngine:
     """Parameters plus the compiled embedding step. Not thread-safe: one caller (the loop).
 
     Args:
-      model: a decoder of ``model/`` with ``encode`` (``model.gemma3.Gemma3``, ``model.llama.Llama``).
-      head: the sentence-transformers modules after the transformer.
+      model: a decoder of ``model/`` with ``encode`` (``model.gemma3.Gemma3``, ``model.llama.Llama``),
+        or an encoder (``model.bert.BertEncoder``).
+      head: the sentence-transformers modules after the transformer, or a score head
+        (``model.score_heads``).
       max_len: the longest input, in tokens (default: the head's ``max_seq_length``, else the
         model's ``max_position``).
       max_batch: the most inputs in one step (a power of two).
@@ -97,7 +106,9 @@ class EmbeddingEngine:
         self.params = self.policy.store_params(params)
         compute = self.policy.compute(dtype=model.dtype)
         self._step = jax.jit(functools.partial(_embed_step, graphdef, head, compute))
+        self.takes_token_types = bool(getattr(model, "takes_token_types", False))
         self.compile_times: dict[tuple[int, int], float] = {}
+        self.steps = 0  # steps run so far
 
     @property
     def dim(self) -> int:
@@ -112,11 +123,13 @@ class EmbeddingEngine:
         S = length_bucket(longest, self.min_len, self.max_len)
         return max(1, min(self.max_batch, self.max_batch_tokens // S))
 
-    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+    def embed(self, inputs: Sequence[Sequence[int]], type_starts: Sequence[int] | None = None) -> np.ndarray:
         """One step over ``inputs`` (at most :meth:`rows_per_step` of their longest).
 
         Args:
           inputs: token id sequences, each 1 .. max_len long, ids in 0 .. vocab_size - 1.
+          type_starts: each input's first token of type 1 (>= its length: none), for an encoder
+            that takes token types; ignored by others; None: all type 0.
 
         Returns:
           [len(inputs), dim] float32.
@@ -143,7 +156,14 @@ class EmbeddingEngine:
             tokens[i, :len(row)] = ids
             lengths[i] = len(row)
         t0 = time.perf_counter()
-        out = np.asarray(self._step(self.params, jnp.asarray(tokens), jnp.asarray(lengths)))
+        if self.takes_token_types:
+            starts = np.full((B,), S, np.int32)
+            if type_starts is not None:
+                starts[:len(inputs)] = np.minimum(np.asarray(type_starts, np.int64), S)
+            out = np.asarray(self._step(self.params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(starts)))
+        else:
+            out = np.asarray(self._step(self.params, jnp.asarray(tokens), jnp.asarray(lengths)))
+        self.steps += 1
         if (B, S) not in self.compile_times:
             self.compile_times[(B, S)] = time.perf_counter() - t0
         return out[:len(inputs)].astype(np.float32, copy=False)

@@ -13,6 +13,10 @@ Routes:
   GET /v1/requests/{id} (one request's trace, by response id or X-Request-ID),
   POST /v1/responses (JSON or typed SSE events), GET /v1/responses/{id},
     DELETE /v1/responses/{id} (OpenAI's Responses API over chat: ``responses_api.py``),
+  POST /v1/rerank (also /rerank, /v2/rerank), POST /v1/score (also /score): a ``--task rerank``
+    model's scores (``serving/gateway/rerank/``),
+  POST /v1/messages (JSON or typed SSE events), POST /v1/messages/count_tokens (Anthropic's
+    Messages API over chat, with Anthropic's error shape: ``serving/gateway/anthropic/``),
   POST /v1/files (multipart upload, purpose "batch", held to
     ``limits.max_file_bytes``), GET /v1/files, GET /v1/files/{id},
     GET /v1/files/{id}/content, DELETE /v1/files/{id} (``files.py``),
@@ -26,8 +30,8 @@ Routes:
   GET /openapi.json (request and response schemas of every route, errors
   included; see ``openapi.py``).
 
-``/v1`` and tokenizer routes need ``Authorization: Bearer KEY`` once keys exist (see
-``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
+``/v1`` and tokenizer routes need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) once
+keys exist (see ``auth.py``). Every response carries ``X-Request-ID`` (the client's value when
 it sent one: visible ASCII, at most 256 characters; otherwise a fresh id),
 which is also in every log line of the request, and, for callers with rate
 limits, OpenAI's ``x-ratelimit-*`` headers. A request body over
@@ -53,7 +57,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.accounts.api_keys import Principal
+from serving.gateway.accounts.auth import credentials
 from serving.gateway.accounts.ledger import GROUP_BY
+from serving.gateway.anthropic.anthropic_errors import AnthropicErrorMiddleware, anthropic_error_responses
+from serving.gateway.anthropic.messages_api import install_messages_api
+from serving.gateway.anthropic.messages_events import MessageStreamEvent
+from serving.gateway.anthropic.messages_protocol import CountTokensRequest, MessagesRequest
+from serving.gateway.rerank.rerank_api import RERANK_PATHS, SCORE_PATHS, install_rerank_api
+from serving.gateway.rerank.rerank_protocol import RerankRequest, ScoreRequest
 from serving.gateway.batch.batch_runner import BatchSettings, install_batch_api
 from serving.gateway.batch.batches import CreateBatchRequest
 from serving.gateway.batch.files import FILES_PATH, upload_body_limit
@@ -226,7 +237,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
     # Inside the request-id middleware, so a 413 carries X-Request-ID too.
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_bytes, path_limits={
         FILES_PATH: (upload_body_limit(limits.max_file_bytes), "max_file_bytes plus the form's framing")})
-    app.add_middleware(RequestIdMiddleware)  # outermost: also tags 500s
+    app.add_middleware(RequestIdMiddleware)  # also tags 500s
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: Anthropic's error shape on /v1/messages
     app.state.serving = serving
     app.state.services = services
     metrics = services.metering.metrics
@@ -237,7 +249,8 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
             metrics.add_engine_collector(m.engine.collector(name))
 
     async def principal(request: Request) -> Principal:
-        p = await services.authenticator.authenticate(request.headers.get("authorization"))
+        p = await services.authenticator.authenticate(credentials(request.headers.get("authorization"),
+                                                                  request.headers.get("x-api-key")))
         headers = await services.metering.headers(p)
         if headers:
             request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = headers
@@ -266,19 +279,22 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
 
     response_store = ResponseStore(services.ledger.engine) if services.ledger is not None else None
     responses = install_responses_api(app, serving, response_store, principal, generation_errors)
+    install_messages_api(app, serving, principal, anthropic_error_responses(400, 401, 403, 404, 413, 415, 429, 503, 529))
+    rerank = install_rerank_api(app, serving, principal, generation_errors)
 
     # The endpoints a batch line may name, and their handlers.
     batch_endpoints = {"/v1/completions": serving.create_completion,
                        "/v1/chat/completions": serving.create_chat_completion,
                        RESPONSES_PATH: responses.create,
-                       EMBEDDINGS_PATH: embeddings.create_embedding}
+                       EMBEDDINGS_PATH: embeddings.create_embedding,
+                       RERANK_PATHS[0]: rerank.rerank, SCORE_PATHS[0]: rerank.score}
     batch_runner = install_batch_api(app, services, batch_endpoints, principal, limits.max_file_bytes, batches)
     install_tokenizer_routes(app, serving, principal)
     install_lora_routes(app, serving, principal, lora_root)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponseRequest, TokenizeRequest,
                           DetokenizeRequest, CreateBatchRequest, EmbeddingRequest, LoadLoraRequest,
-                          UnloadLoraRequest],
-                    stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent])
+                          UnloadLoraRequest, MessagesRequest, CountTokensRequest, RerankRequest, ScoreRequest],
+                    stream_models=[CompletionResponse, ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent])
 
     def card(name: str) -> ModelCard:
         m = serving.models[name]

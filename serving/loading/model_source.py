@@ -20,13 +20,14 @@ No JAX here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
 __all__ = ["ModelSource", "resolve_model", "resolve_task", "is_hub_id", "SERVE_FILES", "CONFIG_FILES",
            "ACCEPTED_FORMS", "TASKS"]
 
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "rerank")
 """``serve --task`` values (see :func:`resolve_task`)."""
 
 SERVE_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
@@ -129,9 +130,9 @@ def resolve_model(value: str, revision: str | None = None, files: tuple[str, ...
 
 
 def resolve_task(task: str, model: str, revision: str | None = None) -> str:
-    """"generate" or "embed" for ``--task`` (``auto``: "embed" when ``model`` is a
-    sentence-transformers directory, local or a Hub snapshot, i.e. one with ``modules.json``;
-    else "generate").
+    """"generate", "embed" or "rerank" for ``--task`` (``auto``: "rerank" when ``model``'s
+    ``config.json`` names a sequence-classification architecture (a cross-encoder); else "embed" when it is a sentence-transformers directory, local
+    or a Hub snapshot, i.e. one with ``modules.json``; else "generate").
 
     Raises:
       ValueError: an unknown task.
@@ -142,14 +143,26 @@ def resolve_task(task: str, model: str, revision: str | None = None) -> str:
         return task
     path = Path(model).expanduser()
     if path.is_dir():
-        return "embed" if (path / "modules.json").is_file() else "generate"
+        return _task_of(path)
     if path.exists() or path.suffix == ".gguf" or not is_hub_id(model) or model in _registry():
         return "generate"
     try:
         source = resolve_model(model, revision=revision)
     except ValueError:
         return "generate"  # the generation path reports what is wrong with the value
-    return "embed" if source.path is not None and (source.path / "modules.json").is_file() else "generate"
+    return _task_of(source.path) if source.path is not None else "generate"
+
+
+def _task_of(path: Path) -> str:
+    """A sequence-classification checkpoint (its config.json's ``architectures``) reranks (the
+    loader names the architectures it reads); a sentence-transformers directory embeds."""
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []
+    if any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs):
+        return "rerank"
+    return "embed" if (path / "modules.json").is_file() else "generate"
 
 
 def _forms(registry: dict) -> str:

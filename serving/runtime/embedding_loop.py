@@ -5,7 +5,10 @@ turn it takes in what arrived, then runs steps of waiting inputs, oldest request
 priority only when no ``default`` work waits), each step as many inputs as fit
 (``EmbeddingEngine.rows_per_step`` of the step's longest); inputs of several requests share a
 step, and a request's inputs may span steps. A request's future is resolved once all of its
-inputs are embedded. No KV cache pages are held, so nothing is preempted or freed.
+inputs are embedded, and the loop logs how many steps its inputs took ("... in N steps").
+A reranker (``serve --task rerank``) runs on the same loop: :meth:`EmbeddingLoop.score` queues
+(query, document) inputs with their token-type starts, and each input's one-wide "embedding" is
+its score. No KV cache pages are held, so nothing is preempted or freed.
 
 A request is checked when it is submitted (:meth:`EmbeddingLoop.embed`): no inputs, an empty
 input, one longer than ``max_model_len`` or a token id outside the vocabulary is a
@@ -38,6 +41,7 @@ __all__ = ["EmbeddingLoop"]
 @dataclasses.dataclass
 class _Request:
     inputs: list[list[int]]
+    type_starts: list[int] | None
     priority: str
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -45,6 +49,7 @@ class _Request:
     next_input: int = 0  # inputs before this one are in a step already
     done_inputs: int = 0
     failed: bool = False
+    steps: int = 0  # steps that held any of its inputs
 
 
 class EmbeddingLoop:
@@ -117,6 +122,17 @@ class EmbeddingLoop:
 
     async def embed(self, inputs: Sequence[Sequence[int]], priority: str = "default") -> np.ndarray:
         """See ``EmbeddingClient.embed``."""
+        return await self._submit(inputs, None, priority)
+
+    async def score(self, inputs: Sequence[Sequence[int]], type_starts: Sequence[int],
+                    priority: str = "default") -> np.ndarray:
+        """See ``ScoringClient.score``: [len(inputs)] float32 scores of a reranker's engine."""
+        if len(type_starts) != len(inputs):
+            raise RequestRejectedError(f"{len(inputs)} inputs but {len(type_starts)} type starts")
+        return (await self._submit(inputs, [int(t) for t in type_starts], priority))[:, 0]
+
+    async def _submit(self, inputs: Sequence[Sequence[int]], type_starts: list[int] | None,
+                      priority: str) -> np.ndarray:
         self.check(inputs)
         if priority not in self._waiting:
             raise RequestRejectedError(f"unknown priority {priority!r}")
@@ -125,7 +141,7 @@ class EmbeddingLoop:
                 raise EngineOverloadedError(f"{self._waiting_inputs} inputs are waiting to be embedded")
             self._waiting_inputs += len(inputs)
         loop = asyncio.get_running_loop()
-        req = _Request([list(map(int, ids)) for ids in inputs], priority, loop.create_future(), loop,
+        req = _Request([list(map(int, ids)) for ids in inputs], type_starts, priority, loop.create_future(), loop,
                        np.empty((len(inputs), self.embedding_dim), np.float32))
         self._inbox.put(req)
         return await req.future
@@ -193,9 +209,17 @@ class EmbeddingLoop:
                 req.next_input += 1
             if req.next_input < len(req.inputs):
                 break
-        self._running = len({id(r) for r, _ in rows})
+        in_step = {id(r): r for r, _ in rows}
+        self._running = len(in_step)
+        for req in in_step.values():
+            req.steps += 1
         try:
-            out = self.engine.embed([r.inputs[i] for r, i in rows])
+            batch = [r.inputs[i] for r, i in rows]
+            if any(r.type_starts is not None for r, _ in rows):  # a cross-encoder's pairs
+                starts = [len(r.inputs[i]) if r.type_starts is None else r.type_starts[i] for r, i in rows]
+                out = self.engine.embed(batch, type_starts=starts)
+            else:
+                out = self.engine.embed(batch)
         except Exception as e:
             log.exception("embedding step of %d inputs failed", len(rows))
             for req in {id(r): r for r, _ in rows}.values():
@@ -214,6 +238,7 @@ class EmbeddingLoop:
                 with self._lock:
                     self._waiting_inputs -= len(req.inputs) - req.next_input
                 if not req.failed:
+                    log.info("%d inputs done in %d steps", len(req.inputs), req.steps)
                     req.loop.call_soon_threadsafe(_resolve, req.future, req.out)
 
     def _fail(self, req: _Request, error: Exception) -> None:

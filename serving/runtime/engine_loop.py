@@ -234,6 +234,19 @@ class EngineLoop:
                 raise ValueError("LoRA modules need an engine with max_loras > 0")
             self.lora.registry.add(name, path)
 
+    def _lora_stats(self, sched) -> dict:
+        """The adapters of running and waiting requests, and the slots (EngineStats' LoRA fields)."""
+        if self.lora is None:
+            return {}
+
+        def names(reqs) -> tuple[str, ...]:
+            seqs = (self._by_id.get(r.request_id) for r in reqs)
+            return tuple(sorted({s.req.lora_name for s in seqs if s is not None and s.req.lora_name}))
+
+        waiting = set(names(sched.waiting)) | {s.req.lora_name for s in self.lora.waiting}
+        return {"lora_running": names(sched.running), "lora_waiting": tuple(sorted(waiting)),
+                "max_loras": self.cfg.max_loras}
+
     # -- EngineClient ------------------------------------------------------------
 
     @property
@@ -614,14 +627,15 @@ class EngineLoop:
             self._open_slots = sched.num_open_slots
         kv, spec = self.kv, self.spec_counters
         self._stats = EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + (len(self.lora.waiting) if self.lora is not None else 0),
             waiting_prompt_tokens=sum(r.num_tokens for r in sched.waiting),
             kv_cache_usage=kv.usage, kv_pages_used=kv.num_pages - 1 - kv.num_free,
             kv_pages_total=kv.num_pages - 1,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
-            **host_kv_stats(self.host_kv), turn_profile=self.profile.snapshot())
+            **host_kv_stats(self.host_kv), **self._lora_stats(sched), turn_profile=self.profile.snapshot())
         for fut in self._pings:
             fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
         self._pings.clear()

@@ -42,10 +42,12 @@ MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
 """Generated cases per operation and generation mode (by HTTP method)."""
 MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
                          "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15,
-                         "POST /v1/responses": 60, "POST /v1/embeddings": 40}
+                         "POST /v1/responses": 60, "POST /v1/embeddings": 40,
+                         "POST /v1/messages": 30, "POST /v1/messages/count_tokens": 20}
 """Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py),
 the files and batches routes (no engine behind them: test_batches.py) and the Responses API
-(chat completions in other words: test_responses_api.py) and ``/v1/embeddings`` (a 400 on this
+(chat completions in other words: test_responses_api.py), the Messages API (the same:
+test_anthropic_messages.py, test_anthropic_sdk.py) and ``/v1/embeddings`` (a 400 on this
 generation server; test_serve_embeddings.py fuzzes it on an embedding model's server)."""
 UNICODE_EXAMPLES = 150
 REQUEST_TIMEOUT_S = 30
@@ -112,7 +114,8 @@ def _served_model(case):
 def assert_sse(text: str) -> None:
     """A well-formed SSE body: `data: <JSON object>` events, the last one `data: [DONE]`;
     or (the Responses API) typed events `event: <type>` / `data: <JSON of that type>`,
-    numbered in order, the last one ending the response."""
+    numbered in order, the last one ending the response; or (the Messages API) typed events
+    from `message_start` to `message_stop` (or `error`)."""
     if text.startswith("event: "):
         events = []
         for block in text.split("\n\n")[:-1]:
@@ -120,6 +123,9 @@ def assert_sse(text: str) -> None:
             assert head.startswith("event: ") and data.startswith("data: "), block
             events.append(json.loads(data[len("data: "):]))
             assert events[-1]["type"] == head[len("event: "):], block
+        if events[0]["type"] == "message_start":
+            assert events[-1]["type"] in ("message_stop", "error"), events[-1]
+            return
         assert [e["sequence_number"] for e in events] == list(range(len(events))), text[-300:]
         assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-1]
         return
@@ -142,7 +148,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_sche
             "GET /v1/models/{model_id}", "GET /v1/usage", "GET /v1/requests/{request_id}",
             "GET /metrics", "GET /health", "GET /tokenizer_info", "POST /tokenize",
             "POST /detokenize", "POST /v1/responses", "GET /v1/responses/{response_id}",
-            "POST /v1/embeddings"} <= labels
+            "POST /v1/embeddings", "POST /v1/messages", "POST /v1/messages/count_tokens"} <= labels
     report = []
     t0 = time.monotonic()
     for op in operations:

@@ -370,7 +370,8 @@ async def test_openapi_describes_every_route(client):
                 assert response.get("content"), (path, status)
                 if status.startswith("4"):
                     ref = response["content"]["application/json"]["schema"]["$ref"]
-                    assert ref.endswith("/ErrorResponse"), (path, status)
+                    shape = "/AnthropicErrorResponse" if path.startswith("/v1/messages") else "/ErrorResponse"
+                    assert ref.endswith(shape), (path, status)
 
 
 def _refs(node):

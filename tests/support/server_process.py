@@ -24,10 +24,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_process(serve_args: list[str], log_path: Path, timeout_s: float = 240):
+def serve_process(serve_args: list[str], log_path: Path, timeout_s: float = 240, log_level: str = "WARNING"):
     """Runs `python -m serving.cli.main serve ARGS --port P` until /health is 200.
 
-    Yields (process, base URL, log file); kills the process on exit if it is
+    ``log_level`` is the server's ``--log-level``. Yields (process, base URL, log file); kills the process on exit if it is
     still running. Fails the test with the server's log if it dies or is not
     healthy within timeout_s seconds.
     """
@@ -36,7 +36,7 @@ def serve_process(serve_args: list[str], log_path: Path, timeout_s: float = 240)
         serve_args = [*serve_args, "--database-url", f"sqlite:///{Path(log_path).parent / 'ledger.db'}"]
     log = open(log_path, "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli.main", "--log-level", "WARNING", "serve", *serve_args,
+        [sys.executable, "-m", "serving.cli.main", "--log-level", log_level, "serve", *serve_args,
          "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"

@@ -1,7 +1,8 @@
 """Bearer-token authentication of ``/v1`` routes.
 
 * Keys configured (any key in the database, revoked ones included): ``Authorization: Bearer
-  KEY`` is required; a missing or unknown key is 401 ``invalid_api_key``, a
+  KEY`` is required (or, Anthropic's form, ``x-api-key: KEY``; Authorization wins when both
+  are sent); a missing or unknown key is 401 ``invalid_api_key``, a
   revoked key 403 ``api_key_revoked``.
 * No keys configured: the server runs open and every caller is the
   ``anonymous`` tenant, never an admin (whatever Authorization header it sends, so
@@ -44,6 +45,14 @@ def no_api_keys() -> OpenAIError:
 def unauthorized(message: str) -> OpenAIError:
     return OpenAIError(message, status_code=401, code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def credentials(authorization: str | None, api_key: str | None) -> str | None:
+    """The ``Authorization`` value to authenticate: the header, or else ``Bearer <x-api-key>``
+    (Anthropic's header), or None when neither was sent."""
+    if authorization:
+        return authorization
+    return f"Bearer {api_key.strip()}" if api_key and api_key.strip() else None
 
 
 class Authenticator:
@@ -93,7 +102,8 @@ class Authenticator:
         return status, principal
 
     async def authenticate(self, authorization: str | None) -> Principal:
-        """The caller for an ``Authorization`` header value (or None).
+        """The caller for an ``Authorization`` header value (or None; see :func:`credentials`
+        for ``x-api-key``).
 
         Raises:
           OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key), 503
@@ -105,7 +115,7 @@ class Authenticator:
             return ANONYMOUS
         if not authorization:
             raise unauthorized("You didn't provide an API key. Send it in an Authorization header "
-                               "as 'Authorization: Bearer YOUR_KEY'.")
+                               "as 'Authorization: Bearer YOUR_KEY' (or as 'x-api-key: YOUR_KEY').")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:

@@ -4,7 +4,7 @@ Routes (scoped to the caller's tenant: another tenant's batch is a 404):
 
 * ``POST /v1/batches`` ``{"input_file_id", "endpoint", "completion_window": "24h",
   "metadata"?}``: a batch over a ``batch`` file's lines for ``/v1/chat/completions``,
-  ``/v1/completions``, ``/v1/responses`` or ``/v1/embeddings``; answers the
+  ``/v1/completions``, ``/v1/responses``, ``/v1/embeddings``, ``/v1/rerank`` or ``/v1/score``; answers the
   batch object in status ``validating``.
 * ``GET /v1/batches`` (``limit`` 1..100, ``after``), ``GET /v1/batches/{batch_id}``,
   ``POST /v1/batches/{batch_id}/cancel``.
@@ -53,7 +53,8 @@ from serving.gateway.http.openapi import error_responses, json_request_body
 from serving.gateway.openai.openai_serving import read_json
 
 BATCHES_PATH = "/v1/batches"
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/rerank",
+                   "/v1/score")
 """Endpoints a batch may name; only those with a registered handler are accepted."""
 COMPLETION_WINDOW_S = {"24h": 24 * 3600.0}
 MAX_LINES = 50_000

@@ -53,7 +53,7 @@ from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, req
 from serving.gateway.media.image_input import check_image_count
 from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
 from serving.gateway.media.pixel_budget import PixelBudget
-from serving.gateway.openai.chat_plan import chat_plan
+from serving.gateway.openai.chat_plan import ChatPlan, chat_plan
 from serving.gateway.openai.chat_run import ChatRun
 from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
 from serving.gateway.openai.choice_stream import ChoiceStreams
@@ -191,10 +191,11 @@ class OpenAIServing:
         """`served`, if it generates text.
 
         Raises:
-          OpenAIError: 400 ``model_not_supported`` for an embedding model.
+          OpenAIError: 400 ``model_not_supported`` for an embedding or rerank model.
         """
         if served.task != "generate":
-            raise OpenAIError(f"The model `{served.name}` is an embedding model: it serves POST /v1/embeddings "
+            routes = "POST /v1/embeddings" if served.task == "embed" else "POST /v1/rerank and /v1/score"
+            raise OpenAIError(f"The model `{served.name}` is an {served.task} model: it serves {routes} "
                               f"only, not completions, chat or responses.", param="model",
                               code="model_not_supported")
         return served
@@ -414,6 +415,39 @@ class OpenAIServing:
           that leave no room for a completion when ``max_tokens`` is not given.
         """
         served = self.generative(self.model(req.model, principal))
+        plan, prompt_ids, images = await self.chat_prompt(req, served)
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = served.max_request_tokens - len(prompt_ids)
+            if max_tokens < 1:
+                raise no_room_for_completion(served.max_model_len, served.kv_capacity_tokens,
+                                             len(prompt_ids))
+            if served.default_chat_max_tokens is not None:
+                max_tokens = min(max_tokens, served.default_chat_max_tokens)
+        texts = [m.content for m in req.messages if isinstance(m.content, str)]
+        plan.bind_prompt(prompt_ids)
+        gen, _ = await self._start(request, principal, arrival, served, id_prefix, [prompt_ids],
+                                   req, max_tokens, req.n, "messages", texts,
+                                   structured_output=plan.structured_output, images=images)
+        texts_of = token_texts(served.tokenizer)
+        renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
+                                        as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
+                     for o in gen.outputs]
+        return ChatRun(self.streams, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
+
+    async def chat_prompt(self, req: ChatCompletionRequest, served: ServedModel,
+                          ) -> tuple[ChatPlan, list[int], tuple | Callable[[], Awaitable[tuple]]]:
+        """The plan (tools, constraint, parsers), the prompt's token ids and its images of a
+        chat request on `served`: what :meth:`start_chat` submits, and what
+        ``/v1/messages/count_tokens`` counts. The images are ``()`` or a coroutine function that
+        decodes them (``EngineRequest.images``) once the request is admitted, so a caller over
+        its limits costs no decode; the prompt ids already hold their soft tokens.
+
+        Raises:
+          OpenAIError: 400 for messages the chat template rejects, images on a model
+            that takes none, too many images or characters,
+            and ``tool_choice`` "auto" on a model without a tool-call parser.
+        """
         plan = chat_plan(req, served)
         image_parts = [(f"messages[{i}].content[{k}]", url)
                        for i, m in enumerate(req.messages) for k, url in m.image_urls]
@@ -437,21 +471,4 @@ class OpenAIServing:
                 loaded = await load_images(image_parts, spec, self.limits.media, self.prompts.run,
                                            budget=self.pixel_budget)
                 return prompt_images(starts, loaded, spec)
-        max_tokens = req.requested_max_tokens
-        if max_tokens is None:
-            max_tokens = served.max_request_tokens - len(prompt_ids)
-            if max_tokens < 1:
-                raise no_room_for_completion(served.max_model_len, served.kv_capacity_tokens,
-                                             len(prompt_ids))
-            if served.default_chat_max_tokens is not None:
-                max_tokens = min(max_tokens, served.default_chat_max_tokens)
-        texts = [m.content for m in req.messages if isinstance(m.content, str)]
-        plan.bind_prompt(prompt_ids)
-        gen, _ = await self._start(request, principal, arrival, served, id_prefix, [prompt_ids],
-                                   req, max_tokens, req.n, "messages", texts,
-                                   structured_output=plan.structured_output, images=images)
-        texts_of = token_texts(served.tokenizer)
-        renderers = [ChatChoiceRenderer(o, texts_of, top_logprobs=req.top_logprobs or 0,
-                                        as_ids=req.return_tokens_as_token_ids) if req.logprobs else None
-                     for o in gen.outputs]
-        return ChatRun(self.streams, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
+        return plan, prompt_ids, images

@@ -1,5 +1,5 @@
 """A model the gateway serves: its name, engine, tokenizer, context window and KV-cache capacity,
-and whether it generates text or embeds it (``task``)."""
+and whether it generates text, embeds it or scores pairs of texts (``task``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 from serving.contract.embedding_client import EmbeddingClient
 from serving.contract.engine_client import EngineClient
+from serving.contract.scoring_client import PairEncoder
 from serving.contract.tokenizer_protocol import TextTokenizer
 
 
@@ -33,6 +34,8 @@ class ServedModel:
         thinking is returned apart as ``reasoning_content``); None: it does not.
       task: "generate" (completions, chat, responses) or "embed" (``/v1/embeddings`` only;
         ``engine`` is then a ``serving.contract.embedding_client.EmbeddingClient``).
+        "rerank" (``/v1/rerank`` and ``/v1/score`` only; ``engine`` is then also a
+        ``serving.contract.scoring_client.ScoringClient``).
       embedding_dim: an embedding model's vector width.
       matryoshka_dims: the smaller sizes an embedding model was trained to be truncated to
         (``dimensions``); empty: not Matryoshka.
@@ -40,6 +43,8 @@ class ServedModel:
       lora_name: a LoRA adapter the engine serves over its base model (the request's
         ``EngineRequest.lora_name``); None: the base model itself.
       parent: the base model's name, for an adapter (``/v1/models`` reports it).
+      pair_encoder: a rerank model's framing of a (query, document) pair
+        (``serving.contract.scoring_client.PairEncoder``); None for other tasks.
     """
 
     name: str
@@ -57,6 +62,7 @@ class ServedModel:
     vocab_size: int | None = None
     lora_name: str | None = None
     parent: str | None = None
+    pair_encoder: PairEncoder | None = None
 
     @property
     def max_request_tokens(self) -> int:

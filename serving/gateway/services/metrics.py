@@ -20,6 +20,10 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
               xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
               xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
+  info        xlaserve:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}
+              (the Kubernetes inference gateway's LoRA metric, vLLM's labels: the adapters of
+              running and of waiting requests, comma-separated; the value is the scrape's Unix
+              time; one series per engine serving LoRA adapters, no model_name label)
   ledger      xlaserve:ledger_spool_records, xlaserve:ledger_spool_bytes (gauges: usage-row
               writes waiting in the spool for the database), xlaserve:ledger_spool_replayed_total,
               xlaserve:ledger_spool_quarantined_total (corrupt spool lines moved aside),
@@ -33,6 +37,7 @@ the ledger; engine gauges are read from ``EngineClient.stats()`` at scrape time.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -111,10 +116,20 @@ class EngineStatsCollector(Collector):
                                     "(mixed, prefill, decode, other).", labels=["model_name", "kind"])
         step_tokens = CounterMetricFamily("xlaserve:engine_step_tokens", "Engine loop: prefill tokens and "
                                           "decode rows its turns dispatched.", labels=["model_name", "kind"])
+        lora_info = GaugeMetricFamily("xlaserve:lora_requests_info",
+                                      "LoRA adapters of running and waiting requests and the device's adapter "
+                                      "slots (the value: the scrape's Unix time).",
+                                      labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        engines_seen: set[int] = set()  # a LoRA adapter's name reads its base engine's stats
         for name, stats_fn in self.engines().items():
             if stats_fn is None:
                 continue
             s = stats_fn()
+            engine = id(getattr(stats_fn, "__self__", stats_fn))
+            if getattr(s, "max_loras", 0) > 0 and engine not in engines_seen:
+                lora_info.add_metric([str(s.max_loras), ",".join(s.lora_running), ",".join(s.lora_waiting)],
+                                     time.time())
+            engines_seen.add(engine)
             for key, value in (getattr(s, "turn_profile", None) or {}).items():
                 group, _, label = key.partition(".")
                 if group == "seconds":
@@ -140,7 +155,7 @@ class EngineStatsCollector(Collector):
             acceptance.add_metric([name], ok / proposed if proposed else 0.0)
             per_step.add_metric([name], 1 + ok / rows if rows else 0.0)
         return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
-                per_step, *host.values(), turn_seconds, turns, step_tokens]
+                per_step, *host.values(), turn_seconds, turns, step_tokens, lora_info]
 
 
 class _ReplayedCollector(Collector):

@@ -1,7 +1,8 @@
 """Serving LoRA adapters through the engine loop (tests/data/lora_tiny over hf_tiny's Llama):
 mixed batches of base and adapter requests, slots shared by more adapters than fit, the
 prefix cache never shared across adapters (nor with weights reloaded under the same name),
-and unloading refused under a running request."""
+unloading refused under a running request, and the model-server protocol's metrics scraped
+as requests wait, run and finish."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from serving.config.engine_config import EngineConfig
 from serving.contract.engine_client import RequestRejectedError
 from serving.engine.engine import Engine
 from serving.engine.lora_registry import LoraInUseError
+from serving.gateway.services.metrics import GatewayMetrics
 from serving.runtime.engine_loop import EngineLoop
 from tests.support.engine_helpers import collect, request
 from tests.support.hf_tiny_parity import agree_until_near_tie, golden
@@ -155,3 +157,58 @@ def test_lora_is_refused_for_a_mixture_of_experts_with_the_reason(jax_cache):
     cfg = ModelConfig.from_dict(known_models()["tiny-moe"]["config"])
     with pytest.raises(ValueError, match="mixture of experts"):
         Engine(build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32), CFG)
+
+
+def _scrape(metrics: GatewayMetrics) -> dict[str, tuple[dict, float]]:
+    """The protocol's series of a /metrics scrape: name -> (labels, value)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in family.samples:
+            if s.name in ("xlaserve:num_requests_waiting", "xlaserve:num_requests_running",
+                          "xlaserve:kv_cache_usage_perc", "xlaserve:lora_requests_info"):
+                assert s.name not in out or s.name == "xlaserve:num_requests_waiting" or s.labels.get(
+                    "model_name") != out[s.name][0].get("model_name")
+                out.setdefault(s.name, (s.labels, s.value))
+    return out
+
+
+def test_model_server_protocol_metrics_move(engine):
+    """The Kubernetes inference gateway's metrics, scraped as the gateway's /metrics renders
+    them (one base model and its adapters over one loop): queued and running requests,
+    KV-cache use (0..1), and the LoRA info series (adapters of running requests, of waiting
+    ones, max_lora), as three adapters' requests share two slots, then finish."""
+    from serving.gateway.services.metrics import EngineStatsCollector
+
+    loop = _loop(engine, modules=("a4", "a8", "rs8"))
+    metrics = GatewayMetrics()
+    metrics.add_engine_collector(EngineStatsCollector(lambda: {"base": loop.stats, "a4": loop.stats}))
+
+    async def main():
+        await loop.ping()
+        idle = _scrape(metrics)
+        streams = [loop.submit(_req(list(range(5, 21)), m, n=40)) for m in ("a4", "a8", "rs8")]
+        firsts = [await s.__anext__() for s in streams[:2]]  # a4 and a8 hold the two slots
+        await loop.ping()
+        busy = _scrape(metrics)
+        rest = [[ev async for ev in s] for s in streams]
+        await loop.ping()
+        return idle, firsts, busy, rest, _scrape(metrics)
+
+    try:
+        idle, firsts, busy, rest, done = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert idle["xlaserve:num_requests_running"][1] == idle["xlaserve:num_requests_waiting"][1] == 0
+    assert idle["xlaserve:lora_requests_info"][0] == {
+        "max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert busy["xlaserve:num_requests_running"][1] == 2 and busy["xlaserve:num_requests_waiting"][1] == 1
+    assert 0 < busy["xlaserve:kv_cache_usage_perc"][1] <= 1
+    labels, stamp = busy["xlaserve:lora_requests_info"]
+    assert labels == {"max_lora": "2", "running_lora_adapters": "a4,a8", "waiting_lora_adapters": "rs8"}
+    assert stamp > 1.7e9  # the scrape's Unix time
+    assert all(r[-1].finish_reason == "length" for r in rest)
+    assert done["xlaserve:num_requests_running"][1] == done["xlaserve:num_requests_waiting"][1] == 0
+    assert done["xlaserve:lora_requests_info"][0]["running_lora_adapters"] == ""
