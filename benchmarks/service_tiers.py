@@ -3,7 +3,7 @@
     python -m benchmarks.service_tiers [--model gemma-3-270m] [--max-slots 4] [--extra-load 8]
         [--requests 10] [--max-tokens 8] [--load-max-tokens 64] [--flex-requests 10]
         [--lines 4] [--line-max-tokens 16] [--starvation-seconds 10] [--max-model-len 1024]
-        [--json out.json]
+        [--skip-warmup] [--json out.json]
 
 One ``xlaserve serve`` process (a fresh SQLite ledger, ``--flex-max-waiting 0``,
 ``--flex-starvation-seconds`` as given). After a warm-up:
@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--starvation-seconds", type=float, default=10.0)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--num-pages", type=int, help="the KV pool in pages (default: the server's)")
+    ap.add_argument("--skip-warmup", action="store_true",
+                    help="serve with --skip-warmup: each step shape compiles at its first use, during "
+                         "the measured phases (a smoke run, as the tests do; not for numbers)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if args.extra_load is None:
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "--max-slots", str(args.max_slots), "--batch-concurrency", str(args.lines),
                        "--flex-max-waiting", "0", "--flex-starvation-seconds", str(args.starvation_seconds),
                        *(["--num-pages", str(args.num_pages)] if args.num_pages else []),
+                       *(["--skip-warmup"] if args.skip_warmup else []),
                        "--port", str(port), "--database-url", db_url], log)
         try:
             url = f"http://127.0.0.1:{port}"

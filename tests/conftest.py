@@ -107,9 +107,11 @@ def tiny_tokenizer():
     return Tokenizer.tiny()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def jax_cache():
-    """Turns on the persistent XLA compilation cache under the data dir."""
+    """Turns on the persistent XLA compilation cache under the data dir, for every test of the
+    process: an in-process engine of shapes another process compiled loads them (and the ones it
+    compiles are kept for the next), whichever test a worker happens to run first."""
     from serving.engine.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()

@@ -159,20 +159,17 @@ def test_host_kv_tier_benchmark_runs_on_the_tiny_model(tmp_path):
     assert json.loads((tmp_path / "out.json").read_text())["args"]["prompt_tokens"] == 100
 
 
-@pytest.mark.slow(100)
 def test_service_tiers_benchmark_runs_on_the_tiny_model(tmp_path):
     """Its phases run and report: priority TTFT idle and under load, flex shed with their
-    ledger rows unbilled, the batch's time against its bound (the tests' tiny server's shapes).
-
-    Slow: its server keeps the warmup (the benchmark's TTFTs are a warm server's), so on a cold
-    cache it compiles the tiny server's ~100 warmup programs: ~96 s cold, ~28 s when another
-    file's warmed tiny server compiled them first."""
+    ledger rows unbilled, the batch's time against its bound (the tests' tiny server's shapes;
+    ``--skip-warmup``: only the shapes the run reaches compile, not the warmup's ~100 programs,
+    which took ~96 s on a cold cache)."""
     from benchmarks import service_tiers
 
     out = service_tiers.main([
         "--model", "tiny-random", "--max-model-len", "512", "--max-slots", "4", "--num-pages", "256",
         "--requests", "2", "--max-tokens", "4", "--load-max-tokens", "24", "--flex-requests", "2",
-        "--lines", "2", "--line-max-tokens", "4", "--starvation-seconds", "2",
+        "--lines", "2", "--line-max-tokens", "4", "--starvation-seconds", "2", "--skip-warmup",
         "--json", str(tmp_path / "out.json")])
     assert list(out["ttft"]) == ["idle", "priority", "default"]
     assert all(len(p["ttft_s"]) == 2 and p["p50_s"] > 0 for p in out["ttft"].values())

@@ -42,12 +42,10 @@ SCHEMA = {
 }
 
 
-@pytest.mark.slow(70)
 def test_sampled_json_follows_the_schema(gemma_params, gemma_tokenizer):
-    """A sampled chat answer under a JSON schema parses and validates against it.
-
-    Slow: the real Gemma 3 270M in float32 samples up to 160 tokens one decode step at a time,
-    each step's bitmask computed on the host (~67 s cold on 2 cores)."""
+    """Sampled chat answers under a JSON schema parse and validate against it: eight requests,
+    one per slot, so they decode together (up to 160 steps of the real Gemma 3 270M, each
+    step's bitmask computed on the host)."""
     cfg, params = gemma_params
     loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=jnp.float32), CFG), tokenizer=gemma_tokenizer)
     loop.start(warmup=False)
@@ -58,7 +56,7 @@ def test_sampled_json_follows_the_schema(gemma_params, gemma_tokenizer):
         # Worst case (one token per character) of this schema is under 160 tokens.
         reqs = [EngineRequest(f"json-{i}", prompt, SamplingParams(
             max_tokens=160, temperature=1.0, seed=100 + i, stop_token_ids=tok.chat_stop_token_ids,
-            structured_output=so)) for i in range(20)]
+            structured_output=so)) for i in range(CFG.max_slots)]
 
         async def main():
             return await asyncio.gather(*(collect(loop, r) for r in reqs))
@@ -72,4 +70,4 @@ def test_sampled_json_follows_the_schema(gemma_params, gemma_tokenizer):
         text = tok.decode(ids)
         jsonschema.validate(json.loads(text), SCHEMA)
         texts.add(text)
-    assert len(texts) > 10  # sampled, not one greedy answer
+    assert len(texts) >= CFG.max_slots - 2  # sampled, not one greedy answer

@@ -9,7 +9,7 @@ from model.gemma3 import Gemma3
 from serving.engine.engine import Engine, EngineConfig
 from serving.runtime.engine_loop import EngineLoop
 from sharding.mesh import MeshConfig, build_mesh
-from tests.support.engine_helpers import agree_until_near_tie, generate, request
+from tests.support.engine_helpers import generate, request
 from tests.support.sharded_forward import assert_close, run_steps
 
 pytestmark = pytest.mark.gemma
@@ -39,9 +39,11 @@ def _serve(gemma, mesh, prompt):
         loop.stop()
 
 
-def test_served_greedy_completion_same_on_1x4x1(gemma, golden):
-    prompt = next(p for p in golden["prompts"] if p["name"] == "english")  # no near-tie in 24 steps
-    one = _serve(gemma, None, prompt)
+def test_served_greedy_completion_on_1x4x1_is_the_reference_continuation(gemma, golden):
+    """The served greedy ids on the mesh are the reference's own: the prompt has no near tie in
+    its first 24 steps, so they must equal the golden ids exactly (one device does the same in
+    tests/serving/engine/test_engine_gemma.py; no one-device engine is compiled here)."""
+    prompt = next(p for p in golden["prompts"] if p["name"] == "english")
+    assert min(prompt["greedy"]["step_top1_top2_margin"][:24]) >= 1e-2
     four = _serve(gemma, build_mesh(MeshConfig(1, 4, 1)), prompt)
-    assert four == one
-    agree_until_near_tie(four, prompt)  # and both are the reference's continuation
+    assert four == prompt["greedy"]["ids"][:24]

@@ -60,7 +60,7 @@ def _reference() -> tuple[list[list[int]], np.ndarray]:
     return _single["ref"]
 
 
-@pytest.mark.parametrize("mesh", ["1x2x1", "2x2x1", "1x4x1"])
+@pytest.mark.parametrize("mesh", ["2x2x1", "1x4x1"])  # tensor=2 with a data axis; tensor=4 over 2 KV heads
 def test_mixed_adapters_on_a_mesh_equal_one_device(mesh):
     d, t, e = map(int, mesh.split("x"))
     engine = _engine(build_mesh(MeshConfig(d, t, e)))
