@@ -43,12 +43,14 @@ MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
 MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
                          "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15,
                          "POST /v1/responses": 60, "POST /v1/embeddings": 40,
-                         "POST /v1/messages": 30, "POST /v1/messages/count_tokens": 20}
+                         "POST /v1/messages": 30, "POST /v1/messages/count_tokens": 20,
+                         **{f"POST {p}": 15 for p in ("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score")}}
 """Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py),
 the files and batches routes (no engine behind them: test_batches.py) and the Responses API
 (chat completions in other words: test_responses_api.py), the Messages API (the same:
 test_anthropic_messages.py, test_anthropic_sdk.py) and ``/v1/embeddings`` (a 400 on this
-generation server; test_serve_embeddings.py fuzzes it on an embedding model's server)."""
+generation server; test_serve_embeddings.py fuzzes it on an embedding model's server), and the
+rerank and score routes (a 400 here too; test_serve_rerank.py sends them to a reranker's server)."""
 UNICODE_EXAMPLES = 150
 REQUEST_TIMEOUT_S = 30
 
@@ -77,6 +79,10 @@ request timeout (a hang), and fails."""
 def api_schema(server):
     schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
     schema.config.max_stream_events = MAX_STREAM_EVENTS
+    # A schema-violating body over max_request_bytes (an array past its maxItems) is rejected
+    # before it is parsed, with 413: a rejection as good as 400.
+    rejection = schema.config.checks.negative_data_rejection
+    rejection.expected_statuses = [*rejection.expected_statuses, "413"]
     return schema
 
 

@@ -1,0 +1,58 @@
+"""Where a test run's compile time went, from the logs of tests/support/compile_log.
+
+    python -m tests.support.compile_report DIR [--top 40]
+
+Prints the totals (backend compile, lowering, tracing, in seconds of wall time: under two
+workers they include waiting for a core) and the tests that spent the most on them, with their
+compile count and persistent-cache hits and misses (a test whose programs are all hits
+shares its shapes with an earlier one; ``hits=0 miss=0`` means the process had no cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+TRACE = "/jax/core/compile/jaxpr_trace_duration"
+HIT = "/jax/compilation_cache/cache_hits"
+MISS = "/jax/compilation_cache/cache_misses"
+
+
+def read(folder: Path) -> tuple[dict[str, collections.Counter], dict[str, collections.Counter]]:
+    """Per test (or ``- <argv>`` outside a test): seconds and counts by event."""
+    seconds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for path in folder.glob("*.tsv"):
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) != 4:
+                continue  # a line cut by a killed process
+            test, event, value, argv = parts
+            key = test.rsplit(" (", 1)[0] if test != "-" else f"- {argv[:100]}"
+            seconds[key][event] += float(value)
+            counts[key][event] += 1
+    return seconds, counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args(argv)
+    seconds, counts = read(args.folder)
+    total = collections.Counter()
+    for s in seconds.values():
+        total.update(s)
+    print(f"compile {total[COMPILE]:.0f} s, lowering {total[LOWER]:.0f} s, tracing {total[TRACE]:.0f} s; "
+          f"{sum(c[COMPILE] for c in counts.values())} compiles, {sum(c[HIT] for c in counts.values())} cache hits")
+    for key in sorted(seconds, key=lambda k: -seconds[k][COMPILE])[:args.top]:
+        s, c = seconds[key], counts[key]
+        print(f"{s[COMPILE]:7.1f} s  lower {s[LOWER]:5.1f}  trace {s[TRACE]:5.1f}  n={c[COMPILE]:4d} "
+              f"hits={c[HIT]:4d} miss={c[MISS]:4d}  {key}")
+
+
+if __name__ == "__main__":
+    main()
