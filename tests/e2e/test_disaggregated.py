@@ -88,21 +88,28 @@ def gemma_pd(tmp_path_factory):
 
 @pytest.mark.slow(90)
 def test_gemma_golden_through_a_prefill_and_a_decode_replica(gemma_pd, golden):
-    """The 8 golden prompts through a gateway, a prefill replica and a decode replica over
-    secured ports: the golden continuations, each hop's replica in the trace, the full pages moved.
+    """The 8 golden prompts, concurrently, through a gateway, a prefill replica and a decode
+    replica over secured ports: the golden continuations, each hop's replica in the trace, the
+    full pages moved.
 
     Slow: two Gemma 3 270M replica processes start (their module fixture) and compile the prompt
-    and decode shapes of 8 prompts (the 712-token one in three chunks) at first use: ~55 s of
-    call and ~30 s of setup cold."""
+    and decode shapes of 8 prompts (the 712-token one in three chunks) at first use: ~70 s cold
+    with the prompts one after another."""
     gateway, urls, _, _ = gemma_pd
     assert all(url.startswith("grpcs://") for url in urls.values())
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     page_bytes = 2 * 18 * 1 * PAGE_SIZE * 256 * 4  # K and V of 18 layers, 1 KV head, head_dim 256, float32
     moved = 0
-    for p in golden["prompts"]:
-        r = client.completions.create(model=model, prompt=p["ids"], max_tokens=24, temperature=0, logprobs=0,
-                                      extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+
+    def complete(p):
+        return client.completions.create(model=model, prompt=p["ids"], max_tokens=24, temperature=0, logprobs=0,
+                                         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+
+    # all 8 at once: they prefill and move their pages side by side and decode in shared steps
+    with concurrent.futures.ThreadPoolExecutor(len(golden["prompts"])) as pool:
+        responses = list(pool.map(complete, golden["prompts"]))
+    for p, r in zip(golden["prompts"], responses):
         ids = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
         agree_until_near_tie(ids, p)
         t = trace(gateway, r.id)

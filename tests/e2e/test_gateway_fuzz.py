@@ -43,7 +43,7 @@ MAX_EXAMPLES = {"POST": 100, "GET": 25, "DELETE": 15}
 MAX_EXAMPLES_BY_ROUTE = {"POST /tokenize": 40, "POST /detokenize": 40, "POST /v1/files": 20,
                          "POST /v1/batches": 40, "POST /v1/batches/{batch_id}/cancel": 15,
                          "POST /v1/responses": 60, "POST /v1/embeddings": 40,
-                         "POST /v1/messages": 30, "POST /v1/messages/count_tokens": 20,
+                         "POST /v1/messages": 20, "POST /v1/messages/count_tokens": 10,
                          **{f"POST {p}": 15 for p in ("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score")}}
 """Fewer for the tokenizer routes (small bodies, no engine behind them: test_tokenizer_routes.py),
 the files and batches routes (no engine behind them: test_batches.py) and the Responses API

@@ -33,10 +33,17 @@ def test_golden_greedy_batched(batched_f32, golden):
         agree_until_near_tie(ids, p)
 
 
+ALONE = ("code", "json", "emoji", "long_repeated_sliding_window")
+"""The prompts run alone against their batched ids: no near tie in their 24 steps, and the
+712-token one (chunked prefill, past the sliding window); the other four add only steps."""
+
+
 def test_batch_invariance_greedy(loop_f32, batched_f32, golden):
     """Each prompt alone gives the ids it gives alongside 7 others of different lengths."""
     prompts = golden["prompts"]
     for p, together in zip(prompts, batched_f32):
+        if p["name"] not in ALONE:
+            continue
         alone = generate(loop_f32, [request(p["ids"], max_tokens=24, ignore_eos=True)])[0]
         margins = p["greedy"]["step_top1_top2_margin"]
         for step, (a, b) in enumerate(zip(alone, together)):
