@@ -86,15 +86,15 @@ def gemma_pd(tmp_path_factory):
         stop(procs)
 
 
-@pytest.mark.slow(90)
+@pytest.mark.slow(40)
 def test_gemma_golden_through_a_prefill_and_a_decode_replica(gemma_pd, golden):
     """The 8 golden prompts, concurrently, through a gateway, a prefill replica and a decode
     replica over secured ports: the golden continuations, each hop's replica in the trace, the
     full pages moved.
 
     Slow: two Gemma 3 270M replica processes start (their module fixture) and compile the prompt
-    and decode shapes of 8 prompts (the 712-token one in three chunks) at first use: ~70 s cold
-    with the prompts one after another."""
+    and decode shapes of 8 prompts (the 712-token one in three chunks) at first use: ~40 s cold
+    (72 s with the prompts one after another)."""
     gateway, urls, _, _ = gemma_pd
     assert all(url.startswith("grpcs://") for url in urls.values())
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=120, max_retries=0)
