@@ -34,8 +34,9 @@ def test_golden_greedy_batched(batched_f32, golden):
 
 
 ALONE = ("code", "json", "emoji", "long_repeated_sliding_window")
-"""The prompts run alone against their batched ids: no near tie in their 24 steps, and the
-712-token one (chunked prefill, past the sliding window); the other four add only steps."""
+"""The prompts run alone against their batched ids (each alone run is 24 decode steps of its own):
+three short ones whose 24 steps have no near tie, and the 712-token one (chunked prefill, past
+the sliding window)."""
 
 
 def test_batch_invariance_greedy(loop_f32, batched_f32, golden):
