@@ -20,6 +20,7 @@ import numpy as np
 
 from model.bert import BertConfig, BertEncoder
 from model.score_heads import SCORE_ACTIVATIONS, ClassifierHead
+from model.sentence_transformers import read_json
 
 __all__ = ["CROSS_ENCODER_ARCHITECTURES", "is_cross_encoder", "load_cross_encoder"]
 
@@ -42,13 +43,6 @@ _EMB_NAMES = {"word_emb": "embeddings.word_embeddings.weight", "pos_emb": "embed
 _HEAD_NAMES = {"bert": ("bert.pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj")}
 
 
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def is_cross_encoder(path: str | os.PathLike) -> bool:
@@ -63,7 +57,7 @@ def is_cross_encoder(path: str | os.PathLike) -> bool:
 
 def _activation(root: Path, hf: dict) -> str:
     st_path = root / "config_sentence_transformers.json"
-    name = _json(st_path).get("activation_fn") if st_path.is_file() else None
+    name = read_json(st_path).get("activation_fn") if st_path.is_file() else None
     name = name or (hf.get("sentence_transformers") or {}).get("activation_fn") or "Sigmoid"
     name = str(name).rsplit(".", 1)[-1]
     if name not in SCORE_ACTIVATIONS:
@@ -86,7 +80,7 @@ def load_cross_encoder(path: str | os.PathLike, dtype: str = "float32") -> tuple
     from safetensors.numpy import load_file
 
     root = Path(path)
-    hf = _json(root / "config.json")
+    hf = read_json(root / "config.json")
     arch = next((a for a in hf.get("architectures") or [] if a in CROSS_ENCODER_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"{root}: architectures {hf.get('architectures')} is not a cross-encoder this server reads "
@@ -118,7 +112,7 @@ def load_cross_encoder(path: str | os.PathLike, dtype: str = "float32") -> tuple
         params[k] = np.stack([get(f"encoder.layer.{i}.{n}") for i in range(cfg.num_layers)])
     dense, out = _HEAD_NAMES[family]
     st_path = root / "sentence_bert_config.json"
-    st = _json(st_path) if st_path.is_file() else {}
+    st = read_json(st_path) if st_path.is_file() else {}
     max_len = st.get("max_seq_length") or st.get("max_length")
     head = ClassifierHead(dense_w=get(f"{dense}.weight"), dense_b=get(f"{dense}.bias"), out_w=get(f"{out}.weight"),
                           out_b=get(f"{out}.bias"), activation=_activation(root, hf),

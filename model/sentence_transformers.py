@@ -127,7 +127,13 @@ def is_sentence_transformer(path: str | os.PathLike) -> bool:
     return (Path(path) / "modules.json").is_file()
 
 
-def _json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, modules.json, ...) as a dict.
+
+    Raises:
+      FileNotFoundError: the file is missing (its path named).
+      ValueError: it is not valid JSON.
+    """
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -150,7 +156,7 @@ def _pooling_mode(cfg: dict, where: Path) -> str:
 def _dense(folder: Path) -> DenseLayer:
     from safetensors.numpy import load_file
 
-    cfg = _json(folder / "config.json")
+    cfg = read_json(folder / "config.json")
     act = str(cfg.get("activation_function", "torch.nn.modules.activation.Tanh")).rsplit(".", 1)[-1]
     if act not in ACTIVATIONS:
         raise ValueError(f"{folder}: activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
@@ -181,21 +187,21 @@ def read_sentence_transformer(path: str | os.PathLike) -> EmbeddingHead:
         out of order, or Dense weights that disagree with their config.
     """
     root = Path(path)
-    modules = _json(root / "modules.json")
+    modules = read_json(root / "modules.json")
     if not isinstance(modules, list) or not modules:
         raise ValueError(f"{root / 'modules.json'}: expected a list of modules")
     kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
     if kinds[0] != "Transformer":
         raise ValueError(f"{root}: the first module must be a Transformer, got {kinds[0]!r}")
     transformer_dir = root / modules[0].get("path", "")
-    hidden = int(_json(transformer_dir / "config.json").get("hidden_size", 0))
+    hidden = int(read_json(transformer_dir / "config.json").get("hidden_size", 0))
     st_cfg_path = transformer_dir / "sentence_bert_config.json"
-    st_cfg = _json(st_cfg_path) if st_cfg_path.is_file() else {}
+    st_cfg = read_json(st_cfg_path) if st_cfg_path.is_file() else {}
     pooling, dense, normalize = None, [], False
     for m, kind in zip(modules[1:], kinds[1:]):
         folder = root / m.get("path", "")
         if kind == "Pooling" and pooling is None and not dense:
-            pooling = _pooling_mode(_json(folder / "config.json"), folder)
+            pooling = _pooling_mode(read_json(folder / "config.json"), folder)
         elif kind == "Dense" and pooling is not None and not normalize:
             dense.append(_dense(folder))
         elif kind == "Normalize" and pooling is not None and not normalize:
@@ -211,7 +217,7 @@ def read_sentence_transformer(path: str | os.PathLike) -> EmbeddingHead:
             raise ValueError(f"{root}: Dense layer {i} takes {d.weight.shape[1]} inputs, gets {width}")
         width = d.weight.shape[0]
     cfg_path = root / "config_sentence_transformers.json"
-    dims = (_json(cfg_path).get("matryoshka_dims") or []) if cfg_path.is_file() else []
+    dims = (read_json(cfg_path).get("matryoshka_dims") or []) if cfg_path.is_file() else []
     dims = tuple(sorted({int(d) for d in dims}, reverse=True))
     if any(not 1 <= d <= width for d in dims):
         raise ValueError(f"{cfg_path}: matryoshka_dims {list(dims)} must lie in 1..{width}")
