@@ -23,6 +23,13 @@ the project's architecture notes)::
 Each step turns its rows' raw float32 logits into tokens in vLLM's order:
 logit processors (``serving.engine.sample.logits_processors``: bias, min_tokens, penalties),
 then ``serving.engine.sample.sampling.sample``; log probabilities come from the raw logits.
+The prefill and decode steps are two programs each, dispatched back to back: the forward
+(the model, the KV write and the token counts; returns the rows' logits [R, V] f32) and the
+sampler (``sample_step``: logits -> tokens, log probabilities, ``slot_tokens``). The sampler's
+shapes are only (R, slots, V), so one compiled sampler serves every prefill and decode bucket
+of that row count, where a fused step compiled it again in each (the sampler is about half a
+tiny model's step compile, ~40% of Gemma 3 270M's on CPU: benchmarks/RESULTS.md, 2026-12-06);
+the logits it reads are in memory either way (the sampler reads them several times).
     PrefillBatch, DecodeBatch: serving.engine.step_batch (shapes and buckets there and in
                   serving.config.engine_config)
 
@@ -134,19 +141,36 @@ def _write_slots(slot_tokens: jax.Array, slot_ids: jax.Array, real: jax.Array,
     return slot_tokens.at[jnp.where(real, slot_ids, slot_tokens.shape[0])].set(tokens, mode="drop")
 
 
-def _select(logits: jax.Array, positions: jax.Array, s: SamplingArrays, counts: jax.Array,
-            seen: jax.Array, slot_ids: jax.Array, argmax_block) -> StepOutput:
-    """Raw logits [R, V] -> processed -> sampled tokens, with log probabilities of the raw ones."""
-    tokens = sample_processed(logits, positions, s, counts, seen, slot_ids, argmax_block)
-    return token_logprobs(logits, tokens, s.num_logprobs)
+def sample_step(argmax_block, slot_tokens: jax.Array, output_counts: jax.Array, prompt_seen: jax.Array,
+                logits: jax.Array, positions: jax.Array, s: SamplingArrays,
+                slot_ids: jax.Array) -> tuple[jax.Array, StepOutput]:
+    """The sampler program (``slot_tokens`` donated): raw logits -> processed -> sampled tokens,
+    with log probabilities of the raw ones; each real row's token written to its slot.
+
+    Args:
+      argmax_block: the backend policy's argmax block (static).
+      slot_tokens: [slots] int32 each slot's last sampled token.
+      output_counts: [slots, V] int32, prompt_seen: [slots, V] bool (the penalties' inputs,
+        already counting this step's tokens).
+      logits: [R, V] float32 the rows' raw logits.
+      positions: [R] int32 the position each sampled token will occupy, which is the row's
+        tokens in the cache after its step (a prefill's ``kv_lens``, a decode's ``lengths``):
+        0 marks a padding row, whose token is not written.
+      s: [R] the rows' sampling settings; slot_ids: [R] int32.
+
+    Returns:
+      (slot_tokens [slots] int32, StepOutput [R]).
+    """
+    tokens = sample_processed(logits, positions, s, output_counts, prompt_seen, slot_ids, argmax_block)
+    return _write_slots(slot_tokens, slot_ids, positions > 0, tokens), token_logprobs(logits, tokens, s.num_logprobs)
 
 
 def _lora(stacks, token_slots) -> LoraInputs | None:
     return None if stacks is None else LoraInputs(stacks, token_slots)
 
 
-def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                    batch: PrefillBatch, all_logits: bool, lora_stacks=None):
+def _prefill_common(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
+                    all_logits: bool, lora_stacks=None):
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
     indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
@@ -161,28 +185,27 @@ def _prefill_common(graphdef, compute: Compute, argmax_block, params, state: Dev
     counts, seen = token_counts.count_prefill(
         state.output_counts, state.prompt_seen, batch.tokens, batch.positions, batch.token_rows,
         batch.real_tokens, batch.slot_ids, batch.prompt_lens, batch.real_rows & (starts == 0))
-    out = _select(row_logits, batch.kv_lens, batch.sampling, counts, seen, batch.slot_ids, argmax_block)
-    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
-    return DeviceState(kv_cache, slot_tokens, counts, seen), out, logits
+    return DeviceState(kv_cache, state.slot_tokens, counts, seen), row_logits, logits
 
 
-def _prefill_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                  batch: PrefillBatch, lora_stacks=None):
-    state, out, _ = _prefill_common(graphdef, compute, argmax_block, params, state, batch, False,
-                                    lora_stacks)
-    return state, out
+def _prefill_step(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
+                  lora_stacks=None):
+    """The prefill forward: (state, batch) -> (state, the rows' logits [S, V] f32)."""
+    state, row_logits, _ = _prefill_common(graphdef, compute, params, state, batch, False, lora_stacks)
+    return state, row_logits
 
 
-def _prefill_logprobs_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
+def _prefill_logprobs_step(graphdef, compute: Compute, params, state: DeviceState,
                            batch: PromptLogprobsBatch, lora_stacks=None):
-    """A prefill that also scores every token's successor (logits at all T tokens)."""
-    state, out, logits = _prefill_common(graphdef, compute, argmax_block, params, state, batch, True,
-                                         lora_stacks)
-    return state, (out, prompt_logprobs(logits, batch.next_ids))
+    """A prefill forward that also scores every token's successor (logits at all T tokens):
+    (state, batch) -> (state, (the rows' logits [S, V] f32, PromptLogprobs [T]))."""
+    state, row_logits, logits = _prefill_common(graphdef, compute, params, state, batch, True, lora_stacks)
+    return state, (row_logits, prompt_logprobs(logits, batch.next_ids))
 
 
-def _decode_step(graphdef, compute: Compute, argmax_block, params, state: DeviceState,
-                 batch: DecodeBatch, lora_stacks=None):
+def _decode_step(graphdef, compute: Compute, params, state: DeviceState, batch: DecodeBatch,
+                 lora_stacks=None):
+    """The decode forward: (state, batch) -> (state, the rows' logits [B, V] f32)."""
     model = nnx.merge(graphdef, params)
     rows = batch.slot_ids.shape[0]
     tokens = state.slot_tokens[jnp.minimum(batch.slot_ids, state.slot_tokens.shape[0] - 1)]
@@ -192,10 +215,7 @@ def _decode_step(graphdef, compute: Compute, argmax_block, params, state: Device
                              jnp.arange(rows, dtype=jnp.int32), compute=compute,
                              **({} if lora is None else {"lora": lora}))
     counts = token_counts.count_decode(state.output_counts, batch.slot_ids, batch.real_rows, tokens)
-    out = _select(logits, batch.lengths, batch.sampling, counts, state.prompt_seen, batch.slot_ids,
-                  argmax_block)
-    slot_tokens = _write_slots(state.slot_tokens, batch.slot_ids, batch.real_rows, out.tokens)
-    return DeviceState(kv_cache, slot_tokens, counts, state.prompt_seen), out
+    return DeviceState(kv_cache, state.slot_tokens, counts, state.prompt_seen), logits
 
 
 def _warmup_row_lengths(T: int, P: int, cfg: EngineConfig) -> list[list[int]]:
@@ -300,6 +320,9 @@ class Engine:
                 cfg.max_loras + 1, cfg.max_lora_rank))
         self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
         self._steps = self._jit_steps(graphdef, compute, out_shardings)
+        self._sample = jax.jit(functools.partial(sample_step, self.policy.argmax_block),
+                               donate_argnames=("slot_tokens",),
+                               out_shardings=None if out_shardings is None else out_shardings[1])
         self._int8 = None  # (steps, params) of the int8 copy (--quantization auto)
         if self.policy.int8_max_rows:
             from model.factory import quantized_copy
@@ -320,16 +343,16 @@ class Engine:
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
 
     def _jit_steps(self, graphdef, compute: Compute, out_shardings) -> dict:
-        """The step functions of one model graph, jitted with ``state`` donated."""
+        """The step functions of one model graph, jitted with ``state`` donated (the prefill
+        and decode forwards; verify samples inside its program)."""
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
-        block = self.policy.argmax_block
         steps = {
-            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, block)),
-            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute, block)),
-            "decode": jit(functools.partial(_decode_step, graphdef, compute, block)),
+            "prefill": jit(functools.partial(_prefill_step, graphdef, compute)),
+            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute)),
+            "decode": jit(functools.partial(_decode_step, graphdef, compute)),
         }
         if self.cfg.speculative is not None:
-            steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, block,
+            steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
                                                     self.cfg.speculative.num_tokens))
         return steps
 
@@ -490,7 +513,8 @@ class Engine:
             if batch.kind == "verify":
                 self.state, out = steps[batch.kind](params, self.state, batch)
             else:
-                self.state, out = steps[batch.kind](params, self.state, batch, self.lora_stacks)
+                self.state, logits = steps[batch.kind](params, self.state, batch, self.lora_stacks)
+                out = self._sample_rows(batch, logits)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
             # persistent-cache hit); dispatch of later calls is asynchronous.
@@ -498,6 +522,19 @@ class Engine:
             log.info("compiled %s in %.2f s", key, self.compile_times[key])
         self._in_flight = out
         return out
+
+    def _sample_rows(self, batch: PrefillBatch | DecodeBatch, logits):
+        """Dispatches the sampler program on a forward's logits (``logits`` of the
+        prompt-logprobs variant: (row logits, PromptLogprobs)); returns the step's output."""
+        scored = None
+        if isinstance(logits, tuple):
+            logits, scored = logits
+        positions = batch.lengths if batch.kind == "decode" else batch.kv_lens
+        st = self.state
+        slot_tokens, out = self._sample(st.slot_tokens, st.output_counts, st.prompt_seen, logits, positions,
+                                        batch.sampling, batch.slot_ids)
+        self.state = dataclasses.replace(st, slot_tokens=slot_tokens)
+        return out if scored is None else (out, scored)
 
     def warmup(self, decode: bool = True) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:
