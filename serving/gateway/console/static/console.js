@@ -40,6 +40,12 @@ function fmtMs(seconds) {
   return seconds == null ? "–" : fmtNum(seconds * 1000, 1);
 }
 
+function fmtAxis(v, max) {
+  if (v === 0) return "0";
+  if (max < 0.01) return v.toPrecision(2);
+  return fmtNum(v, max < 10 ? 2 : 0);
+}
+
 function row(cells) {
   const tr = el("tr");
   for (const c of cells) {
@@ -68,8 +74,7 @@ function lineChart(svg, xs, series, opts = {}) {
   axis.appendChild(el("svg:line", {x1: pad.l, y1: h - pad.b, x2: w - pad.r, y2: h - pad.b, stroke: "#99a"}));
   axis.appendChild(el("svg:line", {x1: pad.l, y1: pad.t, x2: pad.l, y2: h - pad.b, stroke: "#99a"}));
   for (const f of [0, 0.5, 1]) {
-    axis.appendChild(el("svg:text", {x: pad.l - 4, y: sy(max * f) + 3, "text-anchor": "end"},
-                        fmtNum(max * f, max < 10 ? 2 : 0)));
+    axis.appendChild(el("svg:text", {x: pad.l - 4, y: sy(max * f) + 3, "text-anchor": "end"}, fmtAxis(max * f, max)));
   }
   if (xs.length) {
     for (const x of [x0, x1]) {
@@ -79,6 +84,7 @@ function lineChart(svg, xs, series, opts = {}) {
   }
   svg.appendChild(axis);
   const legend = el("svg:g", {class: "legend"});
+  let lx = pad.l;
   names.forEach((name, i) => {
     const color = COLORS[i % COLORS.length];
     const values = series[name];
@@ -95,10 +101,11 @@ function lineChart(svg, xs, series, opts = {}) {
       });
     }
     svg.appendChild(g);
-    const lx = pad.l + (i % 4) * ((w - pad.l) / 4);
-    const ly = h - 6 - Math.floor(i / 4) * 0;
+    const label = name.length > 22 ? name.slice(0, 21) + "…" : name;
+    const ly = h - 6;
     legend.appendChild(el("svg:rect", {x: lx, y: ly - 8, width: 8, height: 8, fill: color}));
-    legend.appendChild(el("svg:text", {x: lx + 11, y: ly}, name.length > 22 ? name.slice(0, 21) + "…" : name));
+    legend.appendChild(el("svg:text", {x: lx + 11, y: ly}, label));
+    lx += 11 + label.length * 6.5 + 14;
   });
   svg.appendChild(legend);
   if (!names.length) svg.appendChild(el("svg:text", {x: w / 2, y: h / 2, "text-anchor": "middle"}, opts.empty || "no data"));

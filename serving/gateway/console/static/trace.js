@@ -21,13 +21,13 @@ function timeline(svg, t) {
     ["prefill", queued != null ? queued : t0, first, "#3b6fd8"],
     ["decode", first, t.finished_at, "#2f9e5b"],
   ];
-  for (const [name, a, b, color] of segments) {
-    if (a == null || b == null || b < a) continue;
+  segments.forEach(([name, a, b, color], i) => {
+    if (a == null || b == null || b < a) return;
     const g = el("svg:g", {class: "segment", "data-name": name, "data-ms": ((b - a) * 1000).toFixed(1)});
     g.appendChild(el("svg:rect", {x: sx(a), y: 30, width: Math.max(1, sx(b) - sx(a)), height: 26, fill: color}));
-    g.appendChild(el("svg:text", {x: sx(a) + 2, y: 24}, `${name} ${((b - a) * 1000).toFixed(1)} ms`));
+    g.appendChild(el("svg:text", {x: sx(a) + 2, y: i % 2 ? 26 : 14}, `${name} ${((b - a) * 1000).toFixed(1)} ms`));
     svg.appendChild(g);
-  }
+  });
   t.events.forEach((e, i) => {
     const x = sx(e.t);
     const g = el("svg:g", {class: "event", "data-name": e.event});
