@@ -5,11 +5,14 @@ tests/e2e/test_console_browser.py."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
+from serving.gateway.accounts.database import metadata
 from serving.gateway.app import ServedModel, create_app
 from serving.gateway.console.console_auth import COOKIE
 from serving.gateway.services.gateway_services import GatewayServices
@@ -21,9 +24,20 @@ MODEL = "tiny-random"
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def services(tmp_path):
-    s = GatewayServices.open_server(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+POSTGRES_URL = os.environ.get("XLASERVE_TEST_DATABASE_URL")
+
+
+@pytest.fixture(params=["sqlite"] + (["postgresql"] if POSTGRES_URL else []))
+def services(request, tmp_path):
+    """The services over a SQLite file, and over ``XLASERVE_TEST_DATABASE_URL``'s PostgreSQL
+    (its tables dropped first) when that is set (``.ci/run`` sets it)."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    if request.param == "postgresql":
+        url = POSTGRES_URL
+        engine = sa.create_engine(url)
+        metadata.drop_all(engine)
+        engine.dispose()
+    s = GatewayServices.open_server(database_url=url, ledger_spool_dir=str(tmp_path / "spool"))
     yield s
     s.close()
 
