@@ -4,11 +4,11 @@ without, on one server, in one command.
 The server's ledger is filled first with ``--rows-per-minute`` rows a minute over the last
 ``--minutes`` (default 1,000 a minute for an hour: the issue's load), so each overview poll
 reads a full window. Then rounds alternate: N streams each send their next streamed completion
-when their last ends, without a console poller, then with one polling
+when their last ends, for ``--seconds``, without a console poller, then with one polling
 ``GET /console/api/overview`` (per minute, by model) every ``--poll-s`` seconds, as an open
 overview page does, with an admin key. TTFT is the time to the first content chunk.
 
-    python -m benchmarks.console [--model tiny-random] [--streams 4] [--requests 48] [--rounds 3]
+    python -m benchmarks.console [--model tiny-random] [--streams 4] [--seconds 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -57,14 +57,17 @@ def fill(db_url: str, rows_per_minute: int, minutes: int) -> tuple[str, int]:
     return key, n
 
 
-async def closed_loop(url: str, key: str, model: str, streams: int, requests: int, max_tokens: int) -> list[float]:
-    """TTFTs (s) of `requests` streamed completions sent by `streams` closed-loop clients."""
+async def closed_loop(url: str, key: str, model: str, streams: int, seconds: float, max_tokens: int) -> list[float]:
+    """TTFTs (s) of the streamed completions that `streams` closed-loop clients send in `seconds`
+    (each sends its next when its last ends; none starts after `seconds`)."""
     headers = {"Authorization": f"Bearer {key}"}
-    todo = iter(range(requests))
+    deadline = time.perf_counter() + seconds
     ttfts: list[float] = []
+    counter = iter(range(1 << 30))
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        for i in todo:
+        while time.perf_counter() < deadline:
+            i = next(counter)
             body = {"model": model, "prompt": f"Request {i}: the story of a console", "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True}
             r = await send_request(client, f"{url}/v1/completions", body)
@@ -92,13 +95,13 @@ async def poller(url: str, key: str, every_s: float, stop: asyncio.Event, second
 
 
 async def run(url: str, key: str, args) -> dict:
-    await closed_loop(url, key, args.model, args.streams, 2 * args.streams, args.max_tokens)  # warm up
+    await closed_loop(url, key, args.model, args.streams, min(3.0, args.seconds), args.max_tokens)  # warm up
     out = {"without": [], "with": [], "poll_s": []}
     for _ in range(args.rounds):
-        out["without"] += await closed_loop(url, key, args.model, args.streams, args.requests, args.max_tokens)
+        out["without"] += await closed_loop(url, key, args.model, args.streams, args.seconds, args.max_tokens)
         stop = asyncio.Event()
         task = asyncio.create_task(poller(url, key, args.poll_s, stop, out["poll_s"]))
-        out["with"] += await closed_loop(url, key, args.model, args.streams, args.requests, args.max_tokens)
+        out["with"] += await closed_loop(url, key, args.model, args.streams, args.seconds, args.max_tokens)
         stop.set()
         await task
     return out
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--serve-args", default="--max-model-len 512 --max-slots 4 --num-pages 256",
                     help="more `xlaserve serve` flags (default: the tests' tiny server's)")
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=48, help="requests a round, each side")
+    ap.add_argument("--seconds", type=float, default=20.0, help="seconds of closed loop a round, each side")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--poll-s", type=float, default=1.0)

@@ -11,7 +11,9 @@
     PUT  /console/api/tenants/{name}            {rpm, tpm, max_concurrent, models, service_tiers}
     GET  /console/api/audit?limit=&before=
 
-Every list is bounded and paginated with a cursor (``ledger_views.py``, ``key_audit.py``); key and
+The overview of the current window (no ``end``) is reused for :data:`OVERVIEW_TTL_S` seconds
+(``computed_at`` says when it was read); one with ``end`` is read each time. Every list is
+bounded and paginated with a cursor (``ledger_views.py``, ``key_audit.py``); key and
 tenant changes go through :class:`~serving.gateway.accounts.api_keys.KeyStore`, as ``xlaserve keys``
 and ``xlaserve tenants`` do, with the same validation, audited as the admin key's. Errors are in
 OpenAI's JSON shape: 400 for bad parameters or bodies, 401/403 (``console_auth.py``), 404
@@ -35,6 +37,10 @@ from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.console.console_auth import ConsoleAuth
 from serving.gateway.console.ledger_views import BY, MAX_BUCKETS, MAX_PAGE, STEPS, request_page, usage_over_time
 from serving.gateway.http.errors import OpenAIError
+
+OVERVIEW_TTL_S = 5.0
+"""How long an overview of the current window is reused (by every viewer asking for the same
+step, buckets and split): the page refreshes every 5 s, and a poller at 1 Hz computes it once in five."""
 
 ENGINE_FIELDS = ("num_running", "num_waiting", "waiting_prompt_tokens", "kv_cache_usage", "kv_pages_used",
                  "kv_pages_total")
@@ -107,6 +113,8 @@ def install_console_api(app: FastAPI, auth: ConsoleAuth, ledger: Ledger | None, 
             raise OpenAIError("This server keeps no API keys.", status_code=404, code="no_key_store")
         return key_store
 
+    overviews: dict[tuple, tuple[float, dict]] = {}  # (step, buckets, by) -> (monotonic time, body)
+
     async def blocking(fn: Callable[[], Any]) -> Any:
         try:
             return await anyio.to_thread.run_sync(fn)
@@ -121,9 +129,20 @@ def install_console_api(app: FastAPI, auth: ConsoleAuth, ledger: Ledger | None, 
             raise OpenAIError(f"'step' must be one of {', '.join(STEPS)}; got {step!r}.", param="step")
         if by not in BY:
             raise OpenAIError(f"'by' must be one of {', '.join(BY)}; got {by!r}.", param="by")
+        if end is not None and not 0 <= end < 1e11:
+            raise OpenAIError(f"'end' must be Unix seconds; got {end!r}.", param="end")
         engine = need_ledger().engine
-        body = await blocking(lambda: usage_over_time(engine, time.time() if end is None else end,
-                                                      step, buckets, by))
+        cached = overviews.get((step, buckets, by)) if end is None else None
+        if cached is not None and time.monotonic() - cached[0] < OVERVIEW_TTL_S:
+            body = dict(cached[1])
+        else:
+            now = time.time()
+            body = await blocking(lambda: usage_over_time(engine, now if end is None else end, step, buckets, by))
+            body["computed_at"] = now
+            if end is None:
+                if len(overviews) >= 64:
+                    overviews.clear()
+                overviews[(step, buckets, by)] = (time.monotonic(), dict(body))
         body["engines"] = {name: engine_snapshot(s) for name, s in engine_stats().items()}
         return JSONResponse({"object": "console.overview", **body})
 

@@ -93,10 +93,11 @@ def usage_over_time(engine: sa.Engine, end: float, step: str = "minute", buckets
             sa.func.sum(sa.case((t.c.status == "error", 1), else_=0)).label("errors"),
         ).where(window).group_by(b, col)
         grouped = [dict(r) for r in conn.execute(q).mappings()]
+        # Plain DB-API tuples: no SQLAlchemy row objects for up to MAX_LATENCY_SAMPLES rows.
         lat = conn.execute(
             sa.select(t.c.created_at, t.c.ttft_s, t.c.itl_mean_s)
             .where(window, t.c.ttft_s.is_not(None))
-            .order_by(t.c.created_at.desc()).limit(MAX_LATENCY_SAMPLES)).all()
+            .order_by(t.c.created_at.desc()).limit(MAX_LATENCY_SAMPLES)).cursor.fetchall()
     # The groups with the most requests keep their own series; the rest are "other".
     per_group: dict[str, int] = {}
     for r in grouped:
@@ -119,12 +120,11 @@ def usage_over_time(engine: sa.Engine, end: float, step: str = "minute", buckets
     ttft: list[list[float]] = [[] for _ in starts]
     itl: list[list[float]] = [[] for _ in starts]
     for created, ttft_s, itl_s in lat:
-        i = index.get(int(created // width) * width)
-        if i is None:
-            continue
-        ttft[i].append(ttft_s)
-        if itl_s is not None:
-            itl[i].append(itl_s)
+        i = int(created // width) - start // width
+        if 0 <= i < buckets:
+            ttft[i].append(ttft_s)
+            if itl_s is not None:
+                itl[i].append(itl_s)
     latency: dict[str, list | int] = {"samples": len(lat)}
     for name, values in (("ttft", ttft), ("itl", itl)):
         for v in values:

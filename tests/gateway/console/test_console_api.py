@@ -140,8 +140,22 @@ async def test_overview_sums_equal_the_ledgers(client, keys, services):
     assert r.json()["totals"]["requests"] == len(rows) and len(r.json()["buckets"]) == 2
 
 
+async def test_the_current_windows_overview_is_reused_for_a_few_seconds(client, keys, services):
+    fill_ledger(services.ledger, time.time(), n=3)
+    first = (await client.get("/console/api/overview", headers=bearer(keys["admin"]))).json()
+    assert first["totals"]["requests"] == 3
+    fill_ledger(services.ledger, time.time(), n=4)  # 4 more (their ids overlap: 1 new row)
+    again = (await client.get("/console/api/overview", headers=bearer(keys["admin"]))).json()
+    assert again["computed_at"] == first["computed_at"] and again["totals"] == first["totals"]
+    fresh = (await client.get("/console/api/overview", params={"end": time.time()}, headers=bearer(keys["admin"]))).json()
+    assert fresh["totals"]["requests"] == 4
+    other = (await client.get("/console/api/overview", params={"by": "tenant"}, headers=bearer(keys["admin"]))).json()
+    assert other["totals"]["requests"] == 4 and other["computed_at"] > first["computed_at"]
+
+
 @pytest.mark.parametrize("params, param", [({"step": "week"}, "step"), ({"by": "colour"}, "by"),
-                                           ({"buckets": 501}, "buckets"), ({"buckets": 0}, "buckets")])
+                                           ({"buckets": 501}, "buckets"), ({"buckets": 0}, "buckets"),
+                                           ({"end": "nan"}, "end"), ({"end": "inf"}, "end")])
 async def test_overview_refuses_bad_parameters(client, keys, params, param):
     r = await client.get("/console/api/overview", params=params, headers=bearer(keys["admin"]))
     err = assert_openai_error(r, 400)

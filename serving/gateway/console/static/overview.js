@@ -28,7 +28,7 @@ async function refresh() {
     return;
   }
   document.getElementById("window").textContent =
-    `${fmtTime(body.start)} – ${fmtTime(body.end)} UTC, ${body.latency.samples} latency samples`;
+    `${fmtTime(body.start)} – ${fmtTime(body.end)} UTC, ${body.latency.samples} latency samples, read ${fmtTime(body.computed_at).slice(11)}`;
   for (const m of METRICS) {
     const v = body.totals[m];
     const node = document.getElementById("total-" + m);
