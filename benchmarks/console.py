@@ -73,7 +73,8 @@ async def closed_loop(url: str, key: str, model: str, streams: int, seconds: flo
             r = await send_request(client, f"{url}/v1/completions", body)
             if r.error:
                 raise RuntimeError(r.error)
-            ttfts.append(r.ttft)
+            if r.ttft is not None:  # None: no token of it decoded to text (the tiny model's random ids)
+                ttfts.append(r.ttft)
 
     async with httpx.AsyncClient(timeout=600, headers=headers) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(streams)))
