@@ -35,7 +35,7 @@ from serving.gateway.accounts.api_keys import KeyInfo, KeyStore, Limits, Princip
 from serving.gateway.accounts.key_audit import MAX_AUDIT_PAGE, audit_page
 from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.console.console_auth import ConsoleAuth
-from serving.gateway.console.ledger_views import BY, MAX_BUCKETS, MAX_PAGE, STEPS, request_page, usage_over_time
+from serving.gateway.console.ledger_views import BY, MAX_BUCKETS, MAX_PAGE, STEPS, OverviewReader, request_page
 from serving.gateway.http.errors import OpenAIError
 
 OVERVIEW_TTL_S = 5.0
@@ -114,6 +114,7 @@ def install_console_api(app: FastAPI, auth: ConsoleAuth, ledger: Ledger | None, 
         return key_store
 
     overviews: dict[tuple, tuple[float, dict]] = {}  # (step, buckets, by) -> (monotonic time, body)
+    reader = OverviewReader(ledger.engine) if ledger is not None else None
 
     async def blocking(fn: Callable[[], Any]) -> Any:
         try:
@@ -131,13 +132,13 @@ def install_console_api(app: FastAPI, auth: ConsoleAuth, ledger: Ledger | None, 
             raise OpenAIError(f"'by' must be one of {', '.join(BY)}; got {by!r}.", param="by")
         if end is not None and not 0 <= end < 1e11:
             raise OpenAIError(f"'end' must be Unix seconds; got {end!r}.", param="end")
-        engine = need_ledger().engine
+        need_ledger()
         cached = overviews.get((step, buckets, by)) if end is None else None
         if cached is not None and time.monotonic() - cached[0] < OVERVIEW_TTL_S:
             body = dict(cached[1])
         else:
             now = time.time()
-            body = await blocking(lambda: usage_over_time(engine, now if end is None else end, step, buckets, by))
+            body = await blocking(lambda: reader.read(now if end is None else end, step, buckets, by, now=now))
             body["computed_at"] = now
             if end is None:
                 if len(overviews) >= 64:
