@@ -74,6 +74,7 @@ def page(console):
         tab.fill("#key", console["user"])  # not an admin's: refused, and the form says why
         tab.click("button[type=submit]")
         tab.wait_for_function("document.getElementById('message').textContent.includes('admin API key')")
+        shot(tab, console, "login")
         tab.fill("#key", console["admin"])
         with tab.expect_navigation():
             tab.click("button[type=submit]")
@@ -102,10 +103,12 @@ def test_overview_shows_the_ledgers_numbers(page, console):
     assert dict(drawn) == {m: sum(r["model"] == m for r in console["rows"]) for m in {r["model"] for r in console["rows"]}}
     assert page.locator("#chart-completion_tokens path").count() == 2
     assert page.locator("#chart-ttft g.series").count() == 3  # p50, p90, p99
+    tenants = sorted({r["tenant"] for r in console["rows"]})
     page.select_option("#by", "tenant")
-    page.wait_for_function("document.body.dataset.loaded >= '2'")
-    tenants = page.eval_on_selector_all("#chart-requests g.series", "gs => gs.map(g => g.dataset.name)")
-    assert sorted(tenants) == sorted({r["tenant"] for r in console["rows"]})
+    page.wait_for_function("names => [...document.querySelectorAll('#chart-requests g.series')]"
+                           ".every(g => names.includes(g.dataset.name))", arg=tenants)
+    drawn = page.eval_on_selector_all("#chart-requests g.series", "gs => gs.map(g => g.dataset.name)")
+    assert sorted(drawn) == tenants
     shot(page, console, "overview")
 
 
@@ -151,7 +154,8 @@ def test_a_key_created_and_revoked_in_the_console(page, console):
 
 
 def test_the_playground_streams_a_reply_and_links_its_trace(page, console):
-    page.click("nav >> text=Playground")
+    with page.expect_navigation(wait_until="load"):  # its script has run (DOMContentLoaded) by then
+        page.click("nav >> text=Playground")
     assert page.input_value("#api-key") == console["admin"]  # kept by the login form for /v1
     page.fill("#message", "Say something")
     page.fill("#max_tokens", "8")
