@@ -126,6 +126,8 @@ def test_a_requests_trace_opens_from_the_list(page, console):
     assert segments == ["queued", "prefill", "decode"]
     events = page.eval_on_selector_all("#timeline g.event", "gs => gs.map(g => g.dataset.name)")
     assert events == ["admitted", "engine_admitted", "first_token", "finished"]
+    hops = page.eval_on_selector_all("#timeline g.hop", "gs => gs.map(g => [g.dataset.name, g.dataset.note])")
+    assert hops == [["http://replica-9:9000", "overloaded"], ["http://replica-0:9000", "served"]]
     row = next(r for r in console["rows"] if r["request_id"] == "chatcmpl-fill0002")
     assert page.inner_text("#usage").count(str(row["prompt_tokens"])) >= 1
     assert "http://replica-0:9000" in page.inner_text("#routing")

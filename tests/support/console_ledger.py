@@ -26,7 +26,9 @@ def fill_ledger(ledger: Ledger, now: float, n: int = 30, spacing_s: float = 50.0
                                     {"t": created + ttft, "event": "first_token"},
                                     {"t": created + ttft + 0.05, "event": "finished", "status": status,
                                      "finish_reason": "length"}],
-                         "replica": f"http://replica-{i % 2}:9000", "region": "eu-west"}}
+                         "replica": f"http://replica-{i % 2}:9000", "region": "eu-west",
+                         "replica_retries": [{"replica": "http://replica-9:9000", "region": "us-east",
+                                              "reason": "overloaded", "error": "queue full"}] if i == 2 else []}}
         done = {"status": status, "finish_reason": "length" if status == "ok" else None,
                 "error": "engine failed" if status == "error" else None,
                 "first_token_at": created + ttft, "finished_at": created + ttft + 0.05,

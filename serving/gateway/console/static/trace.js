@@ -32,8 +32,21 @@ function timeline(svg, t) {
     const x = sx(e.t);
     const g = el("svg:g", {class: "event", "data-name": e.event});
     g.appendChild(el("svg:line", {x1: x, y1: 60, x2: x, y2: 76, stroke: "#1d2330"}));
-    g.appendChild(el("svg:text", {x, y: 88 + (i % 4) * 12, "text-anchor": "middle"}, e.event));
+    const anchor = x < pad + 40 ? "start" : x > w - pad - 40 ? "end" : "middle";
+    g.appendChild(el("svg:text", {x, y: 88 + (i % 4) * 12, "text-anchor": anchor}, e.event));
     svg.appendChild(g);
+  });
+  // The replicas it went through: those a router left (and why), then the one(s) that served it.
+  const hops = (t.replica_retries || []).map((r) => ({name: r.replica, note: r.reason, left: true}));
+  if (t.prefill_replica) hops.push({name: t.prefill_replica, note: "prefill"});
+  if (t.decode_replica || t.replica) hops.push({name: t.decode_replica || t.replica, note: t.prefill_replica ? "decode" : "served"});
+  let hx = pad;
+  hops.forEach((hop, i) => {
+    const label = `${i ? "→ " : "replicas: "}${hop.name} (${hop.note})`;
+    const g = el("svg:g", {class: "hop", "data-name": hop.name, "data-note": hop.note});
+    g.appendChild(el("svg:text", {x: hx, y: h - 18, fill: hop.left ? "#b00020" : "#17803d"}, label));
+    svg.appendChild(g);
+    hx += label.length * 5.6 + 8;
   });
   svg.appendChild(el("svg:text", {x: pad, y: h - 4}, "0 ms"));
   svg.appendChild(el("svg:text", {x: w - pad, y: h - 4, "text-anchor": "end"}, `${((end - t0) * 1000).toFixed(1)} ms`));
