@@ -201,6 +201,10 @@ async def test_keys_are_created_and_revoked_through_the_key_store_and_audited(cl
     assert "service tiers must be among" in r.json()["error"]["message"]
     r = await client.post("/console/api/keys", json={"tenant": "", "rpm": 0}, headers=admin)
     assert_openai_error(r, 400)
+    # Only a JSON body is taken (what a cross-site form cannot send).
+    r = await client.post("/console/api/keys", content='{"tenant": "acme"}',
+                          headers={**admin, "Content-Type": "text/plain"})
+    assert_openai_error(r, 400)
     r = await client.post(f"/console/api/keys/{new['key_id']}/revoke", headers=admin)
     assert r.status_code == 200
     r = await client.post("/v1/chat/completions", json=chat, headers=bearer(new["key"]))
