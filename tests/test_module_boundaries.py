@@ -83,6 +83,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "serving.gateway.rerank": GATEWAY_BASE | {"serving.gateway.http", "serving.gateway.accounts",
                                               "serving.gateway.services", "serving.gateway.schema",
                                               "serving.gateway.openai"},
+    "serving.gateway.console": {"serving.contract", "serving.gateway.http", "serving.gateway.accounts"},
     "serving.gateway.batch": GATEWAY_BASE | {"serving.gateway.http", "serving.gateway.accounts",
                                              "serving.gateway.openai"},
     "serving.gateway": GATEWAY_BASE | {"serving.gateway.*"},

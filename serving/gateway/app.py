@@ -63,6 +63,7 @@ from serving.gateway.anthropic.anthropic_errors import AnthropicErrorMiddleware,
 from serving.gateway.anthropic.messages_api import install_messages_api
 from serving.gateway.anthropic.messages_events import MessageStreamEvent
 from serving.gateway.anthropic.messages_protocol import CountTokensRequest, MessagesRequest
+from serving.gateway.console.console_app import install_console
 from serving.gateway.rerank.rerank_api import RERANK_PATHS, SCORE_PATHS, install_rerank_api
 from serving.gateway.rerank.rerank_protocol import RerankRequest, ScoreRequest
 from serving.gateway.batch.batch_runner import BatchSettings, install_batch_api
@@ -358,6 +359,10 @@ def create_app(models: Mapping[str, ServedModel], services: GatewayServices | No
             raise OpenAIError(f"No request with id {request_id!r}.", status_code=404,
                               param="request_id", code="request_not_found")
         return JSONResponse(_trace_body(row))
+
+    install_console(app, services.authenticator, services.ledger, list(models),
+                    lambda: {name: getattr(m.engine, "stats", None) for name, m in serving.models.items()},
+                    _trace_body)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text format."}})

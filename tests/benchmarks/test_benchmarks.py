@@ -216,3 +216,18 @@ def test_lora_benchmark_writes_adapters_the_server_reads(tmp_path):
     write_random_adapter(tmp_path / "a", cfg, rank=4, seed=0)
     adapter = read_peft_adapter(tmp_path / "a", cfg, max_rank=4)
     assert adapter.rank == 4 and set(adapter.weights) == set(TARGETS.values()) and adapter.scaling == 2.0
+
+
+def test_console_benchmark_runs_on_the_tiny_model(tmp_path):
+    """Both sides of the console benchmark run over a filled ledger and report TTFT percentiles
+    and the overview polls' latency (the tests' tiny server's shapes, ``--skip-warmup``)."""
+    from benchmarks import console
+
+    out = console.main([
+        "--serve-args", "--max-model-len 512 --max-slots 4 --num-pages 256 --skip-warmup",
+        "--streams", "2", "--seconds", "1", "--rounds", "1", "--max-tokens", "4", "--rows-per-minute", "50",
+        "--minutes", "2", "--json", str(tmp_path / "out.json")])
+    assert out["without"]["requests"] > 0 and out["with"]["requests"] > 0
+    assert 0 < out["without"]["ttft_p50_s"] <= out["without"]["ttft_p99_s"]
+    assert out["polls"]["count"] >= 1 and out["polls"]["p50_s"] > 0
+    assert json.loads((tmp_path / "out.json").read_text())["args"]["rows_per_minute"] == 50

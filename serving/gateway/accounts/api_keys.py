@@ -21,7 +21,8 @@ from typing import Sequence
 
 import sqlalchemy as sa
 
-from serving.gateway.accounts.database import api_keys, tenants
+from serving.gateway.accounts.database import api_keys, cursor_page, tenants
+from serving.gateway.accounts.key_audit import CLI_ACTOR, record_audit
 
 KEY_PREFIX = "xls-"
 
@@ -116,8 +117,10 @@ class KeyStore:
     # -- tenants ---------------------------------------------------------------
 
     def set_tenant(self, name: str, limits: Limits = Limits(),
-                   models: Sequence[str] | None = None, service_tiers: Sequence[str] | None = None) -> None:
-        """Creates or replaces tenant `name`'s limits, model and service-tier allow-lists.
+                   models: Sequence[str] | None = None, service_tiers: Sequence[str] | None = None,
+                   actor: str = CLI_ACTOR) -> None:
+        """Creates or replaces tenant `name`'s limits, model and service-tier allow-lists,
+        recorded in the audit trail as `actor`'s (``key_audit.py``).
 
         Raises:
           ValueError: an empty name, or a tier that is not default, flex or priority.
@@ -131,6 +134,10 @@ class KeyStore:
             updated = conn.execute(tenants.update().where(tenants.c.name == name).values(**values))
             if updated.rowcount == 0:
                 conn.execute(tenants.insert().values(name=name, created_at=time.time(), **values))
+            record_audit(conn, actor, "tenant.set", name, {
+                "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
+                "models": None if models is None else sorted(models),
+                "service_tiers": None if service_tiers is None else sorted(set(service_tiers))})
 
     def tenant(self, name: str) -> tuple[Limits, frozenset[str] | None]:
         """(limits, model allow-list or None) of tenant `name`; unlimited if never set."""
@@ -146,11 +153,13 @@ class KeyStore:
     # -- keys ------------------------------------------------------------------
 
     def create_key(self, tenant: str, name: str | None = None, limits: Limits = Limits(),
-                   is_admin: bool = False, service_tiers: Sequence[str] | None = None) -> tuple[str, KeyInfo]:
+                   is_admin: bool = False, service_tiers: Sequence[str] | None = None,
+                   actor: str = CLI_ACTOR) -> tuple[str, KeyInfo]:
         """Creates a key for `tenant`. Returns (the key's text, shown only now; its info).
 
         Args:
           service_tiers: the tiers this key may ask for (None: all the tenant allows).
+          actor: who creates it, for the audit trail (an admin key's id, or "cli").
 
         Raises:
           ValueError: empty tenant name, or a tier that is not default, flex or priority.
@@ -169,6 +178,10 @@ class KeyStore:
                 key_prefix=info.key_prefix, is_admin=is_admin, rpm=limits.rpm, tpm=limits.tpm,
                 max_concurrent=limits.max_concurrent, created_at=info.created_at,
                 service_tiers=tiers_json))
+            record_audit(conn, actor, "key.create", info.key_id, {
+                "tenant": tenant, "name": name, "key_prefix": info.key_prefix, "is_admin": is_admin,
+                "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
+                "service_tiers": None if service_tiers is None else sorted(set(service_tiers))})
         return key, info
 
     def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
@@ -178,12 +191,31 @@ class KeyStore:
         with self.engine.connect() as conn:
             return [_key_info(r) for r in conn.execute(q).mappings()]
 
-    def revoke(self, key_id: str) -> bool:
-        """Revokes key `key_id`. Returns False if there is no such active key."""
+    def list_keys_page(self, tenant: str | None = None, limit: int = 50,
+                       after: str | None = None) -> tuple[list[KeyInfo], bool]:
+        """One page of keys (of `tenant`), newest first.
+
+        Args:
+          limit: keys wanted (the caller bounds it).
+          after: the last key id of the previous page (None: the first page).
+
+        Returns:
+          (keys, whether more follow).
+        """
+        where = sa.true() if tenant is None else api_keys.c.tenant == tenant
+        with self.engine.connect() as conn:
+            rows, more = cursor_page(conn, api_keys, "key_id", where, limit, after)
+        return [_key_info(r) for r in rows], more
+
+    def revoke(self, key_id: str, actor: str = CLI_ACTOR) -> bool:
+        """Revokes key `key_id`, recorded in the audit trail as `actor`'s. Returns False if there
+        is no such active key (nothing recorded then)."""
         with self.engine.begin() as conn:
             res = conn.execute(api_keys.update()
                                .where(api_keys.c.key_id == key_id, api_keys.c.revoked_at.is_(None))
                                .values(revoked_at=time.time()))
+            if res.rowcount > 0:
+                record_audit(conn, actor, "key.revoke", key_id)
         return res.rowcount > 0
 
     def has_keys(self) -> bool:

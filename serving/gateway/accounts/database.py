@@ -29,6 +29,9 @@ Tables::
     responses response_id* | tenant | model | created_at | previous_response_id
               | response (JSON: the response object) | history (JSON: the conversation's
               chat messages, this response's output included)
+    audit     audit_id* | at | actor | action | target | details (JSON): who changed a key or a
+              tenant, when and how (``key_audit.py``; written by ``xlaserve keys`` / ``tenants``
+              and by the console)
 
 Times are Unix seconds (float); durations are seconds; ``day`` is the UTC date
 of ``created_at`` ("YYYY-MM-DD"), kept for grouping. A ``requests`` row is
@@ -179,6 +182,17 @@ responses = sa.Table(
     sa.Column("previous_response_id", sa.String(128), nullable=True),
     sa.Column("response", sa.Text, nullable=False),
     sa.Column("history", sa.Text, nullable=False),
+)
+
+
+audit = sa.Table(
+    "audit", metadata,
+    sa.Column("audit_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("at", sa.Float, nullable=False, index=True),
+    sa.Column("actor", sa.String(64), nullable=False),
+    sa.Column("action", sa.String(32), nullable=False),
+    sa.Column("target", sa.String(128), nullable=False),
+    sa.Column("details", sa.Text, nullable=True),
 )
 
 
