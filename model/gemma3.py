@@ -62,6 +62,7 @@ from model.layers import (
     with_lora,
 )
 from model.lora import LoraInputs
+from model.random_weights import RandomWeights
 
 __all__ = ["Gemma3", "KVCache", "apply_rope", "init_random_params", "rms_norm"]
 
@@ -266,16 +267,14 @@ class Gemma3(nnx.Module):
 def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:
     """Random weights in the Gemma3 layout (float32), for tests and benchmarks.
 
-    Scaled so activations stay O(1) through the stack (normal / sqrt(fan_in)).
+    Scaled so activations stay O(1) through the stack (normal / sqrt(fan_in)); drawn on the
+    host (``model.random_weights``).
     """
     L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
 
-    def normal(shape, fan_in):
-        return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
-
-    def norm_scale(shape):
-        return 1.0 + 0.1 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    draw = RandomWeights(rngs)  # on the host: no XLA program per shape
+    normal, norm_scale = draw.normal, draw.norm_scale
 
     out = {
         "embed": normal((V, D), D),

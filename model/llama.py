@@ -32,7 +32,6 @@ of its own (the MoE layer runs expert-parallel over the mesh axes that
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,7 @@ from model.layers import (
 )
 from model.lora import LoraInputs
 from model.moe import moe_ffn
+from model.random_weights import RandomWeights
 
 
 def param_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
@@ -231,13 +231,15 @@ class Llama(nnx.Module):
 
 
 def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:
-    """Random float32 weights in :func:`param_layout` (normal / sqrt(fan_in); norms near 1)."""
+    """Random float32 weights in :func:`param_layout` (normal / sqrt(fan_in); norms near 1),
+    drawn on the host (``model.random_weights``)."""
+    draw = RandomWeights(rngs)
     out = {}
     for name, (shape, _) in param_layout(cfg).items():
         if name.endswith("norm"):
-            out[name] = 1.0 + 0.1 * jax.random.normal(rngs.params(), shape, jnp.float32)
+            out[name] = draw.norm_scale(shape)
             continue
         fan_in = {"wo": cfg.num_heads * cfg.head_dim, "embed": cfg.hidden_size}.get(
             name, shape[-2] if name not in ("wq", "wk", "wv") else cfg.hidden_size)
-        out[name] = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+        out[name] = draw.normal(shape, fan_in)
     return out
