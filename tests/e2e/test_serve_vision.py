@@ -22,7 +22,7 @@ from tests.support.server_process import serve_process
 
 MODEL_NAME = "tiny-gemma3-vision"
 SERVER_ARGS = ["--max-model-len", "128", "--max-slots", "2", "--num-pages", "32", "--page-size", "8",
-               "--prefill-chunk", "32", "--dtype", "float32"]
+               "--prefill-chunk", "32", "--dtype", "float32", "--skip-warmup"]
 
 
 def data_url(name: str) -> str:
