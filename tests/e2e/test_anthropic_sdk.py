@@ -5,8 +5,8 @@ request, each with Anthropic's error shape and status; every request's ledger ro
 
 The session's shared server (``tiny_server``: ``TINY_SERVER_ARGS``, no new compiled
 shapes); the tiny random model has no vision tower, so an image block gets the
-Anthropic-shaped 400 (images reach the model in tests/gateway/test_gateway_images.py
-and tests/e2e/test_serve_vision.py through the same chat path).
+Anthropic-shaped 400; the SDK's image blocks on a vision model are in
+tests/e2e/test_serve_vision.py (its server: the same answer and prompt as the chat route's).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 picks rerank from its config.json), over httpx: rerank and score equal CrossEncoder's scores within
 1e-4 on every alias, ``top_n`` / ``return_documents``, bad requests get OpenAI's error shape, a
 rerank of 64 documents shares steps (the loop logs each request's step count), each request is
-metered with a trace, and the Batch API runs /v1/rerank and /v1/score lines. One server for the file."""
+metered with a trace, and the Batch API runs /v1/rerank and /v1/score lines. A second server,
+``--task rerank`` over the tiny Qwen3 decoder scored by its yes / no tokens (Qwen3-Reranker's
+recipe), answers the same routes with the reference scores within 1e-4."""
 
 from __future__ import annotations
 
@@ -121,3 +123,49 @@ def test_batch_api_runs_rerank_and_score_lines(server):
         outputs[line["custom_id"]] = json.loads(out.splitlines()[0])["response"]
     assert outputs["r"]["status_code"] == 200 and len(outputs["r"]["body"]["results"]) == 2
     assert outputs["s"]["status_code"] == 200 and outputs["s"]["body"]["data"][0]["object"] == "score"
+
+
+DECODER = "qwen3_rerank"
+
+
+@pytest.fixture(scope="module")
+def decoder_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-rerank-decoder") / "server.log"
+    args = ["--model", str(RERANK_TINY / DECODER), "--task", "rerank", "--dtype", "float32", "--max-model-len", "128",
+            "--embed-max-batch", "4", "--embed-max-batch-tokens", "512", "--skip-warmup"]
+    with serve_process(args, log, log_level="INFO") as (_, url, f):
+        with httpx.Client(base_url=url, timeout=120) as client:
+            yield client, f
+
+
+def test_a_decoder_reranker_matches_its_reference_over_http(decoder_server):
+    client, log = decoder_server
+    g = golden(DECODER)
+    query = g["pairs"][0][0]
+    docs = [d for q, d in g["pairs"] if q == query]
+    want = g["scores"][:len(docs)]
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r = client.post(path, json={"model": DECODER, "query": query, "documents": [{"text": d} for d in docs],
+                                    "return_documents": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [x["index"] for x in body["results"]] == sorted(range(len(docs)), key=lambda i: -want[i])
+        assert all(abs(x["relevance_score"] - want[x["index"]]) < 1e-4 for x in body["results"]), body
+        assert all(x["document"] == {"text": docs[x["index"]]} for x in body["results"])
+        assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in g["token_ids"][:len(docs)])
+    top = client.post("/v1/rerank", json={"model": DECODER, "query": query, "documents": docs, "top_n": 1}).json()
+    assert [x["index"] for x in top["results"]] == [max(range(len(docs)), key=lambda i: want[i])]
+    for path in ("/v1/score", "/score"):
+        r = client.post(path, json={"model": DECODER, "text_1": [p[0] for p in g["pairs"]],
+                                    "text_2": [p[1] for p in g["pairs"]]})
+        assert r.status_code == 200, r.text
+        assert max(abs(d["score"] - s) for d, s in zip(r.json()["data"], g["scores"])) < 1e-4
+    log.flush()
+    steps = [int(m) for m in re.findall(r": 7 inputs done in (\d+) steps", open(log.name).read())]
+    assert steps == [2, 2], steps  # --embed-max-batch 4
+    for body, path, code in (({"model": DECODER, "query": query, "documents": ["the " * 70]}, "/v1/rerank",
+                              "context_length_exceeded"),
+                             ({"model": DECODER, "messages": [{"role": "user", "content": "hi"}]},
+                              "/v1/chat/completions", "model_not_supported")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text

@@ -2,11 +2,17 @@
 (tests/data/hf_tiny/gemma3_vision with a character tokenizer and Gemma 3's chat template,
 tests/support/hf_dir_fixtures.py), and the official ``openai`` client sending a data-URL image:
 an answer, the image's soft tokens in ``prompt_tokens``, the same image again served from the
-prefix cache, another image not; a broken image gets a 400 naming its content part."""
+prefix cache, another image not; a broken image gets a 400 naming its content part. The official
+``anthropic`` client sends the same images as Messages API image blocks (a base64 source, and a
+URL source held to the same rules): greedy, the same answer and prompt as the chat route's,
+plain and streamed; ``count_tokens`` counts the soft tokens; bad images get Anthropic's error."""
 
 from __future__ import annotations
 
 import base64
+
+import anthropic
+import httpx
 import openai
 import pytest
 
@@ -16,7 +22,7 @@ from tests.support.server_process import serve_process
 
 MODEL_NAME = "tiny-gemma3-vision"
 SERVER_ARGS = ["--max-model-len", "128", "--max-slots", "2", "--num-pages", "32", "--page-size", "8",
-               "--prefill-chunk", "32", "--dtype", "float32"]
+               "--prefill-chunk", "32", "--dtype", "float32", "--skip-warmup"]
 
 
 def data_url(name: str) -> str:
@@ -72,3 +78,47 @@ def test_remote_image_urls_are_refused_by_default(server):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "https://example.com/cat.png")
     assert e.value.body["code"] == "image_url_not_allowed"
+
+
+def anthropic_image(name: str) -> dict:
+    data = base64.b64encode((DATA / "gemma3_vision" / name).read_bytes()).decode()
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+
+def test_anthropic_client_sends_an_image_as_chat_does(server):
+    chat = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=120)
+    for name in ("image_a.png", "image_b.png"):
+        want = ask(chat, data_url(name))
+        content = [{"type": "text", "text": "Describe the picture."}, anthropic_image(name)]
+        body = dict(model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": content}])
+        m = client.messages.create(**body, extra_body={"temperature": 0})
+        # the chat's prompt (its token ids and the image's digest): every full page from the prefix cache
+        prompt = want.usage.prompt_tokens
+        assert (m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.cache_read_input_tokens) == (
+            prompt, (prompt - 1) // 8 * 8)
+        assert m.stop_reason == "max_tokens" and m.usage.output_tokens == want.usage.completion_tokens == 4
+        # the same greedy answer (whitespace alone opens no text block: messages_events.py)
+        answer = want.choices[0].message.content
+        assert "".join(b.text for b in m.content if b.type == "text") == (answer if answer.strip() else "")
+        row = httpx.get(f"{server}/v1/requests/{m.id}").json()
+        assert row["usage"]["prompt_tokens"] == prompt, row
+        assert [(e["count"], e["soft_tokens"]) for e in row["events"] if e["event"] == "images"] == [(1, 16)], row
+        assert client.messages.count_tokens(model=MODEL_NAME, messages=body["messages"]).input_tokens == prompt
+        with client.messages.stream(**body, extra_body={"temperature": 0}) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert text == "".join(b.text for b in m.content if b.type == "text")
+        assert final.usage.output_tokens == 4 and final.usage.cache_read_input_tokens == (prompt - 1) // 8 * 8
+
+    broken = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": base64.b64encode(b"not an image").decode()}}
+    remote = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    for block in (broken, remote):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL_NAME, max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "Describe the picture."}, block]}])
+        assert e.value.status_code == 400 and e.value.body["type"] == "error"
+        assert e.value.body["error"]["type"] == "invalid_request_error"
+        assert "messages[0].content[1]" in e.value.body["error"]["message"], e.value.body
+    assert "example.com" in e.value.body["error"]["message"]

@@ -3,7 +3,8 @@ checkpoint (tests/data/hf_tiny/gemma3_vision, a character tokenizer with Gemma's
 and Gemma 3's chat template: tests/support/hf_dir_fixtures.py): data-URL images answered, their
 soft tokens in ``prompt_tokens``, the images counted and priced in the ledger; every bad image
 refused with a 400 naming its content part while a good request next to it is served as alone;
-remote URLs refused unless their host is allowed, then fetched with a size cap."""
+remote URLs refused unless their host is allowed, then fetched with a size cap; the Messages
+API's image blocks (a base64 source, a URL source fetched) give the chat request's prompt and answer."""
 
 from __future__ import annotations
 
@@ -166,6 +167,70 @@ async def test_responses_api_input_image(app_services):
     assert ok.json()["usage"]["input_tokens"] == chat_ok.json()["usage"]["prompt_tokens"]
     err = assert_openai_error(bad, 400, param="input[0].content[1]", code="invalid_image")
     assert err["message"].startswith("input[0].content[1]: ")
+
+
+async def test_anthropic_image_blocks_base64_and_a_fetched_url(served, tmp_path, monkeypatch):
+    """Messages API image blocks reach the model as chat's parts do: a base64 source and a URL
+    source (fetched from an allowed host; here a loopback server, the public-address check
+    lifted for it) give the chat request's prompt, its prefix-cache pages and its answer."""
+    import http.server
+    import threading
+
+    from serving.gateway.media import image_input
+
+    loop, tok = served
+    png = (IMAGES / "image_a.png").read_bytes()
+    hosts = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            hosts.append((self.headers["Host"], self.path))
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    async def resolve(host, port):
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(image_input, "resolve_host", resolve)
+    monkeypatch.setattr(image_input, "is_public_address", lambda address: True)
+    services = GatewayServices.open_server(database_url=f"sqlite:///{tmp_path / 'ledger.db'}")
+    app = create_app({MODEL: ServedModel(MODEL, loop, tok, loop.max_model_len,
+                                         kv_capacity_tokens=loop.kv_capacity_tokens)}, services,
+                     GatewayLimits(media=MediaLimits(allowed_media_domains=("img.test",))))
+    url = f"http://img.test:{httpd.server_address[1]}/a.png"
+    sources = [{"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()},
+               {"type": "url", "url": url}]
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            want = (await c.post("/v1/chat/completions", json=chat(TEXT, data_url(png), max_tokens=4))).json()
+            got = []
+            for source in sources:
+                r = await c.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "temperature": 0,
+                                                       "messages": [{"role": "user", "content": [
+                                                           TEXT, {"type": "image", "source": source}]}]})
+                assert r.status_code == 200, r.text
+                got.append(r.json())
+    finally:
+        httpd.shutdown()
+        services.close()
+    assert hosts == [(url.removeprefix("http://").removesuffix("/a.png"), "/a.png")]  # fetched once, by name
+    prompt, answer = want["usage"]["prompt_tokens"], want["choices"][0]["message"]["content"]
+    for m in got:
+        u = m["usage"]
+        # the chat's token ids and image digest: every full page read from the prefix cache
+        assert (u["input_tokens"] + u["cache_read_input_tokens"], u["cache_read_input_tokens"]) == (
+            prompt, (prompt - 1) // 8 * 8)
+        assert u["output_tokens"] == want["usage"]["completion_tokens"] == 4 and m["stop_reason"] == "max_tokens"
+        assert "".join(b["text"] for b in m["content"]) == (answer if answer.strip() else "")
 
 
 def _big_flat_png() -> bytes:
