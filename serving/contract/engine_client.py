@@ -87,6 +87,9 @@ class SamplingParams:
         alternatives, on the first event (``TokenEvent.prompt_logprobs``).
         The prompt is computed in full (no prefix-cache hit).
       structured_output: constrain the output (None: free text).
+      num_speculative_tokens: speculative decoding's drafts for this request (vLLM-style
+        per-request cap): None, the server's K; 0, none (it decodes plainly: e.g. seeded
+        temperature output exactly as without speculation); n, at most n per step.
     """
 
     max_tokens: int = 16
@@ -105,6 +108,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    num_speculative_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -309,7 +309,9 @@ class EngineLoop:
             max_tokens=s.max_tokens, stop_token_ids=stop_ids,
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
-            parent_id=request.parent_id, speculate=matcher is None and request.lora_name is None,
+            parent_id=request.parent_id,
+            speculate=matcher is None and request.lora_name is None and s.num_speculative_tokens != 0,
+            max_drafts=s.num_speculative_tokens,
             images=tuple((im.start, im.end, im.digest) for im in request.images))
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
                         matcher=matcher, armed_by=None if matcher is None else s.structured_output.after_token_id)

@@ -89,7 +89,8 @@ member (the *source*) instead of computing it::
 Speculative decoding (``serving.core.sched.speculative``, when the scheduler has a
 :class:`~serving.config.speculative_config.SpeculativeConfig`): while at most ``max_batch``
 requests run, a decode row whose tokens the host knows (none in flight: the
-engine loop reads back before such a step) gets up to K n-gram drafts, and
+engine loop reads back before such a step) gets up to K n-gram drafts (with a draft model, K
+placeholder ids that the engine's draft steps replace on the device), and
 pages for them too (taken only when free: a draft never preempts). If any row
 of the step has drafts, every row that may speculate goes into the step's
 verify rows (``StepPlan.verify``, some with no drafts); the others stay decode
@@ -272,9 +273,12 @@ class Scheduler:
         """A decode row's n-gram drafts (() when it cannot speculate now), at most the
         tokens it may still generate minus one and what the budget leaves the other rows."""
         spec = self.speculative
-        k = min(spec.num_tokens, req.max_tokens - req.num_generated - 1, budget - len(self.running))
+        k = min(spec.num_tokens, req.max_tokens - req.num_generated - 1, budget - len(self.running),
+                spec.num_tokens if req.max_drafts is None else req.max_drafts)
         if k <= 0 or req.num_inflight:
             return ()
+        if spec.method == "draft":  # placeholders: the engine's draft model fills them on the device
+            return (0,) * k
         return propose_ngram(req.token_ids(), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     # -- planning ----------------------------------------------------------------
