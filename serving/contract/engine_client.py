@@ -348,6 +348,11 @@ class EngineStats:
       spec_draft_tokens: draft tokens they verified (lifetime).
       spec_accepted_tokens: draft tokens accepted (lifetime); a row emits its accepted
         drafts plus one, so tokens per step = 1 + accepted / verify rows.
+      spec_drafted_per_position, spec_accepted_per_position: per draft position j (0 the
+        first draft of a row), the rows that verified a draft there and the rows that
+        accepted it (lifetime).
+      spec_num_tokens_now: the most drafts a request gets a step at the present load (K,
+        or 0 while more than ``--speculative-max-batch`` requests run; 0 without speculation).
       host_kv_hits, host_kv_stores, host_kv_evictions: the host KV tier's pages reloaded,
         stored and dropped (lifetime; all 0 without one).
       host_kv_usage_bytes, host_kv_capacity_bytes: its bytes held and its bound.
@@ -371,6 +376,9 @@ class EngineStats:
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafted_per_position: tuple[int, ...] = ()
+    spec_accepted_per_position: tuple[int, ...] = ()
+    spec_num_tokens_now: int = 0
     host_kv_hits: int = 0
     host_kv_stores: int = 0
     host_kv_evictions: int = 0

@@ -637,6 +637,9 @@ class EngineLoop:
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+            spec_drafted_per_position=tuple(spec.drafted_per_position),
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            spec_num_tokens_now=sched.speculative_tokens_now(),
             **host_kv_stats(self.host_kv), **self._lora_stats(sched), turn_profile=self.profile.snapshot())
         for fut in self._pings:
             fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))

@@ -269,6 +269,13 @@ class Scheduler:
         return any(r.num_inflight and r.speculate and may_speculate(r.sampling, r.num_generated)
                    for r in self.running)
 
+    def speculative_tokens_now(self) -> int:
+        """The most drafts a request may get in the next step at the present load: K while at
+        most ``max_batch`` requests run, 0 above (a full batch gains nothing from drafts:
+        a verify row costs K + 1 rows of compute); 0 without speculative decoding."""
+        spec = self.speculative
+        return spec.num_tokens if spec is not None and len(self.running) <= spec.max_batch else 0
+
     def _drafts(self, req: SchedRequest, budget: int) -> tuple[int, ...]:
         """A decode row's n-gram drafts (() when it cannot speculate now), at most the
         tokens it may still generate minus one and what the budget leaves the other rows."""

@@ -325,3 +325,41 @@ def test_per_request_opt_out_and_cap(draft_loop, tiny_tokenizer):
     s = SamplingParams(num_speculative_tokens=2)
     assert sampling_from_proto(sampling_to_proto(s)).num_speculative_tokens == 2
     assert sampling_from_proto(sampling_to_proto(SamplingParams())).num_speculative_tokens is None
+
+
+def test_per_position_acceptance_and_k_under_load(draft_loop):
+    """The engine's per-position counts add up to its totals and fall with the position, the
+    scheduler's K of the present load is K up to ``max_batch`` running requests and 0 above,
+    and /metrics exposes both."""
+    from prometheus_client import generate_latest
+
+    from serving.contract.engine_client import EngineStats
+    from serving.core.kv.kv_cache_manager import KVCacheManager
+    from serving.core.sched.sched_request import SchedRequest
+    from serving.core.sched.scheduler import Scheduler
+    from serving.gateway.services.metrics import EngineStatsCollector, GatewayMetrics
+    from tests.support.engine_helpers import generate, request
+
+    generate(draft_loop, [request(tiny_prompt(8, 1), max_tokens=20, ignore_eos=True)])
+    s = draft_loop.stats()
+    drafted, accepted = s.spec_drafted_per_position, s.spec_accepted_per_position
+    assert len(drafted) == 3 and sum(drafted) == s.spec_draft_tokens and sum(accepted) == s.spec_accepted_tokens
+    assert all(a <= d for a, d in zip(accepted, drafted)) and list(accepted) == sorted(accepted, reverse=True)
+    assert s.spec_num_tokens_now == 3  # idle: K
+
+    spec = SpeculativeConfig(method="draft", num_tokens=4, max_batch=2, draft_model="self:int8")
+    sched = Scheduler(KVCacheManager(num_pages=32, page_size=4, enable_prefix_caching=False), num_slots=4,
+                      token_budget=20, max_prefill_tokens=16, max_prefill_seqs=4, speculative=spec)
+    for i in range(3):
+        sched.add(SchedRequest(f"r{i}", [1, 2, 3], max_tokens=10))
+        sched.schedule()
+        assert sched.speculative_tokens_now() == (4 if i < 2 else 0), i
+
+    metrics = GatewayMetrics()
+    stats = EngineStats(spec_drafted_per_position=(5, 4), spec_accepted_per_position=(3, 1), spec_num_tokens_now=4)
+    metrics.add_engine_collector(EngineStatsCollector(lambda: {"m": lambda: stats}))
+    text = generate_latest(metrics.registry).decode()
+    for line in ('xlaserve:spec_decode_num_draft_tokens_per_pos_total{model_name="m",position="1"} 4.0',
+                 'xlaserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0',
+                 'xlaserve:spec_decode_num_speculative_tokens{model_name="m"} 4.0'):
+        assert line in text, line
