@@ -12,8 +12,9 @@ each, built with ``--speculative METHOD --num-speculative-tokens K``, ``--draft-
 for the draft method, and ``speculative_max_batch`` = ``--max-batch``, by default the
 largest stream count, so every step may speculate), alternating for ``--rounds``
 rounds; the baseline runs on the first engine with its scheduler's speculation off
-(same programs otherwise; a draft engine's baseline still runs the draft's prefill).
-Engines use the server's default ``--cpu-kernels auto``. Printed per (streams, method, K): decode tokens/s (tokens
+(same programs otherwise), or with a draft method in ``--methods`` on an engine of its
+own without speculation (a draft engine also prefills its draft). Engines use the
+server's default ``--cpu-kernels auto``. Printed per (streams, method, K): decode tokens/s (tokens
 after each stream's first over the time after the first token) and its ratio
 to the baseline, the acceptance rate (accepted / proposed drafts), tokens per
 verify row (1 + accepted / rows with drafts), the fraction of generated tokens
@@ -171,18 +172,23 @@ def main(argv=None) -> None:
             loops[f"{method} K={k}"].start(warmup=False)
     names = list(loops)
     base_loop = loops[names[0]]
-    spec_cfg = base_loop.scheduler.speculative
+    if "draft" in args.methods:  # a draft engine prefills its draft too: the baseline has no draft
+        plain_cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
+                                 min_decode_batch=args.min_decode_batch)
+        base_loop = EngineLoop(Engine(model, plain_cfg, policy=policy))
+        base_loop.start(warmup=False)
     print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
-          f"greedy; n-gram {spec_cfg.prompt_lookup_min}..{spec_cfg.prompt_lookup_max}; draft model "
+          f"greedy; n-gram {args.prompt_lookup_min or 2}..{args.prompt_lookup_max or 4}; draft model "
           f"{args.draft_model if 'draft' in args.methods else '-'}; speculative_max_batch {max_batch}; "
           f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
 
     def baseline(prompts, new_tokens):
+        saved = base_loop.scheduler.speculative
         base_loop.scheduler.speculative = None
         try:
             return run_streams(base_loop, prompts, new_tokens)
         finally:
-            base_loop.scheduler.speculative = spec_cfg
+            base_loop.scheduler.speculative = saved
 
     for n in args.streams:
         prompts = prose_prompts(tok, n, args.prompt_len)
@@ -210,7 +216,7 @@ def main(argv=None) -> None:
                   f"{(rows + acc) / tokens:.0%} of tokens from verify rows; ids equal to off: "
                   f"{'yes' if same else 'NO'}", flush=True)
     print(f"load average at the end: {_loadavg()}", flush=True)
-    for lp in loops.values():
+    for lp in {*loops.values(), base_loop}:
         lp.stop()
 
 
