@@ -18,12 +18,15 @@ jitted once per shape bucket with the cache donated:
         run after every prefill step of the served model on the same batch: the draft's
         K/V of the same prompt chunks (images: their placeholder tokens' embeddings only).
     draft propose   (params, kv, batch: VerifyBatch) -> (kv, drafts [S, K] int32)
-        a ``lax.scan`` of K + 1 one-token decode steps per row: step j feeds position
-        p + j (the row's last token, then its own drafts) and draws draft j + 1: the argmax
-        for a greedy row, a sample of the draft's distribution q (kept, [S, K, V]) for a
-        temperature row (``serving.engine.sample.rejection``). The extra step writes the K/V of draft K, so that when all K are
-        accepted the draft's cache still covers every accepted token. A row with d < K
-        drafts (``max_tokens``, the token budget) writes K/V only at p .. p + d.
+        K draft steps per row: step 0 feeds a 2-token chunk, the row's previous token and
+        its last token at p - 1 and p (``VerifyBatch.prev_tokens``), then a ``lax.scan``
+        of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1; step j
+        draws draft j + 1: the argmax for a greedy row, a sample of the draft's
+        distribution q (kept, [S, K, V]) for a temperature row
+        (``serving.engine.sample.rejection``). Refeeding p - 1 writes the K/V of the last
+        round's draft K when all K were accepted (the round never fed it), and rewrites
+        the same K/V otherwise. A row with d < K drafts (``max_tokens``, the token budget)
+        never writes K/V past p + d.
 
 The verify step then replaces the batch's placeholder drafts with these (on the device: no
 host round trip). After a verify step the draft's K/V is valid exactly where the served
@@ -92,14 +95,27 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, params, kv:
     rows = jnp.arange(S)
     row_sampling = jax.tree.map(lambda a: a[starts], batch.sampling)  # each row's settings
 
-    def step(carry, j):
+    def slots(pos, write):
+        page = batch.page_table[rows, jnp.minimum(pos // ps, P - 1)]
+        return jnp.where(write, page * ps + pos % ps, 0).astype(jnp.int32)
+
+    # Step 0: [previous token, last token] at p - 1, p (a 2-token chunk per row).
+    pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
+    tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
+    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat(p0 > 0, 2))
+    md = AttentionMetadata(
+        slot_mapping=_slots2(batch, pos2, write2, ps),
+        page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
+        cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
+        num_seqs=batch.num_seqs, mode="prefill")
+    logits, kv = model(tok2, pos2, kv, md, (2 * rows + 1).astype(jnp.int32), compute=compute)
+    first, q_first = draft_sample(logits.astype(jnp.float32), p0 + 1, row_sampling, argmax_block)
+
+    def step(carry, j):  # feeds draft j at p + j, draws draft j + 1
         kv, tok = carry
         pos = p0 + j
-        write = real & (j <= d)
-        page = batch.page_table[rows, jnp.minimum(pos // ps, P - 1)]
         md = AttentionMetadata(
-            slot_mapping=jnp.where(write, page * ps + pos % ps, 0).astype(jnp.int32),
-            page_table=batch.page_table,
+            slot_mapping=slots(pos, real & (j <= d)), page_table=batch.page_table,
             kv_lens=jnp.where(real, jnp.minimum(pos, p0 + d) + 1, 0).astype(jnp.int32),
             cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), num_seqs=jnp.asarray(S, jnp.int32),
             mode="decode")
@@ -107,8 +123,18 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, params, kv:
         nxt, q = draft_sample(logits.astype(jnp.float32), pos + 1, row_sampling, argmax_block)
         return (kv, nxt), (nxt, q)
 
-    (kv, _), (out, q) = jax.lax.scan(step, (kv, batch.tokens[starts]), jnp.arange(num_tokens + 1))
-    return kv, out[:num_tokens].T, jnp.swapaxes(q[:num_tokens], 0, 1)
+    (kv, _), (rest, q_rest) = jax.lax.scan(step, (kv, first), jnp.arange(1, num_tokens))
+    drafts = jnp.concatenate([first[None], rest], axis=0).T  # [S, K]
+    q = jnp.concatenate([q_first[None], q_rest], axis=0)  # [K, S, V]
+    return kv, drafts, jnp.swapaxes(q, 0, 1)
+
+
+def _slots2(batch, pos2, write2, ps):
+    """[2S] int32 KV slots of step 0's two tokens a row (0: not written)."""
+    S, P = batch.page_table.shape
+    rows2 = jnp.repeat(jnp.arange(S), 2)
+    page = batch.page_table[rows2, jnp.minimum(pos2 // ps, P - 1)]
+    return jnp.where(write2, page * ps + pos2 % ps, 0).astype(jnp.int32)
 
 
 class DraftModel:

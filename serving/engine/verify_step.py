@@ -61,6 +61,8 @@ class VerifyBatch:
       num_seqs: [] int32 real rows.
       slot_ids: [S] int32 each row's slot (padding rows: ``max_slots``, dropped).
       sampling: [T] each token's sampling settings (its row's).
+      prev_tokens: [S] int32 each row's token before its last one (0: none; a draft model's
+        first step refeeds it, ``serving.engine.draft_model``).
     """
 
     tokens: jax.Array
@@ -71,6 +73,7 @@ class VerifyBatch:
     num_seqs: jax.Array
     slot_ids: jax.Array
     sampling: SamplingArrays
+    prev_tokens: jax.Array
 
     kind: ClassVar[str] = "verify"
 
@@ -99,6 +102,7 @@ class VerifyBatch:
         kv_lens = np.zeros(S, np.int32)
         page_table = np.zeros((S, P), np.int32)
         slot_ids = np.full(S, cfg.max_slots, np.int32)
+        prev = np.zeros(S, np.int32)
         settings, generated = [], []
         off = 0
         for i, r in enumerate(rows):
@@ -110,12 +114,13 @@ class VerifyBatch:
             used = _pages_for(r.position + n, cfg.page_size)
             page_table[i, :used] = r.page_ids[:used]
             slot_ids[i] = r.slot
+            prev[i] = max(r.prev_token, 0)
             settings += [r.sampling] * n
             generated += [r.num_generated + j for j in range(n)]
             off += n
         cu[len(rows):] = off
         sampling = SamplingArrays.from_rows(settings, T, generated, token_mask)
-        return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), slot_ids, sampling)
+        return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), slot_ids, sampling, prev)
 
     @property
     def shape_key(self) -> tuple:

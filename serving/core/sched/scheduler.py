@@ -320,7 +320,9 @@ class Scheduler:
             row = DecodeRow(req.request_id, req.slot, req.num_computed, self.kv.page_ids(req.request_id),
                             req.sampling, num_generated=req.num_generated, lora_slot=req.lora_slot)
             if verify:
-                row = dataclasses.replace(row, last_token=req.token_ids()[-1], draft_ids=drafts)
+                known = req.token_ids()
+                row = dataclasses.replace(row, last_token=known[-1], draft_ids=drafts,
+                                          prev_token=known[-2] if len(known) > 1 else -1)
                 plan.verify.append(row)
             else:
                 plan.decode.append(row)
