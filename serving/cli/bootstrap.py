@@ -58,9 +58,10 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
         from serving.loading.draft_source import load_draft
 
         draft = load_draft(cfg, model, tokenizer)
-        pages = shared_pages(cfg.num_pages, model.cfg, (draft or model).cfg)
-        log.info("the draft model's KV cache shares --num-pages %d: %d pages each", cfg.num_pages, pages)
-        engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
+        if draft is not None:  # self:int8 drafts over the served cache
+            pages = shared_pages(cfg.num_pages, model.cfg, draft.cfg)
+            log.info("the draft model's KV cache shares --num-pages %d: %d pages each", cfg.num_pages, pages)
+            engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
     engine = Engine(model, engine_cfg, mesh=mesh, lockstep=lockstep_for(mesh), policy=policy, vision=vision,
                     draft=draft)
     if vision is not None:

@@ -36,6 +36,12 @@ pages restored from the host tier, sent by KV transfer or found in the prefix ca
 plain decode wrote them. The draft then attends over stale K/V at those positions, which
 lowers acceptance but never changes an output.
 
+The served model's own int8 copy (``self:int8``) needs no cache of its own: it drafts over the
+served cache (``shares_cache``), attending to the served model's K/V of every earlier token and
+writing its own only at positions p .. p + d, which the verify step then overwrites with the
+served model's (it writes every position it feeds). So ``self:int8`` costs no pages and no
+prefill, and nothing it misses can go stale.
+
 Memory: :func:`shared_pages` splits the page budget of ``--num-pages`` served pages
 between the two caches.
 """
@@ -81,7 +87,7 @@ def _draft_prefill(graphdef, compute, params, kv: KVCache, batch) -> KVCache:
     return kv
 
 
-def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, params, kv: KVCache, batch):
+def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: bool, params, kv: KVCache, batch):
     """(kv, VerifyBatch) -> (kv, drafts [S, K] int32, q [S, K, V] float32); see the module
     docstring."""
     model = nnx.merge(graphdef, params)
@@ -102,7 +108,8 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, params, kv:
     # Step 0: [previous token, last token] at p - 1, p (a 2-token chunk per row).
     pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
     tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
-    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat(p0 > 0, 2))
+    # (A shared cache already holds the served K/V at p - 1: it is read, not written.)
+    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat((p0 > 0) & refeed, 2))
     md = AttentionMetadata(
         slot_mapping=_slots2(batch, pos2, write2, ps),
         page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
@@ -141,37 +148,50 @@ class DraftModel:
     """A draft model's parameters, KV cache and jitted steps (single device). Not
     thread-safe: the engine calls it from its one caller's thread."""
 
-    def __init__(self, model: nnx.Module, cfg: EngineConfig, policy: BackendPolicy, num_tokens: int):
+    def __init__(self, model: nnx.Module, cfg: EngineConfig, policy: BackendPolicy, num_tokens: int,
+                 shares_cache: bool = False):
         """Args:
           model: a decoder of ``model/`` (its own config; the served model's vocabulary).
           cfg: the served engine's sizes (the draft cache has its ``num_pages`` and ``page_size``).
           policy: the served engine's backend policy (storage and compute of the draft too).
           num_tokens: K, the drafts proposed per row.
+          shares_cache: the draft is the served model's own copy (``self:int8``): it has no
+            cache and no prefill of its own, and drafts over the served cache (see the module
+            docstring).
         """
         self.model_cfg = model.cfg
         self.num_tokens = num_tokens
+        self.shares_cache = shares_cache
         graphdef, params = nnx.split(model)
         self.params = policy.store_params(params)
         stored = policy.storage_dtype(jnp.dtype(cfg.kv_dtype))
-        self.kv = KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, stored)
+        self.kv = None if shares_cache else KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, stored)
         compute = policy.compute(dtype=model.dtype)
         jit = functools.partial(jax.jit, donate_argnames=("kv",))
         self._prefill = jit(functools.partial(_draft_prefill, graphdef, compute))
         self._propose = jit(functools.partial(_draft_propose, graphdef, compute, policy.argmax_block,
-                                              num_tokens))
+                                              num_tokens, not shares_cache))
 
     def prefill(self, batch) -> None:
-        """Dispatches the draft's prefill of a served prefill step's ``PrefillBatch``."""
-        self.kv = self._prefill(self.params, self.kv, batch)
+        """Dispatches the draft's prefill of a served prefill step's ``PrefillBatch`` (nothing
+        when it shares the served cache)."""
+        if not self.shares_cache:
+            self.kv = self._prefill(self.params, self.kv, batch)
 
-    def propose(self, batch) -> tuple[jax.Array, jax.Array]:
+    def propose(self, batch, served_kv: KVCache | None = None):
         """Dispatches the draft steps of a ``VerifyBatch``.
+
+        Args:
+          served_kv: with ``shares_cache``, the served cache (donated: use the one returned).
 
         Returns:
           (drafts [S, K] int32, q [S, K, V] float32) device arrays, not synced: row i's first
           ``cu_q_lens[i + 1] - cu_q_lens[i] - 1`` drafts and the distributions they were drawn
-          from (temperature rows; ``serving.engine.sample.rejection``).
+          from (temperature rows; ``serving.engine.sample.rejection``); with ``shares_cache``,
+          (served cache, drafts, q).
         """
+        if self.shares_cache:
+            return self._propose(self.params, served_kv, batch)
         self.kv, drafts, q = self._propose(self.params, self.kv, batch)
         return drafts, q
 

@@ -349,7 +349,8 @@ class Engine:
             raise ValueError(f"--speculative draft: the draft model {spec.draft_model!r} was not given to the engine")
         log.info("speculative drafts from %s (%s, %d layers), K = %d", spec.draft_model, draft.cfg.name,
                  draft.cfg.num_layers, spec.num_tokens)
-        return DraftModel(draft, self.cfg, self.policy, spec.num_tokens)
+        return DraftModel(draft, self.cfg, self.policy, spec.num_tokens,
+                          shares_cache=spec.draft_model == SELF_INT8)
 
     def _jit_steps(self, graphdef, compute: Compute, out_shardings) -> dict:
         """The step functions of one model graph, jitted with ``state`` donated."""
@@ -448,7 +449,11 @@ class Engine:
         batch = VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words))
         if self.draft is None:
             return self.run(batch)
-        return self._dispatch(batch, *self.draft.propose(batch))  # no lockstep with a draft model
+        if not self.draft.shares_cache:
+            return self._dispatch(batch, *self.draft.propose(batch))  # no lockstep with a draft model
+        kv, drafts, q = self.draft.propose(batch, self.state.kv_cache)  # drafts over the served cache
+        self.state = dataclasses.replace(self.state, kv_cache=kv)
+        return self._dispatch(batch, drafts, q)
 
     def write_lora_slot(self, slot: int, adapter) -> None:
         """Writes ``adapter`` (a ``model.lora_adapter.LoraAdapter``, None: zeros) into LoRA slot
