@@ -69,10 +69,10 @@ with it. The choice is a function of the step's shape, so each shape still compi
 program; the KV cache and the state are the same for both.
 
 Speculative decoding with a draft model (``--speculative draft``): the engine also holds a
-``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids); each prefill
-step is followed by the draft's prefill of the same batch, and each verify step is preceded by
-the draft's propose step, whose [S, K] drafts (and their distributions) the verify step takes
-on the device. Single device only.
+``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids, prefilled
+after each prefill step with the same batch; ``self:int8``: the served cache, no prefill), and
+each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
+distributions) the verify step takes on the device. Single device only.
 
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
