@@ -129,24 +129,25 @@ def test_tiny_draft_outputs_equal_with_and_without_speculation(draft_loop):
 
 
 def test_tiny_draft_many_prompts_stop_ids_and_max_tokens(draft_loop):
-    """Sixteen greedy prompts of 3-40 tokens (the longest over a prefill chunk), two at a time,
-    some with a stop id from their own output, max_tokens 2-25: the same ids and finish
-    reasons with the draft model as without."""
+    """64 random greedy prompts of 3-40 tokens (the longest over a prefill chunk), four at a
+    time, every third with a stop id from its own output, the others with max_tokens 3-66:
+    the same ids and finish reasons with the draft model as without, and drafts accepted."""
     import random
 
     from tests.support.engine_helpers import generate, request
 
     rng = random.Random(46)
-    prompts = [[2] + [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))] for _ in range(16)]
+    prompts = [[2] + [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))] for _ in range(64)]
     full = generate(draft_loop, [request(p, max_tokens=25, ignore_eos=True) for p in prompts])
     stops = [ids[rng.randrange(1, 20)] if i % 3 == 0 else None for i, ids in enumerate(full)]
 
-    def reqs(pair):
+    def reqs(group):
         return [request(prompts[i], max_tokens=25, stop_token_ids=(stops[i],)) if stops[i] is not None
-                else request(prompts[i], max_tokens=2 + i + 1, ignore_eos=True) for i in pair]
+                else request(prompts[i], max_tokens=3 + i, ignore_eos=True) for i in group]
 
-    for i in range(0, 16, 2):
-        spec, plain = run_both(draft_loop, lambda: reqs((i, i + 1)))
+    before = draft_loop.stats().spec_accepted_tokens
+    for i in range(0, 64, 4):
+        spec, plain = run_both(draft_loop, lambda: reqs(range(i, i + 4)))
         for j, ((ids_s, ev_s), (ids_p, ev_p)) in enumerate(zip(spec, plain)):
             assert ids_s == ids_p, i + j
             assert ev_s[-1].finish_reason == ev_p[-1].finish_reason
@@ -154,6 +155,7 @@ def test_tiny_draft_many_prompts_stop_ids_and_max_tokens(draft_loop):
                 assert len(ids_s) == 3 + i + j
             else:
                 assert ids_s[-1] == stops[i + j] and ev_s[-1].finish_reason == "stop"
+    assert draft_loop.stats().spec_accepted_tokens > before
 
 
 # -- Gemma 3 270M drafted by its own int8 copy ---------------------------------------------------
