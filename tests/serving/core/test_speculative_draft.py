@@ -162,10 +162,15 @@ def test_tiny_draft_many_prompts_stop_ids_and_max_tokens(draft_loop):
 
 
 @pytest.mark.gemma
+@pytest.mark.slow(60)
 def test_gemma_float32_greedy_with_self_int8_drafts_reproduces_golden(gemma_params, golden):
     """Three golden prompts together, 24 greedy tokens each, drafted by Gemma's own int8 copy
-    (K = 4): the golden ids up to the near-tie rule, most drafts accepted. (The prompts fit one
-    prefill step: each prefill shape compiles twice, served and draft.)"""
+    (K = 4): the golden ids up to the near-tie rule, most drafts accepted.
+
+    Slow: compiles Gemma's float32 verify step with device drafts and the int8 copy's propose
+    step (4 draft steps, 8-row bucket) besides the served prefill and decode programs of
+    tests/serving/core/test_speculative.py's sizes: 60 s on a cold cache on the loaded 2-core
+    machine, under 30 s warm."""
     import jax.numpy as jnp
 
     from model.gemma3 import Gemma3
