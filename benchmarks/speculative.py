@@ -1,15 +1,20 @@
-"""Speculative decoding (n-gram drafts) against plain decoding, on ordinary prose prompts.
+"""Speculative decoding (n-gram drafts, a draft model) against plain decoding, on prose prompts.
 
     python -m benchmarks.speculative                               # Gemma 3 270M, bfloat16
     python -m benchmarks.speculative --ks 2 4 8 --streams 1 8 32 --new-tokens 128
+    python -m benchmarks.speculative --methods ngram draft --draft-model self:int8 --ks 4
+    python -m benchmarks.speculative --methods draft --streams 32 --max-batch 2   # a full batch
 
 N streams of prose prompts cut to ``--prompt-len`` tokens generate
 ``--new-tokens`` tokens each, greedy, through the engine loop: once without
-speculation and once per K in ``--ks`` (one engine each, built with
-``--num-speculative-tokens K`` and ``speculative_max_batch`` = the largest stream
-count, so every step may speculate), alternating for ``--rounds`` rounds; the
-baseline runs on the first K's engine with its scheduler's speculation off
-(same programs otherwise). Printed per (streams, K): decode tokens/s (tokens
+speculation and once per method in ``--methods`` and K in ``--ks`` (one engine
+each, built with ``--speculative METHOD --num-speculative-tokens K``, ``--draft-model``
+for the draft method, and ``speculative_max_batch`` = ``--max-batch``, by default the
+largest stream count, so every step may speculate), alternating for ``--rounds``
+rounds; the baseline runs on the first engine with its scheduler's speculation off
+(same programs otherwise), or with a draft method in ``--methods`` on an engine of its
+own without speculation (a draft engine also prefills its draft). Engines use the
+server's default ``--cpu-kernels auto``. Printed per (streams, method, K): decode tokens/s (tokens
 after each stream's first over the time after the first token) and its ratio
 to the baseline, the acceptance rate (accepted / proposed drafts), tokens per
 verify row (1 + accepted / rows with drafts), the fraction of generated tokens
@@ -119,6 +124,11 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    ap.add_argument("--draft-model", default="self:int8",
+                    help="the draft method's model: self:int8 or what --model takes")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="speculative_max_batch (default: the largest stream count)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -130,61 +140,83 @@ def main(argv=None) -> None:
                          "round like 3+ on AMX CPUs, so ids compare bitwise)")
     args = ap.parse_args(argv)
 
-    from benchmarks.common import build_engine
-    from serving.config.speculative_config import SpeculativeConfig
+    from serving.config.engine_config import EngineConfig
+    from serving.config.speculative_config import SELF_INT8, SpeculativeConfig
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.engine.compilation_cache import enable_compilation_cache
+    from serving.engine.engine import Engine
+    from serving.loading.model_registry import load_model
     from serving.runtime.engine_loop import EngineLoop
 
+    enable_compilation_cache()
     print(f"load average at the start: {_loadavg()}", flush=True)
     max_streams = max(args.streams)
-    loops, tok = {}, None
-    for k in args.ks:
-        spec = SpeculativeConfig.from_settings("ngram", k, args.prompt_lookup_min, args.prompt_lookup_max,
-                                               max_streams)
-        engine, tok = build_engine(args.model, args.dtype, max_slots=max(max_streams, 1), num_pages=1024,
-                                   max_model_len=1024, speculative=spec,
-                                   min_decode_batch=args.min_decode_batch)
-        loops[k] = EngineLoop(engine)
-        loops[k].start(warmup=False)
-    base_loop = loops[args.ks[0]]
-    spec_cfg = base_loop.scheduler.speculative
+    max_batch = args.max_batch or max_streams
+    model, tok = load_model(args.model, dtype=args.dtype, progress=False)
+    draft = None
+    if "draft" in args.methods and args.draft_model != SELF_INT8:
+        from serving.loading.draft_source import check_same_tokenizer
+
+        draft, dtok = load_model(args.draft_model, dtype=args.dtype, progress=False)
+        check_same_tokenizer(tok, dtok, model.cfg.vocab_size, draft.cfg.vocab_size)
+    policy = BackendPolicy.detect(None, cpu_kernels="auto")
+    loops = {}
+    for method in args.methods:
+        for k in args.ks:
+            spec = SpeculativeConfig.from_settings(method, k, args.prompt_lookup_min, args.prompt_lookup_max,
+                                                   max_batch, args.draft_model if method == "draft" else None)
+            cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
+                               speculative=spec, min_decode_batch=args.min_decode_batch)
+            engine = Engine(model, cfg, policy=policy, draft=draft if method == "draft" else None)
+            loops[f"{method} K={k}"] = EngineLoop(engine)
+            loops[f"{method} K={k}"].start(warmup=False)
+    names = list(loops)
+    base_loop = loops[names[0]]
+    if "draft" in args.methods:  # a draft engine prefills its draft too: the baseline has no draft
+        plain_cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
+                                 min_decode_batch=args.min_decode_batch)
+        base_loop = EngineLoop(Engine(model, plain_cfg, policy=policy))
+        base_loop.start(warmup=False)
     print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
-          f"greedy; n-gram {spec_cfg.prompt_lookup_min}..{spec_cfg.prompt_lookup_max}; "
+          f"greedy; n-gram {args.prompt_lookup_min or 2}..{args.prompt_lookup_max or 4}; draft model "
+          f"{args.draft_model if 'draft' in args.methods else '-'}; speculative_max_batch {max_batch}; "
           f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
 
     def baseline(prompts, new_tokens):
+        saved = base_loop.scheduler.speculative
         base_loop.scheduler.speculative = None
         try:
             return run_streams(base_loop, prompts, new_tokens)
         finally:
-            base_loop.scheduler.speculative = spec_cfg
+            base_loop.scheduler.speculative = saved
 
     for n in args.streams:
         prompts = prose_prompts(tok, n, args.prompt_len)
         # Compile this stream count's programs (decode and verify buckets) outside the timing.
         baseline(prompts, 8)
-        for k in args.ks:
-            run_streams(loops[k], prompts, 24)
-        runs = {"off": []} | {k: [] for k in args.ks}
+        for name in names:
+            run_streams(loops[name], prompts, 24)
+        runs = {"off": []} | {name: [] for name in names}
         for _ in range(args.rounds):
             runs["off"].append(baseline(prompts, args.new_tokens))
-            for k in args.ks:
-                runs[k].append(run_streams(loops[k], prompts, args.new_tokens))
+            for name in names:
+                runs[name].append(run_streams(loops[name], prompts, args.new_tokens))
         base = statistics.median(r["decode_tokens_per_s"] for r in runs["off"])
         print(f"  streams {n:3} speculation off: decode {base:7.1f} tokens/s", flush=True)
-        for k in args.ks:
-            rs = runs[k]
+        for name in names:
+            rs = runs[name]
             tps = statistics.median(r["decode_tokens_per_s"] for r in rs)
             rows = sum(r["verify_rows"] for r in rs)
             drafts = sum(r["draft_tokens"] for r in rs)
             acc = sum(r["accepted_tokens"] for r in rs)
             tokens = sum(r["tokens"] for r in rs)
             same = all(r["ids"] == runs["off"][0]["ids"] for r in rs)
-            print(f"  streams {n:3} K={k}: decode {tps:7.1f} tokens/s ({tps / base:.2f}x), acceptance "
+            print(f"  streams {n:3} {name}: decode {tps:7.1f} tokens/s ({tps / base:.2f}x), acceptance "
                   f"{acc / max(drafts, 1):.2f}, tokens per verify row {1 + acc / max(rows, 1):.2f}, "
                   f"{(rows + acc) / tokens:.0%} of tokens from verify rows; ids equal to off: "
                   f"{'yes' if same else 'NO'}", flush=True)
     print(f"load average at the end: {_loadavg()}", flush=True)
-    for lp in loops.values():
+    for lp in {*loops.values(), base_loop}:
         lp.stop()
 
 

@@ -5,6 +5,7 @@ start-up heap frozen once a long-running command is up."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import ipaddress
 import logging
@@ -50,8 +51,19 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
             log.warning("the vision tower is not served: image inputs need a single-device engine "
                         "with the xla attention kernel (requests with images get 400)")
             vision = None
-    engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
-                    lockstep=lockstep_for(mesh), policy=policy, vision=vision)
+    engine_cfg = EngineConfig.from_server_config(cfg, model.cfg)
+    draft = None
+    if cfg.speculative == "draft":
+        from serving.engine.draft_model import shared_pages
+        from serving.loading.draft_source import load_draft
+
+        draft = load_draft(cfg, model, tokenizer)
+        if draft is not None:  # self:int8 drafts over the served cache
+            pages = shared_pages(cfg.num_pages, model.cfg, draft.cfg)
+            log.info("the draft model's KV cache shares --num-pages %d: %d pages each", cfg.num_pages, pages)
+            engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
+    engine = Engine(model, engine_cfg, mesh=mesh, lockstep=lockstep_for(mesh), policy=policy, vision=vision,
+                    draft=draft)
     if vision is not None:
         log.info("vision tower loaded: %d soft tokens per %d-pixel image", vision.cfg.mm_tokens_per_image,
                  vision.cfg.siglip.image_size)

@@ -36,7 +36,10 @@ _SETTINGS = [
     ("cpu_kernels", str, "auto | on | off: the int8 dots' integer products on the CPU by xlaserve's own "
                          "kernels (kernels_cpu) instead of XLA's dot; auto: where they measured faster on "
                          "this CPU (same results every way)"),
-    ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams)"),
+    ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams) | "
+                         "draft (drafts from --draft-model)"),
+    ("draft_model", str, "with --speculative draft: self:int8 (the served model's int8 copy), or a draft "
+                         "model as --model takes it (directory, GGUF, Hub id) with the same tokenizer"),
     ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
     ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),

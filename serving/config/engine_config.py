@@ -98,7 +98,7 @@ class EngineConfig:
             min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype,
             speculative=SpeculativeConfig.from_settings(
                 server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
-                server.prompt_lookup_max, server.speculative_max_batch),
+                server.prompt_lookup_max, server.speculative_max_batch, server.draft_model),
             max_loras=server.lora_slots, max_lora_rank=server.max_lora_rank)
 
 

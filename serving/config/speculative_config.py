@@ -1,11 +1,15 @@
 """Speculative decoding's settings: :class:`SpeculativeConfig` (static: the verify step compiles
-for ``num_tokens``). The proposer and the acceptance rule are ``serving.core.sched.speculative``'s."""
+for ``num_tokens``). The n-gram proposer and the acceptance rule are
+``serving.core.sched.speculative``'s; the draft model's steps ``serving.engine.draft_model``'s."""
 
 from __future__ import annotations
 
 import dataclasses
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
+
+SELF_INT8 = "self:int8"
+"""``--draft-model self:int8``: draft with the served model's own int8 copy."""
 
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
@@ -21,12 +25,14 @@ class SpeculativeConfig:
     """Speculative decoding settings (static: the verify step compiles for ``num_tokens``).
 
     Attributes:
-      method: "ngram" (prompt lookup; the only method).
+      method: "ngram" (prompt lookup) or "draft" (a draft model proposes, ``draft_model``).
       num_tokens: K, the most draft tokens verified per row and step (1..15).
       prompt_lookup_min: the shortest suffix n-gram that is looked up (>= 1).
       prompt_lookup_max: the longest (>= prompt_lookup_min); longer matches are tried first.
       max_batch: steps speculate only while at most this many requests run
         (the verify step's row buckets go up to it).
+      draft_model: with "draft": what the draft model is, ``self:int8`` (the served model's
+        int8 copy) or anything ``--model`` takes (a directory, a GGUF, a Hub id); None otherwise.
 
     Raises:
       ValueError: naming the setting that is out of range.
@@ -37,10 +43,17 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     max_batch: int = DEFAULT_MAX_BATCH
+    draft_model: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError("--speculative draft needs --draft-model (self:int8, a directory, a GGUF or a "
+                             "Hub id), and --draft-model needs --speculative draft")
+        if self.draft_model and self.draft_model.startswith("self:") and self.draft_model != SELF_INT8:
+            raise ValueError(f"--draft-model {self.draft_model!r}: the served model's own copy is "
+                             f"{SELF_INT8!r} only (4-bit copies wait for 4-bit kernels)")
         if not 1 <= self.num_tokens <= 15:
             raise ValueError(f"num_speculative_tokens must be in 1..15, got {self.num_tokens}")
         if self.prompt_lookup_min < 1:
@@ -53,13 +66,17 @@ class SpeculativeConfig:
 
     @classmethod
     def from_settings(cls, method: str | None, num_tokens: int | None, prompt_lookup_min: int | None,
-                      prompt_lookup_max: int | None, max_batch: int | None) -> "SpeculativeConfig | None":
+                      prompt_lookup_max: int | None, max_batch: int | None,
+                      draft_model: str | None = None) -> "SpeculativeConfig | None":
         """From the server's flags (None: default). A None ``method`` is off (returns None).
 
         Raises:
-          ValueError: an unknown method, ``num_tokens`` missing, or a setting out of range.
+          ValueError: an unknown method, ``num_tokens`` missing, a draft model without the
+            draft method (or the reverse), or a setting out of range.
         """
         if method is None:
+            if draft_model:
+                raise ValueError("--draft-model needs --speculative draft")
             return None
         if num_tokens is None:
             raise ValueError("--speculative needs --num-speculative-tokens K")
@@ -70,4 +87,5 @@ class SpeculativeConfig:
             lo = min(DEFAULT_PROMPT_LOOKUP_MIN, hi)
         elif hi is None:
             hi = max(DEFAULT_PROMPT_LOOKUP_MAX, lo)
-        return cls(method, num_tokens, lo, hi, DEFAULT_MAX_BATCH if max_batch is None else max_batch)
+        return cls(method, num_tokens, lo, hi, DEFAULT_MAX_BATCH if max_batch is None else max_batch,
+                   draft_model or None)

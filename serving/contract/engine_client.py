@@ -87,6 +87,9 @@ class SamplingParams:
         alternatives, on the first event (``TokenEvent.prompt_logprobs``).
         The prompt is computed in full (no prefix-cache hit).
       structured_output: constrain the output (None: free text).
+      num_speculative_tokens: speculative decoding's drafts for this request (vLLM-style
+        per-request cap): None, the server's K; 0, none (it decodes plainly: e.g. seeded
+        temperature output exactly as without speculation); n, at most n per step.
     """
 
     max_tokens: int = 16
@@ -105,6 +108,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    num_speculative_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +348,11 @@ class EngineStats:
       spec_draft_tokens: draft tokens they verified (lifetime).
       spec_accepted_tokens: draft tokens accepted (lifetime); a row emits its accepted
         drafts plus one, so tokens per step = 1 + accepted / verify rows.
+      spec_drafted_per_position, spec_accepted_per_position: per draft position j (0 the
+        first draft of a row), the rows that verified a draft there and the rows that
+        accepted it (lifetime).
+      spec_num_tokens_now: the most drafts a request gets a step at the present load (K,
+        or 0 while more than ``--speculative-max-batch`` requests run; 0 without speculation).
       host_kv_hits, host_kv_stores, host_kv_evictions: the host KV tier's pages reloaded,
         stored and dropped (lifetime; all 0 without one).
       host_kv_usage_bytes, host_kv_capacity_bytes: its bytes held and its bound.
@@ -367,6 +376,9 @@ class EngineStats:
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafted_per_position: tuple[int, ...] = ()
+    spec_accepted_per_position: tuple[int, ...] = ()
+    spec_num_tokens_now: int = 0
     host_kv_hits: int = 0
     host_kv_stores: int = 0
     host_kv_evictions: int = 0

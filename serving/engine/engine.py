@@ -75,6 +75,12 @@ jitted steps, and a step of at most that many token rows (:meth:`Engine.weights_
 with it. The choice is a function of the step's shape, so each shape still compiles one
 program; the KV cache and the state are the same for both.
 
+Speculative decoding with a draft model (``--speculative draft``): the engine also holds a
+``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids, prefilled
+after each prefill step with the same batch; ``self:int8``: the served cache, no prefill), and
+each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
+distributions) the verify step takes on the device. Single device only.
+
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
 processes run the same step from what they receive (:meth:`Engine.run_published`),
@@ -244,7 +250,7 @@ class Engine:
     """Device state plus compiled steps. Not thread-safe: one caller (the engine loop)."""
 
     def __init__(self, model: nnx.Module, cfg: EngineConfig, mesh=None, rules=None, lockstep=None,
-                 policy: BackendPolicy | None = None, vision=None):
+                 policy: BackendPolicy | None = None, vision=None, draft: nnx.Module | None = None):
         """Args:
           model: a decoder of ``model/`` (Gemma3 or Llama) with ``.cfg``.
           cfg: engine sizes (``min_decode_batch`` None: the policy's).
@@ -256,11 +262,14 @@ class Engine:
           vision: the model's vision tower (``model.gemma3_vision.Gemma3VisionTower``) or
             None: prompts with images are refused. With one, every prefill step carries
             image inputs (``serving.engine.vision_inputs``).
+          draft: the draft model of ``--speculative draft`` (``serving.engine.draft_model``);
+            None with ``draft_model`` ``self:int8``: the served model's int8 copy.
 
         Raises:
           ValueError: the mesh cannot split the model (e.g. tensor does not divide heads);
             a vision tower with a mesh or a lockstep, or with an attention kernel other than "xla";
-            LoRA (``cfg.max_loras``) on a multi-host engine or a mixture of experts.
+            LoRA (``cfg.max_loras``) on a multi-host engine or a mixture of experts;
+            ``--speculative draft`` without a draft model or on a mesh or multi-host engine.
         """
         self.policy = policy or BackendPolicy.detect(mesh)
         self.vision = None
@@ -324,10 +333,12 @@ class Engine:
                                donate_argnames=("slot_tokens",),
                                out_shardings=None if out_shardings is None else out_shardings[1])
         self._int8 = None  # (steps, params) of the int8 copy (--quantization auto)
+        qmodel = None
         if self.policy.int8_max_rows:
             from model.factory import quantized_copy
 
-            qgraphdef, qparams = nnx.split(quantized_copy(model))
+            qmodel = quantized_copy(model)
+            qgraphdef, qparams = nnx.split(qmodel)
             if mesh is not None:
                 from sharding.placement import place_params
 
@@ -335,12 +346,34 @@ class Engine:
             self._int8 = (self._jit_steps(qgraphdef, compute, out_shardings), self.policy.store_params(qparams))
             log.info("int8 weights for steps of up to %d token rows, %s above",
                      self.policy.int8_max_rows, jnp.dtype(model.dtype).name)
+        self.draft = self._draft_model(model, qmodel, draft)
         self._treedefs = {kind: verify_treedef() if kind == "verify" else batch_treedef(kind)
                           for kind in self._steps}
         self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
+
+    def _draft_model(self, model, qmodel, draft):
+        """The :class:`~serving.engine.draft_model.DraftModel` of ``--speculative draft`` or None."""
+        spec = self.cfg.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        from serving.config.speculative_config import SELF_INT8
+        from serving.engine.draft_model import DraftModel
+
+        if self.mesh is not None or self.lockstep is not None:
+            raise ValueError("--speculative draft is served on a single-device engine only")
+        if draft is None and spec.draft_model == SELF_INT8:
+            from model.factory import quantized_copy
+
+            draft = qmodel if qmodel is not None else quantized_copy(model)
+        if draft is None:
+            raise ValueError(f"--speculative draft: the draft model {spec.draft_model!r} was not given to the engine")
+        log.info("speculative drafts from %s (%s, %d layers), K = %d", spec.draft_model, draft.cfg.name,
+                 draft.cfg.num_layers, spec.num_tokens)
+        return DraftModel(draft, self.cfg, self.policy, spec.num_tokens,
+                          shares_cache=spec.draft_model == SELF_INT8)
 
     def _jit_steps(self, graphdef, compute: Compute, out_shardings) -> dict:
         """The step functions of one model graph, jitted with ``state`` donated (the prefill
@@ -359,9 +392,10 @@ class Engine:
     def weights_for(self, batch: StepBatch) -> str:
         """Which weights run ``batch``: "int8" for a step of at most the policy's
         ``int8_max_rows`` token rows (a decode batch's rows B, a prefill's or verify's tokens T)
-        when the engine holds an int8 copy, else "served". Depends only on the batch's shapes."""
-        if self._int8 is None:
-            return "served"
+        when the engine holds an int8 copy, else "served" (and always for a verify step
+        after a draft model's steps). Depends only on the batch's shapes."""
+        if self._int8 is None or (batch.kind == "verify" and self.draft is not None):
+            return "served"  # a draft model's tokens are verified by the served weights
         rows = batch.slot_ids.shape[0] if batch.kind == "decode" else batch.tokens.shape[0]
         return "int8" if rows <= self.policy.int8_max_rows else "served"
 
@@ -397,7 +431,11 @@ class Engine:
 
             def pack(rows, T):
                 return pack_images(rows, images or {}, self.vision, T, self.model_cfg.hidden_size)
-        return self.run(cls.from_rows(rows, self.cfg, mask, pack))
+        batch = cls.from_rows(rows, self.cfg, mask, pack)
+        out = self.run(batch)
+        if self.draft is not None:
+            self.draft.prefill(batch)
+        return out
 
     def decode(self, rows: Sequence[DecodeRow], token_mask: np.ndarray | None = None) -> StepOutput:
         """Dispatches one decode step over the given plan rows (running slots).
@@ -420,7 +458,9 @@ class Engine:
 
         Returns:
           a :class:`~serving.engine.verify_step.VerifyOutput` of device arrays (not yet synced):
-          row i's tokens start at sum(1 + len(rows[j].draft_ids) for j < i).
+          row i's tokens start at sum(1 + len(rows[j].draft_ids) for j < i). With a draft
+          model, the rows' draft ids are placeholders (only their count matters): the draft
+          model's steps propose them first (``serving.engine.draft_model``).
 
         Raises:
           ValueError: speculative decoding is off, no rows, or more than ``max_slots``.
@@ -429,7 +469,14 @@ class Engine:
             raise ValueError("this engine was built without speculative decoding")
         K = self.cfg.speculative.num_tokens
         T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
-        return self.run(VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words)))
+        batch = VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words))
+        if self.draft is None:
+            return self.run(batch)
+        if not self.draft.shares_cache:
+            return self._dispatch(batch, *self.draft.propose(batch))  # no lockstep with a draft model
+        kv, drafts, q = self.draft.propose(batch, self.state.kv_cache)  # drafts over the served cache
+        self.state = dataclasses.replace(self.state, kv_cache=kv)
+        return self._dispatch(batch, drafts, q)
 
     def write_lora_slot(self, slot: int, adapter) -> None:
         """Writes ``adapter`` (a ``model.lora_adapter.LoraAdapter``, None: zeros) into LoRA slot
@@ -493,7 +540,7 @@ class Engine:
         """A follower process's step: the batch the leader published, rebuilt from its leaves."""
         self._dispatch(jax.tree.unflatten(self._treedefs[kind], leaves))
 
-    def _dispatch(self, batch: StepBatch):
+    def _dispatch(self, batch: StepBatch, drafts=None, draft_probs=None):
         if self._sync_each_step and self._in_flight is not None:
             # On a multi-device CPU mesh every device's share of a collective runs on one
             # shared thread pool; with many multi-device steps queued, the participants of
@@ -511,7 +558,7 @@ class Engine:
         steps, params = self._int8 if self.weights_for(batch) == "int8" else (self._steps, self.params)
         with ctx:
             if batch.kind == "verify":
-                self.state, out = steps[batch.kind](params, self.state, batch)
+                self.state, out = steps[batch.kind](params, self.state, batch, drafts, draft_probs)
             else:
                 self.state, logits = steps[batch.kind](params, self.state, batch, self.lora_stacks)
                 out = self._sample_rows(batch, logits)

@@ -36,9 +36,11 @@ from flax import nnx
 from model.attention_metadata import AttentionMetadata
 from serving.config.engine_config import EngineConfig, batch_bucket, page_bucket
 from serving.core.sched.step_plan import DecodeRow
-from serving.engine.sample.logits_processors import sample_processed
+from serving.engine.draft_model import replace_drafts
+from serving.engine.sample.logits_processors import process_logits, sample_processed
 from serving.engine.sample.logprobs import StepOutput, token_logprobs
-from serving.engine.sample.sampling import SamplingArrays
+from serving.engine.sample.rejection import ACCEPT_STREAM, RESIDUAL_STREAM, accept_and_residual, stream_keys
+from serving.engine.sample.sampling import SamplingArrays, sampling_logits
 
 
 def _pages_for(num_tokens: int, page_size: int) -> int:
@@ -59,6 +61,8 @@ class VerifyBatch:
       num_seqs: [] int32 real rows.
       slot_ids: [S] int32 each row's slot (padding rows: ``max_slots``, dropped).
       sampling: [T] each token's sampling settings (its row's).
+      prev_tokens: [S] int32 each row's token before its last one (0: none; a draft model's
+        first step refeeds it, ``serving.engine.draft_model``).
     """
 
     tokens: jax.Array
@@ -69,6 +73,7 @@ class VerifyBatch:
     num_seqs: jax.Array
     slot_ids: jax.Array
     sampling: SamplingArrays
+    prev_tokens: jax.Array
 
     kind: ClassVar[str] = "verify"
 
@@ -97,6 +102,7 @@ class VerifyBatch:
         kv_lens = np.zeros(S, np.int32)
         page_table = np.zeros((S, P), np.int32)
         slot_ids = np.full(S, cfg.max_slots, np.int32)
+        prev = np.zeros(S, np.int32)
         settings, generated = [], []
         off = 0
         for i, r in enumerate(rows):
@@ -108,12 +114,13 @@ class VerifyBatch:
             used = _pages_for(r.position + n, cfg.page_size)
             page_table[i, :used] = r.page_ids[:used]
             slot_ids[i] = r.slot
+            prev[i] = max(r.prev_token, 0)
             settings += [r.sampling] * n
             generated += [r.num_generated + j for j in range(n)]
             off += n
         cu[len(rows):] = off
         sampling = SamplingArrays.from_rows(settings, T, generated, token_mask)
-        return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), slot_ids, sampling)
+        return cls(tokens, positions, cu, kv_lens, page_table, np.int32(len(rows)), slot_ids, sampling, prev)
 
     @property
     def shape_key(self) -> tuple:
@@ -177,22 +184,75 @@ def count_accepted(tokens: jax.Array, sampled: jax.Array, cu_q_lens: jax.Array, 
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def verify_step(graphdef, compute, argmax_block, max_drafts: int, params, state, batch: VerifyBatch):
+def _speculative_sampling(logits, tokens, sampled, batch: VerifyBatch, state, token_slots, q, argmax_block):
+    """([T] emitted tokens, [S] accepted counts) under speculative sampling's rule for
+    temperature rows, the exact rule for greedy rows (``serving.engine.sample.rejection``).
+    Token t of row r at offset o emits: the draft after it while o < accepted, then the
+    residual sample (a rejection) or plain sampling's token (all drafts accepted)."""
+    T = tokens.shape[0]
+    K = q.shape[1]
+    s = batch.sampling
+    rows = batch.token_rows
+    off = jnp.arange(T) - batch.cu_q_lens[rows]
+    num_drafts = (batch.cu_q_lens[1:] - batch.cu_q_lens[:-1] - 1)[rows]
+    has_next = batch.real_tokens & (off < num_drafts)
+    nxt = tokens[jnp.minimum(jnp.arange(T) + 1, T - 1)]
+    temp = s.temperature > 0
+
+    def rejection(_):
+        processed = process_logits(logits, s, state.output_counts, state.prompt_seen, token_slots)
+        p = jax.nn.softmax(sampling_logits(processed, s), axis=-1)
+        q_tok = q[rows, jnp.clip(off, 0, K - 1)]  # [T, V]
+        pos = batch.positions + 1
+        return accept_and_residual(p, q_tok, nxt, stream_keys(s.seed, pos, ACCEPT_STREAM),
+                                   stream_keys(s.seed, pos, RESIDUAL_STREAM), argmax_block)
+
+    accept, residual = jax.lax.cond(jnp.any(temp & has_next), rejection,
+                                    lambda _: (jnp.zeros(T, bool), sampled), None)
+    ok = has_next & jnp.where(temp, accept, sampled == nxt)
+    accepted = leading_true(ok, batch.cu_q_lens, K)
+    a_tok = accepted[rows]
+    emitted = jnp.where(off < a_tok, nxt, jnp.where(temp & (off < num_drafts), residual, sampled))
+    return emitted.astype(jnp.int32), accepted
+
+
+def leading_true(ok: jax.Array, cu_q_lens: jax.Array, max_drafts: int) -> jax.Array:
+    """[S] int32 each row's count of leading True in ``ok`` [T] over its first ``max_drafts``
+    tokens (row i: tokens cu_q_lens[i]...)."""
+    T = ok.shape[0]
+    idx = cu_q_lens[:-1, None] + jnp.arange(max_drafts)[None, :]
+    m = ok[jnp.minimum(idx, T - 1)] & (idx < cu_q_lens[1:, None])
+    return jnp.sum(jnp.cumprod(m.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def verify_step(graphdef, compute, argmax_block, max_drafts: int, params, state, batch: VerifyBatch,
+                drafts: jax.Array | None = None, draft_probs: jax.Array | None = None):
     """The jitted verify step (``state`` donated): (state, batch) -> (state, VerifyOutput).
 
     ``state`` is the engine's ``DeviceState`` (rebuilt with its own type, so this
-    module does not import the engine).
+    module does not import the engine). ``drafts``: [S, K] int32 a draft model's
+    proposals (``serving.engine.draft_model``), which replace the batch's placeholder
+    drafts; None: the batch's drafts are the host's (n-gram). ``draft_probs``: [S, K, V]
+    float32 the distributions they were drawn from: temperature rows then take speculative
+    sampling's rule (``serving.engine.sample.rejection``), greedy rows the exact one.
     """
     model = nnx.merge(graphdef, params)
     T = batch.tokens.shape[0]
+    tokens = batch.tokens
+    if drafts is not None:
+        tokens = replace_drafts(tokens, batch.token_rows, batch.cu_q_lens, batch.real_tokens, drafts)
     md = batch.attention_metadata(state.kv_cache.page_size)
-    logits, kv_cache = model(batch.tokens, batch.positions, state.kv_cache, md,
+    logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
                              jnp.arange(T, dtype=jnp.int32), compute=compute)
     token_slots = batch.slot_ids[batch.token_rows]
     sampled = sample_processed(logits, batch.positions + 1, batch.sampling, state.output_counts,
                                state.prompt_seen, token_slots, argmax_block)
+    if draft_probs is None:
+        accepted = count_accepted(tokens, sampled, batch.cu_q_lens, max_drafts)
+    else:
+        sampled, accepted = _speculative_sampling(logits, tokens, sampled, batch, state, token_slots,
+                                                  draft_probs, argmax_block)
     out = token_logprobs(logits, sampled, batch.sampling.num_logprobs)
-    accepted = count_accepted(batch.tokens, sampled, batch.cu_q_lens, max_drafts)
     last = sampled[jnp.minimum(batch.cu_q_lens[:-1] + accepted, T - 1)]
     real = jnp.arange(batch.slot_ids.shape[0]) < batch.num_seqs
     slots = jnp.where(real, batch.slot_ids, state.slot_tokens.shape[0])

@@ -35,6 +35,8 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
         m.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         m.prompt_logprobs = s.prompt_logprobs
+    if s.num_speculative_tokens is not None:
+        m.num_speculative_tokens = s.num_speculative_tokens
     if s.structured_output is not None:
         so = s.structured_output
         m.structured_output.CopyFrom(pb.StructuredOutput(kind=so.kind, value=so.value,
@@ -51,6 +53,7 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple((b.token_id, b.bias) for b in m.logit_bias), min_tokens=m.min_tokens,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        num_speculative_tokens=m.num_speculative_tokens if m.HasField("num_speculative_tokens") else None,
         structured_output=(StructuredOutput(
             m.structured_output.kind, m.structured_output.value,
             m.structured_output.after_token_id if m.structured_output.HasField("after_token_id") else None)

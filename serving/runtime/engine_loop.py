@@ -309,7 +309,9 @@ class EngineLoop:
             max_tokens=s.max_tokens, stop_token_ids=stop_ids,
             priority=PRIORITIES[request.priority], salt=request.cache_salt, sampling=settings,
             prefix_cache=settings.prompt_logprobs < 0 and not settings.uses_penalties,
-            parent_id=request.parent_id, speculate=matcher is None and request.lora_name is None,
+            parent_id=request.parent_id,
+            speculate=matcher is None and request.lora_name is None and s.num_speculative_tokens != 0,
+            max_drafts=s.num_speculative_tokens,
             images=tuple((im.start, im.end, im.digest) for im in request.images))
         seq = _Sequence(req=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(), sched=sched,
                         matcher=matcher, armed_by=None if matcher is None else s.structured_output.after_token_id)
@@ -635,6 +637,9 @@ class EngineLoop:
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_preemptions=self._num_preemptions, spec_verify_rows=spec.verify_rows,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+            spec_drafted_per_position=tuple(spec.drafted_per_position),
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            spec_num_tokens_now=sched.speculative_tokens_now(),
             **host_kv_stats(self.host_kv), **self._lora_stats(sched), turn_profile=self.profile.snapshot())
         for fut in self._pings:
             fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))

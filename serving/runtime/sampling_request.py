@@ -47,6 +47,8 @@ def validate_request(request: EngineRequest, vocab: int, max_model_len: int, usa
     if n == 0:
         raise RequestRejectedError("the prompt is empty")
     validate(s, vocab, () if s.ignore_eos else tuple(s.stop_token_ids))
+    if s.num_speculative_tokens is not None and s.num_speculative_tokens < 0:
+        raise RequestRejectedError(f"num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}")
     if n + s.max_tokens > max_model_len:
         raise RequestRejectedError(
             f"prompt ({n} tokens) plus max_tokens ({s.max_tokens}) exceeds the context "

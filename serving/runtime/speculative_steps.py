@@ -38,6 +38,21 @@ class SpecCounters:
     verify_rows: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def count_row(self, drafts: int, accepted: int) -> None:
+        """Counts one verify row with ``drafts`` drafts of which the first ``accepted`` were accepted."""
+        self.verify_rows += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+        if len(self.drafted_per_position) < drafts:
+            grow = drafts - len(self.drafted_per_position)
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(drafts):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < accepted
 
 
 def dispatch_verify(loop, plan: StepPlan) -> tuple[VerifyOutput, list] | None:
@@ -82,9 +97,7 @@ def process_verify(loop, out: VerifyOutput, owners: list, counters: SpecCounters
             continue  # finished or cancelled while the step was in flight
         a = int(accepted[i])
         if row.draft_ids:
-            counters.verify_rows += 1
-            counters.draft_tokens += len(row.draft_ids)
-            counters.accepted_tokens += a
+            counters.count_row(len(row.draft_ids), a)
             seq.sched.num_accepted_tokens += a
         k = seq.sched.sampling.logprobs
         ids, entries, reason = [], [], None

@@ -58,6 +58,8 @@ class SchedRequest:
         (see the module docstring); None for an ordinary request.
       speculate: False: never verified with drafts (structured output: each
         position's mask needs the tokens before it consumed on the host).
+      max_drafts: the most drafts per step for it (its ``num_speculative_tokens``; None:
+        the server's K).
       num_draft_tokens, num_accepted_tokens: drafts verified for it and accepted.
       queued_at: the scheduler's clock (seconds) when it was added.
       protected: a BATCH request the starvation guard promoted to INTERACTIVE.
@@ -89,6 +91,7 @@ class SchedRequest:
     prefix_cache: bool = True
     parent_id: str | None = None
     speculate: bool = True
+    max_drafts: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     queued_at: float = 0.0

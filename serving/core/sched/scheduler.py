@@ -89,7 +89,8 @@ member (the *source*) instead of computing it::
 Speculative decoding (``serving.core.sched.speculative``, when the scheduler has a
 :class:`~serving.config.speculative_config.SpeculativeConfig`): while at most ``max_batch``
 requests run, a decode row whose tokens the host knows (none in flight: the
-engine loop reads back before such a step) gets up to K n-gram drafts, and
+engine loop reads back before such a step) gets up to K n-gram drafts (with a draft model, K
+placeholder ids that the engine's draft steps replace on the device), and
 pages for them too (taken only when free: a draft never preempts). If any row
 of the step has drafts, every row that may speculate goes into the step's
 verify rows (``StepPlan.verify``, some with no drafts); the others stay decode
@@ -268,13 +269,23 @@ class Scheduler:
         return any(r.num_inflight and r.speculate and may_speculate(r.sampling, r.num_generated)
                    for r in self.running)
 
+    def speculative_tokens_now(self) -> int:
+        """The most drafts a request may get in the next step at the present load: K while at
+        most ``max_batch`` requests run, 0 above (a full batch gains nothing from drafts:
+        a verify row costs K + 1 rows of compute); 0 without speculative decoding."""
+        spec = self.speculative
+        return spec.num_tokens if spec is not None and len(self.running) <= spec.max_batch else 0
+
     def _drafts(self, req: SchedRequest, budget: int) -> tuple[int, ...]:
         """A decode row's n-gram drafts (() when it cannot speculate now), at most the
         tokens it may still generate minus one and what the budget leaves the other rows."""
         spec = self.speculative
-        k = min(spec.num_tokens, req.max_tokens - req.num_generated - 1, budget - len(self.running))
+        k = min(spec.num_tokens, req.max_tokens - req.num_generated - 1, budget - len(self.running),
+                spec.num_tokens if req.max_drafts is None else req.max_drafts)
         if k <= 0 or req.num_inflight:
             return ()
+        if spec.method == "draft":  # placeholders: the engine's draft model fills them on the device
+            return (0,) * k
         return propose_ngram(req.token_ids(), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     # -- planning ----------------------------------------------------------------
@@ -309,7 +320,9 @@ class Scheduler:
             row = DecodeRow(req.request_id, req.slot, req.num_computed, self.kv.page_ids(req.request_id),
                             req.sampling, num_generated=req.num_generated, lora_slot=req.lora_slot)
             if verify:
-                row = dataclasses.replace(row, last_token=req.token_ids()[-1], draft_ids=drafts)
+                known = req.token_ids()
+                row = dataclasses.replace(row, last_token=known[-1], draft_ids=drafts,
+                                          prev_token=known[-2] if len(known) > 1 else -1)
                 plan.verify.append(row)
             else:
                 plan.decode.append(row)

@@ -140,6 +140,8 @@ class DecodeRow:
         verify rows, which feed it from the host.
       draft_ids: a verify row's draft tokens, fed at positions position + 1, ...
         (``page_ids`` cover them too); () on a plain decode row.
+      prev_token: a verify row's token at ``position - 1`` (a draft model refeeds it:
+        ``serving.engine.draft_model``); -1: none or not set.
       lora_slot: as ``PrefillRow.lora_slot`` (a LoRA request is never verified with drafts).
     """
 
@@ -152,6 +154,7 @@ class DecodeRow:
     last_token: int = -1
     draft_ids: tuple[int, ...] = ()
     lora_slot: int = 0
+    prev_token: int = -1
 
 
 @dataclasses.dataclass

@@ -219,26 +219,36 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays,
     greedy = argmax_allowed(logits, s.token_mask, lambda x: argmax_rows(x, argmax_block))
 
     def sampled(_):
-        temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-        scaled = apply_token_bitmask(logits, s.token_mask) / temp[:, None]
         vocab = logits.shape[-1]
-        use_k = (s.top_k > 0) & (s.top_k < vocab)
-        scaled_keys = _ordered_keys(scaled)
-        kth = _threshold_for_count(scaled_keys, jnp.where(use_k, s.top_k, 1))
-        scaled = jnp.where(use_k[:, None] & (scaled_keys < kth[:, None]), -jnp.inf, scaled)
-        use_p = s.top_p < 1.0
-        probs = jax.nn.softmax(scaled, axis=-1)
-        prob_keys = _ordered_keys(probs)
-        pth = _threshold_for_mass(probs, prob_keys, s.top_p)
-        scaled = jnp.where(use_p[:, None] & (prob_keys < pth[:, None]), -jnp.inf, scaled)
-        if s.min_p is not None:  # p / p_max >= min_p  <=>  scaled >= max + log(min_p)
-            floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.where(s.min_p > 0, s.min_p, 1.0))
-            scaled = jnp.where((s.min_p > 0)[:, None] & (scaled < floor[:, None]), -jnp.inf, scaled)
-        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(
-            s.seed, positions
-        )
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-        drawn = argmax_rows(scaled + gumbel, argmax_block)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(row_keys(s.seed, positions))
+        drawn = argmax_rows(sampling_logits(logits, s) + gumbel, argmax_block)
         return jnp.where(s.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy, None)
+
+
+def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """[R] PRNG keys ``fold_in(PRNGKey(seed), position)``: each row's random stream."""
+    return jax.vmap(lambda sd, pos: jax.random.fold_in(jax.random.PRNGKey(sd), pos))(seed, positions)
+
+
+def sampling_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """[R, V] float32 the logits a temperature row samples from: the token mask, temperature
+    (greedy rows: 1), top-k, top-p and min-p applied (excluded tokens -inf), so that
+    ``softmax`` of them is the row's sampling distribution. ``logits``: [R, V] processed."""
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
+    scaled = apply_token_bitmask(logits, s.token_mask) / temp[:, None]
+    vocab = logits.shape[-1]
+    use_k = (s.top_k > 0) & (s.top_k < vocab)
+    scaled_keys = _ordered_keys(scaled)
+    kth = _threshold_for_count(scaled_keys, jnp.where(use_k, s.top_k, 1))
+    scaled = jnp.where(use_k[:, None] & (scaled_keys < kth[:, None]), -jnp.inf, scaled)
+    use_p = s.top_p < 1.0
+    probs = jax.nn.softmax(scaled, axis=-1)
+    prob_keys = _ordered_keys(probs)
+    pth = _threshold_for_mass(probs, prob_keys, s.top_p)
+    scaled = jnp.where(use_p[:, None] & (prob_keys < pth[:, None]), -jnp.inf, scaled)
+    if s.min_p is not None:  # p / p_max >= min_p  <=>  scaled >= max + log(min_p)
+        floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.where(s.min_p > 0, s.min_p, 1.0))
+        scaled = jnp.where((s.min_p > 0)[:, None] & (scaled < floor[:, None]), -jnp.inf, scaled)
+    return scaled

@@ -91,6 +91,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
         logit_bias=bias,
         min_tokens=req.min_tokens or 0,
+        num_speculative_tokens=getattr(req, "num_speculative_tokens", None),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         # The structured-output fields' parsed constraint (their own module), when present.

@@ -165,6 +165,9 @@ class _SamplingRequest(_Request, StructuredOutputFields):
     # vLLM extension: logprob tokens spelled "token_id:ID" rather than as text.
     return_tokens_as_token_ids: bool = False
     ignore_eos: bool = False  # vLLM extension
+    # xlaserve extension: speculative decoding's drafts per step for this request (0: none,
+    # e.g. for seeded sampling exactly as without speculation); null: the server's K.
+    num_speculative_tokens: int | None = Field(None, ge=0, le=15)
     # xlaserve extension: "batch" work is admitted only when no interactive
     # request waits, and is preempted first.
     priority: Literal["interactive", "batch"] = "interactive"

@@ -11,6 +11,8 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:prefix_cache_queries_total, xlaserve:prefix_cache_hits_total (tokens),
               xlaserve:spec_decode_num_drafts_total, xlaserve:spec_decode_num_draft_tokens_total,
               xlaserve:spec_decode_num_accepted_tokens_total (speculative decoding, as vLLM's),
+              xlaserve:spec_decode_num_draft_tokens_per_pos_total{position},
+              xlaserve:spec_decode_num_accepted_tokens_per_pos_total{position} (per draft position),
               xlaserve:host_kv_cache_hits_total, xlaserve:host_kv_cache_stores_total,
               xlaserve:host_kv_cache_evictions_total (host KV tier, in pages),
               xlaserve:engine_turn_seconds_total{part}, xlaserve:engine_turns_total{kind},
@@ -19,6 +21,7 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
   gauges      xlaserve:num_requests_running, xlaserve:num_requests_waiting,
               xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
               xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
+              xlaserve:spec_decode_num_speculative_tokens (the K of the present load; 0: off),
               xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
   info        xlaserve:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}
               (the Kubernetes inference gateway's LoRA metric, vLLM's labels: the adapters of
@@ -92,6 +95,16 @@ class EngineStatsCollector(Collector):
         per_step = GaugeMetricFamily("xlaserve:spec_decode_tokens_per_step",
                                      "Tokens a speculating request gets per step (1 + accepted / "
                                      "verified rows), over the engine's life.", labels=["model_name"])
+        drafted_pos = CounterMetricFamily("xlaserve:spec_decode_num_draft_tokens_per_pos",
+                                          "Speculative decoding: rows that verified a draft at this "
+                                          "position (0: a row's first draft).", labels=["model_name", "position"])
+        accepted_pos = CounterMetricFamily("xlaserve:spec_decode_num_accepted_tokens_per_pos",
+                                           "Speculative decoding: rows that accepted their draft at this "
+                                           "position.", labels=["model_name", "position"])
+        k_now = GaugeMetricFamily("xlaserve:spec_decode_num_speculative_tokens",
+                                  "Speculative decoding: the most drafts a request gets a step at the present "
+                                  "load (K; 0 while more than --speculative-max-batch requests run).",
+                                  labels=["model_name"])
         host = {  # the host KV tier (serving.core.kv.host_kv_cache): EngineStats field -> family
             "host_kv_hits": CounterMetricFamily("xlaserve:host_kv_cache_hits",
                                                 "Host KV tier: pages reloaded instead of recomputed.",
@@ -154,8 +167,14 @@ class EngineStatsCollector(Collector):
             accepted.add_metric([name], ok)
             acceptance.add_metric([name], ok / proposed if proposed else 0.0)
             per_step.add_metric([name], 1 + ok / rows if rows else 0.0)
+            for j, n in enumerate(getattr(s, "spec_drafted_per_position", ())):
+                drafted_pos.add_metric([name, str(j)], n)
+            for j, n in enumerate(getattr(s, "spec_accepted_per_position", ())):
+                accepted_pos.add_metric([name, str(j)], n)
+            k_now.add_metric([name], getattr(s, "spec_num_tokens_now", 0))
         return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
-                per_step, *host.values(), turn_seconds, turns, step_tokens, lora_info]
+                per_step, drafted_pos, accepted_pos, k_now, *host.values(), turn_seconds, turns, step_tokens,
+                lora_info]
 
 
 class _ReplayedCollector(Collector):

@@ -1,0 +1,207 @@
+"""Speculative decoding with a draft model (``--speculative draft --draft-model SPEC``): the
+draft's own paged KV cache and its two jitted steps.
+
+A draft model is a smaller decoder with the served model's tokenizer, or the served model's
+own int8 copy (``self:int8``, ``model.factory.quantized_copy``). It proposes the K drafts
+that the verify step (``serving.engine.verify_step``) checks, so outputs are the served
+model's whatever the draft proposes (the acceptance rule of ``serving.core.sched.speculative``).
+The scheme is speculative decoding's (Leviathan, Kalman, Matias, "Fast Inference from
+Transformers via Speculative Decoding", 2023; Chen et al., "Accelerating Large Language Model
+Decoding with Speculative Sampling", 2023); the code is our own.
+
+The draft's cache has the served cache's pages (the same count and page size, its own
+layers, KV heads and head size), and a request's pages hold both models' K/V at the same
+page ids, so the KV-cache manager and the page tables serve both unchanged. Two steps, each
+jitted once per shape bucket with the cache donated:
+
+    draft prefill   (params, kv, batch: PrefillBatch) -> kv
+        run after every prefill step of the served model on the same batch: the draft's
+        K/V of the same prompt chunks (images: their placeholder tokens' embeddings only).
+    draft propose   (params, kv, batch: VerifyBatch) -> (kv, drafts [S, K] int32)
+        K draft steps per row: step 0 feeds a 2-token chunk, the row's previous token and
+        its last token at p - 1 and p (``VerifyBatch.prev_tokens``), then a ``lax.scan``
+        of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1; step j
+        draws draft j + 1: the argmax for a greedy row, a sample of the draft's
+        distribution q (kept, [S, K, V]) for a temperature row
+        (``serving.engine.sample.rejection``). Refeeding p - 1 writes the K/V of the last
+        round's draft K when all K were accepted (the round never fed it), and rewrites
+        the same K/V otherwise. A row with d < K drafts (``max_tokens``, the token budget)
+        never writes K/V past p + d.
+
+The verify step then replaces the batch's placeholder drafts with these (on the device: no
+host round trip). After a verify step the draft's K/V is valid exactly where the served
+model's is (positions up to the last accepted token). Not kept in step: tokens that a
+request decodes without drafts (more than ``--speculative-max-batch`` requests running),
+pages restored from the host tier, sent by KV transfer or found in the prefix cache after
+plain decode wrote them. The draft then attends over stale K/V at those positions, which
+lowers acceptance but never changes an output.
+
+The served model's own int8 copy (``self:int8``) needs no cache of its own: it drafts over the
+served cache (``shares_cache``), attending to the served model's K/V of every earlier token and
+writing its own only at positions p .. p + d, which the verify step then overwrites with the
+served model's (it writes every position it feeds). So ``self:int8`` costs no pages and no
+prefill, and nothing it misses can go stale.
+
+Memory: :func:`shared_pages` splits the page budget of ``--num-pages`` served pages
+between the two caches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.attention_metadata import AttentionMetadata
+from model.kv_cache import KVCache
+from serving.config.engine_config import EngineConfig
+from serving.engine.backend_policy import BackendPolicy
+from serving.engine.sample.rejection import draft_sample
+
+
+def shared_pages(num_pages: int, served_cfg, draft_cfg) -> int:
+    """Pages each cache gets when a draft model's cache shares the memory of ``num_pages``
+    pages of the served model's.
+
+    Args:
+      num_pages: the served cache's page budget (``--num-pages``, page 0 included).
+      served_cfg, draft_cfg: the two models' ``model.config.ModelConfig`` (a page's bytes are
+        proportional to layers x KV heads x head size; both caches have one dtype).
+
+    Returns:
+      floor(num_pages x served / (served + draft)), at least 2.
+    """
+    def per_page(c):
+        return c.num_layers * c.num_kv_heads * c.head_dim
+
+    return max(2, num_pages * per_page(served_cfg) // (per_page(served_cfg) + per_page(draft_cfg)))
+
+
+def _draft_prefill(graphdef, compute, params, kv: KVCache, batch) -> KVCache:
+    model = nnx.merge(graphdef, params)
+    kv = kv.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages, as the served cache
+    md = batch.attention_metadata(kv.page_size)
+    _, kv = model(batch.tokens, batch.positions, kv, md, batch.logits_indices, compute=compute)
+    return kv
+
+
+def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: bool, params, kv: KVCache, batch):
+    """(kv, VerifyBatch) -> (kv, drafts [S, K] int32, q [S, K, V] float32); see the module
+    docstring."""
+    model = nnx.merge(graphdef, params)
+    S, P = batch.page_table.shape
+    T = batch.tokens.shape[0]
+    ps = kv.page_size
+    starts = jnp.minimum(batch.cu_q_lens[:-1], T - 1)
+    real = jnp.arange(S) < batch.num_seqs
+    d = jnp.where(real, batch.cu_q_lens[1:] - batch.cu_q_lens[:-1] - 1, 0)  # [S] drafts wanted
+    p0 = batch.positions[starts]
+    rows = jnp.arange(S)
+    row_sampling = jax.tree.map(lambda a: a[starts], batch.sampling)  # each row's settings
+
+    def slots(pos, write):
+        page = batch.page_table[rows, jnp.minimum(pos // ps, P - 1)]
+        return jnp.where(write, page * ps + pos % ps, 0).astype(jnp.int32)
+
+    # Step 0: [previous token, last token] at p - 1, p (a 2-token chunk per row).
+    pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
+    tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
+    # (A shared cache already holds the served K/V at p - 1: it is read, not written.)
+    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat((p0 > 0) & refeed, 2))
+    md = AttentionMetadata(
+        slot_mapping=_slots2(batch, pos2, write2, ps),
+        page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
+        cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
+        num_seqs=batch.num_seqs, mode="prefill")
+    logits, kv = model(tok2, pos2, kv, md, (2 * rows + 1).astype(jnp.int32), compute=compute)
+    first, q_first = draft_sample(logits.astype(jnp.float32), p0 + 1, row_sampling, argmax_block)
+
+    def step(carry, j):  # feeds draft j at p + j, draws draft j + 1
+        kv, tok = carry
+        pos = p0 + j
+        md = AttentionMetadata(
+            slot_mapping=slots(pos, real & (j <= d)), page_table=batch.page_table,
+            kv_lens=jnp.where(real, jnp.minimum(pos, p0 + d) + 1, 0).astype(jnp.int32),
+            cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), num_seqs=jnp.asarray(S, jnp.int32),
+            mode="decode")
+        logits, kv = model(tok, pos.astype(jnp.int32), kv, md, rows.astype(jnp.int32), compute=compute)
+        nxt, q = draft_sample(logits.astype(jnp.float32), pos + 1, row_sampling, argmax_block)
+        return (kv, nxt), (nxt, q)
+
+    (kv, _), (rest, q_rest) = jax.lax.scan(step, (kv, first), jnp.arange(1, num_tokens))
+    drafts = jnp.concatenate([first[None], rest], axis=0).T  # [S, K]
+    q = jnp.concatenate([q_first[None], q_rest], axis=0)  # [K, S, V]
+    return kv, drafts, jnp.swapaxes(q, 0, 1)
+
+
+def _slots2(batch, pos2, write2, ps):
+    """[2S] int32 KV slots of step 0's two tokens a row (0: not written)."""
+    S, P = batch.page_table.shape
+    rows2 = jnp.repeat(jnp.arange(S), 2)
+    page = batch.page_table[rows2, jnp.minimum(pos2 // ps, P - 1)]
+    return jnp.where(write2, page * ps + pos2 % ps, 0).astype(jnp.int32)
+
+
+class DraftModel:
+    """A draft model's parameters, KV cache and jitted steps (single device). Not
+    thread-safe: the engine calls it from its one caller's thread."""
+
+    def __init__(self, model: nnx.Module, cfg: EngineConfig, policy: BackendPolicy, num_tokens: int,
+                 shares_cache: bool = False):
+        """Args:
+          model: a decoder of ``model/`` (its own config; the served model's vocabulary).
+          cfg: the served engine's sizes (the draft cache has its ``num_pages`` and ``page_size``).
+          policy: the served engine's backend policy (storage and compute of the draft too).
+          num_tokens: K, the drafts proposed per row.
+          shares_cache: the draft is the served model's own copy (``self:int8``): it has no
+            cache and no prefill of its own, and drafts over the served cache (see the module
+            docstring).
+        """
+        self.model_cfg = model.cfg
+        self.num_tokens = num_tokens
+        self.shares_cache = shares_cache
+        graphdef, params = nnx.split(model)
+        self.params = policy.store_params(params)
+        stored = policy.storage_dtype(jnp.dtype(cfg.kv_dtype))
+        self.kv = None if shares_cache else KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, stored)
+        compute = policy.compute(dtype=model.dtype)
+        jit = functools.partial(jax.jit, donate_argnames=("kv",))
+        self._prefill = jit(functools.partial(_draft_prefill, graphdef, compute))
+        self._propose = jit(functools.partial(_draft_propose, graphdef, compute, policy.argmax_block,
+                                              num_tokens, not shares_cache))
+
+    def prefill(self, batch) -> None:
+        """Dispatches the draft's prefill of a served prefill step's ``PrefillBatch`` (nothing
+        when it shares the served cache)."""
+        if not self.shares_cache:
+            self.kv = self._prefill(self.params, self.kv, batch)
+
+    def propose(self, batch, served_kv: KVCache | None = None):
+        """Dispatches the draft steps of a ``VerifyBatch``.
+
+        Args:
+          served_kv: with ``shares_cache``, the served cache (donated: use the one returned).
+
+        Returns:
+          (drafts [S, K] int32, q [S, K, V] float32) device arrays, not synced: row i's first
+          ``cu_q_lens[i + 1] - cu_q_lens[i] - 1`` drafts and the distributions they were drawn
+          from (temperature rows; ``serving.engine.sample.rejection``); with ``shares_cache``,
+          (served cache, drafts, q).
+        """
+        if self.shares_cache:
+            return self._propose(self.params, served_kv, batch)
+        self.kv, drafts, q = self._propose(self.params, self.kv, batch)
+        return drafts, q
+
+
+def replace_drafts(tokens: jax.Array, token_rows: jax.Array, cu_q_lens: jax.Array, real: jax.Array,
+                   drafts: jax.Array) -> jax.Array:
+    """[T] int32 a verify batch's tokens with each row's placeholder drafts replaced by
+    ``drafts`` [S, K] (traced; inside the verify step)."""
+    K = drafts.shape[1]
+    off = jnp.arange(tokens.shape[0]) - cu_q_lens[token_rows]
+    picked = drafts[token_rows, jnp.clip(off - 1, 0, K - 1)]
+    return jnp.where(real & (off >= 1), picked, tokens).astype(tokens.dtype)
+
