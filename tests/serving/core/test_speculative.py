@@ -334,11 +334,18 @@ def test_tiny_stop_ids_and_max_tokens_cut_verified_tokens_as_plain_decoding(tiny
     arrives in an event of several verified tokens."""
     from tests.support.engine_helpers import generate, request
 
-    # The tiny model's greedy outputs are runs of one token; these two switch tokens late.
-    prompts = [tiny_prompt(6 + i, 3 * i) for i in (0, 8, 1, 3)]
-    full = generate(tiny_loop, [request(p, max_tokens=24, ignore_eos=True) for p in prompts])
-    stops = [next((t for j, t in enumerate(ids) if j >= 3 and t not in ids[:j]), None) for ids in full]
-    assert stops[0] is not None and stops[1] is not None
+    # The tiny model's greedy outputs are runs of one token: the first two prompts are the first
+    # of eight candidates whose output switches to a new token after three or more, the other two
+    # the first that do not (they stop by max_tokens).
+    candidates = [tiny_prompt(6 + i, 3 * i) for i in range(8)]
+    outs = generate(tiny_loop, [request(p, max_tokens=24, ignore_eos=True) for p in candidates])
+    late = [next((t for j, t in enumerate(ids) if j >= 3 and t not in ids[:j]), None) for ids in outs]
+    switching = [i for i, t in enumerate(late) if t is not None][:2]
+    others = [i for i in range(8) if i not in switching][:2]
+    assert len(switching) == 2, late
+    prompts = [candidates[i] for i in switching + others]
+    full = [outs[i] for i in switching + others]
+    stops = [late[i] for i in switching] + [None, None]
 
     def reqs():
         return [request(p, max_tokens=24, stop_token_ids=(stop,)) if stop is not None
