@@ -19,8 +19,8 @@ def install_console(app: FastAPI, authenticator: Authenticator, ledger: Ledger |
     """Serves the console at ``/console`` on `app` (``console_pages.py``, ``console_api.py``).
 
     Args:
-      authenticator: the API's authenticator (its key store, if any, holds the keys the
-        console manages).
+      authenticator: the API's authenticator (its ``key_store``, if it has one, holds the keys
+        the console manages; without one the keys page has none to manage).
       ledger: the request ledger (None: the pages that read it show the 404 ``no_ledger``).
       models: the served models' names.
       engine_stats: () -> {model: its engine's ``stats`` callable or None}.
@@ -28,4 +28,4 @@ def install_console(app: FastAPI, authenticator: Authenticator, ledger: Ledger |
     """
     auth = ConsoleAuth(authenticator)
     install_console_pages(app, auth, models)
-    install_console_api(app, auth, ledger, authenticator.key_store, engine_stats, trace_body)
+    install_console_api(app, auth, ledger, getattr(authenticator, "key_store", None), engine_stats, trace_body)

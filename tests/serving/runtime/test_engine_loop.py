@@ -30,10 +30,16 @@ def test_max_tokens_finishes_with_length(loop):
 
 
 def test_stop_token_finishes_with_stop(loop):
-    first = generate(loop, [request(prompt(6), max_tokens=3, ignore_eos=True)])[0]
-    ids, events = asyncio.run(collect(loop, request(prompt(6), max_tokens=10,
-                                                   stop_token_ids=(first[1],))))
-    assert ids == first[:2]
+    """A stop id that the greedy output reaches after other tokens (the tiny model's outputs
+    are runs of one token: the first of eight prompts whose output changes token) ends the
+    request there, the stop token included."""
+    prompts = [prompt(6, offset) for offset in range(8)]
+    outs = generate(loop, [request(p, max_tokens=10, ignore_eos=True) for p in prompts])
+    switch = [(i, j) for i, ids in enumerate(outs) for j in range(1, len(ids)) if ids[j] not in ids[:j]]
+    assert switch, outs
+    i, j = switch[0]
+    ids, events = asyncio.run(collect(loop, request(prompts[i], max_tokens=10, stop_token_ids=(outs[i][j],))))
+    assert ids == outs[i][:j + 1]
     assert events[-1].finish_reason == "stop"
 
 
