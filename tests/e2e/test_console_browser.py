@@ -149,7 +149,7 @@ def test_a_key_created_and_revoked_in_the_console(page, console):
     page.click(f"#keys tr[data-key-id='{key_id}'] button.revoke")
     page.wait_for_selector(f"#keys tr[data-key-id='{key_id}']:not(:has(button.revoke))")
     r = httpx.get(console["url"] + "/v1/models", headers={"Authorization": f"Bearer {key}"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "api_key_revoked"
+    assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked"
     audit = page.inner_text("#audit")
     assert "key.create" in audit and "key.revoke" in audit and key_id in audit
     shot(page, console, "keys")

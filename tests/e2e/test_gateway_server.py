@@ -157,7 +157,7 @@ def test_revoked_key_fails(gw):
                           "--database-url", gw.db_url], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     r = gw.post("doomed", _completion(), expect=None)
-    assert r.status_code == 403 and r.json()["error"]["code"] == "api_key_revoked"
+    assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked"
     assert gw.post("free", _completion()).status_code == 200  # others unaffected
 
 

@@ -3,7 +3,8 @@
 * Keys configured (any key in the database, revoked ones included): ``Authorization: Bearer
   KEY`` is required (or, Anthropic's form, ``x-api-key: KEY``; Authorization wins when both
   are sent); a missing or unknown key is 401 ``invalid_api_key``, a
-  revoked key 403 ``api_key_revoked``.
+  revoked key 401 ``api_key_revoked`` (as OpenAI's API answers a revoked key: the credential
+  no longer authenticates; 403 is for a valid key refused something).
 * No keys configured: the server runs open and every caller is the
   ``anonymous`` tenant, never an admin (whatever Authorization header it sends, so
   clients that always send one, like the openai package, work). ``xlaserve serve``
@@ -106,7 +107,7 @@ class Authenticator:
         for ``x-api-key``).
 
         Raises:
-          OpenAIError: 401 (missing, malformed or unknown key), 403 (revoked key), 503
+          OpenAIError: 401 (missing, malformed, unknown or revoked key), 503
             ``no_api_keys`` (no key exists and ``require_keys``), 503 ``database_unavailable``.
         """
         if self.key_store is None or not await self._keys_configured():
@@ -122,7 +123,7 @@ class Authenticator:
             raise unauthorized("The Authorization header must be 'Bearer YOUR_KEY'.")
         status, principal = await self._lookup(token)
         if status == "revoked":
-            raise OpenAIError("This API key has been revoked.", status_code=403, code="api_key_revoked")
+            raise OpenAIError("This API key has been revoked.", status_code=401, code="api_key_revoked")
         if principal is None:
             raise unauthorized(f"Incorrect API key provided: {token[:10]}…. Create one with "
                                "'xlaserve keys create --tenant NAME'.")

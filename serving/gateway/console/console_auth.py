@@ -5,7 +5,7 @@ or ``x-api-key``) or, from a browser, in the cookie :data:`COOKIE` that ``POST /
 sets once the key it is given authenticates as an admin (HttpOnly, ``SameSite=Strict``,
 ``Path=/console``; ``Secure`` over HTTPS). Every request is authenticated again with the same
 :class:`~serving.gateway.accounts.auth.Authenticator` as ``/v1``, so a revoked key loses the console
-at once. Errors: 401 ``invalid_api_key`` (no key or an unknown one), 403 ``api_key_revoked``, 403
+at once. Errors: 401 ``invalid_api_key`` (no key or an unknown one), 401 ``api_key_revoked``, 403
 ``admin_key_required`` (a key that is not an admin's, or a server running open without keys).
 Changes (keys, tenants) take JSON bodies only, which a cross-site form cannot send, on top of
 the SameSite cookie.

@@ -208,7 +208,7 @@ async def test_keys_are_created_and_revoked_through_the_key_store_and_audited(cl
     r = await client.post(f"/console/api/keys/{new['key_id']}/revoke", headers=admin)
     assert r.status_code == 200
     r = await client.post("/v1/chat/completions", json=chat, headers=bearer(new["key"]))
-    assert_openai_error(r, 403, code="api_key_revoked")
+    assert_openai_error(r, 401, code="api_key_revoked")
     r = await client.post(f"/console/api/keys/{new['key_id']}/revoke", headers=admin)
     assert_openai_error(r, 404, code="key_not_found")
     r = await client.put("/console/api/tenants/acme", json={"rpm": 7, "models": [MODEL]}, headers=admin)
