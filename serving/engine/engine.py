@@ -10,6 +10,10 @@ the project's architecture notes)::
     prefill_logprobs_step(params, state, batch: PromptLogprobsBatch)
                                                     -> (state, (StepOutput [S], PromptLogprobs [T]))
     decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, StepOutput [B])
+        each of these three as two programs (below): the forward, returning the rows'
+        logits [R, V] f32 in place of the StepOutput, then
+        sample_step(slot_tokens, counts, seen, logits, positions, sampling, slot_ids)
+                                                    -> (slot_tokens, StepOutput [R])
     verify_step(params, state, batch: VerifyBatch)  -> (state, VerifyOutput)   speculative decoding:
                       rows of [last token, drafts] sampled at every token (serving.engine.verify_step)
 
@@ -27,8 +31,8 @@ The prefill and decode steps are two programs each, dispatched back to back: the
 (the model, the KV write and the token counts; returns the rows' logits [R, V] f32) and the
 sampler (``sample_step``: logits -> tokens, log probabilities, ``slot_tokens``). The sampler's
 shapes are only (R, slots, V), so one compiled sampler serves every prefill and decode bucket
-of that row count, where a fused step compiled it again in each (the sampler is about half a
-tiny model's step compile, ~40% of Gemma 3 270M's on CPU: benchmarks/RESULTS.md, 2026-12-06);
+of that row count, where a fused step compiled it again in each (the sampler was about half of
+a step's compile on CPU, tiny models and Gemma 3 270M alike: benchmarks/RESULTS.md, 2026-12-06);
 the logits it reads are in memory either way (the sampler reads them several times).
     PrefillBatch, DecodeBatch: serving.engine.step_batch (shapes and buckets there and in
                   serving.config.engine_config)
