@@ -20,12 +20,13 @@ class RandomWeights:
     """float32 draws in call order from one generator seeded by ``rngs.params()``."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self._key = rngs.params()
+        key = self._key = rngs.params()
         self._gen = None
-        if not isinstance(self._key, jax.core.Tracer):
-            key = self._key
-            bits = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        bits = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        try:
             self._gen = np.random.default_rng(np.asarray(bits, np.uint32).ravel().tolist())
+        except jax.errors.TracerArrayConversionError:
+            pass  # traced (jax.eval_shape): jax.random draws below
 
     def _standard_normal(self, shape: tuple[int, ...]):
         if self._gen is None:  # traced: shapes only
