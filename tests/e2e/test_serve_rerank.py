@@ -8,6 +8,7 @@ recipe), answers the same routes with the reference scores within 1e-4."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -23,12 +24,19 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "64", "--embed-max-batch
 MODEL = "bert_cross"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve-rerank") / "server.log"
-    with serve_process(["--model", str(RERANK_TINY / MODEL), *SERVER_ARGS], log, log_level="INFO") as (_, url, f):
+@contextlib.contextmanager
+def _serving(tmp_path_factory, name: str, args: list[str]):
+    """A server process of ``args`` (its log under a tmp folder ``name``): (httpx client, log path)."""
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    with serve_process(args, log, log_level="INFO") as (_, url, f):
         with httpx.Client(base_url=url, timeout=120) as client:
             yield client, f
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with _serving(tmp_path_factory, "serve-rerank", ["--model", str(RERANK_TINY / MODEL), *SERVER_ARGS]) as s:
+        yield s
 
 
 def test_rerank_and_score_match_the_cross_encoder(server):
@@ -130,12 +138,10 @@ DECODER = "qwen3_rerank"
 
 @pytest.fixture(scope="module")
 def decoder_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve-rerank-decoder") / "server.log"
     args = ["--model", str(RERANK_TINY / DECODER), "--task", "rerank", "--dtype", "float32", "--max-model-len", "128",
             "--embed-max-batch", "4", "--embed-max-batch-tokens", "512", "--skip-warmup"]
-    with serve_process(args, log, log_level="INFO") as (_, url, f):
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield client, f
+    with _serving(tmp_path_factory, "serve-rerank-decoder", args) as s:
+        yield s
 
 
 def test_a_decoder_reranker_matches_its_reference_over_http(decoder_server):
