@@ -64,7 +64,11 @@ def print_programs(by_name: dict[str, list[tuple[str, float]]], top: int) -> Non
     rows = []
     for name, compiles in by_name.items():
         keys = collections.Counter(k for k, _ in compiles)
-        again = sum(sec for i, (k, sec) in enumerate(compiles) if any(k == k2 for k2, _ in compiles[:i]))
+        seen: set[str] = set()
+        again = 0.0
+        for k, sec in compiles:  # every compile of a key after its first
+            again += sec if k in seen else 0.0
+            seen.add(k)
         rows.append((sum(sec for _, sec in compiles), len(compiles), len(keys), again, name))
     print(f"\nprograms: {sum(r[1] for r in rows)} compiles after a cache miss, "
           f"{sum(r[3] for r in rows):.0f} s of them a key compiled before by another process")
