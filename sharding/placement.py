@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,6 +41,24 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> dict[
     return out
 
 
+def _host_view(x):
+    """``x`` as a numpy view when it is a jax.Array held whole in host memory (one CPU device),
+    else ``x``. ``jax.device_put`` slices a numpy array's shards on the host; a device array it
+    slices with a compiled program per shape and sharding (JAX's ``_multi_slice``), which cost
+    a compile per weight shape whenever weights built on the host platform are placed."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and len(x.devices()) == 1:
+        (device,) = x.devices()
+        if device.platform == "cpu":
+            return np.asarray(x)
+    return x
+
+
+def place_tree(tree, shardings):
+    """``jax.device_put(tree, shardings)`` with host-held leaves sliced on the host (see
+    ``_host_view``): a pytree of arrays and a matching pytree (or one) of NamedShardings."""
+    return jax.device_put(jax.tree.map(_host_view, tree), shardings)
+
+
 def place_params(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
     """The state with every parameter put on ``mesh`` in its NamedSharding (shard by shard)."""
     shardings = param_shardings(state, mesh, rules)
@@ -47,7 +66,7 @@ def place_params(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.Stat
     placed = []
     for path, v in flat:
         name = ".".join(map(str, path))
-        placed.append((path, v.replace(jax.device_put(v.get_value(), shardings[name]))))
+        placed.append((path, v.replace(jax.device_put(_host_view(v.get_value()), shardings[name]))))
     return nnx.from_flat_state(placed)
 
 

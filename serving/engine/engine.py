@@ -325,10 +325,10 @@ class Engine:
                                  "(not multi-host, not a mixture of experts)")
             self.lora_stacks = zero_stacks(model.cfg, cfg.max_loras, cfg.max_lora_rank, model.dtype)
             if mesh is not None:
-                from sharding.placement import lora_shardings
+                from sharding.placement import lora_shardings, place_tree
 
                 self._lora_shardings = lora_shardings(self.lora_stacks, model.cfg, mesh, rules)
-                self.lora_stacks = jax.device_put(self.lora_stacks, self._lora_shardings)
+                self.lora_stacks = place_tree(self.lora_stacks, self._lora_shardings)
             compute = dataclasses.replace(compute, lora=self.policy.lora_formulation(
                 cfg.max_loras + 1, cfg.max_lora_rank))
         self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
