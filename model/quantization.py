@@ -41,6 +41,7 @@ the float weight uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -137,10 +138,16 @@ def quantize_per_channel(w, contract_axes: tuple[int, ...]) -> QuantizedArray:
       QuantizedArray; each element's error is at most half its channel's scale
       (``max |w| / 254``).
     """
+    return QuantizedArray(*_per_channel(w, tuple(contract_axes)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _per_channel(w, contract_axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """(int8 values, float32 scales) of ``quantize_per_channel``: one program per weight shape
+    (as eager operations it was one per operation and shape)."""
     w = jnp.asarray(w, jnp.float32)
     s = _scales_for(jnp.max(jnp.abs(w), axis=contract_axes, keepdims=True))
-    q = jnp.clip(jnp.round(w / s), -_QMAX, _QMAX).astype(jnp.int8)
-    return QuantizedArray(q, s)
+    return jnp.clip(jnp.round(w / s), -_QMAX, _QMAX).astype(jnp.int8), s
 
 
 def quantize_blocks(w, axis: int, block: int = GGUF_BLOCK) -> QuantizedArray:
@@ -150,14 +157,20 @@ def quantize_blocks(w, axis: int, block: int = GGUF_BLOCK) -> QuantizedArray:
     Raises:
       ValueError: the axis is not a multiple of ``block``.
     """
-    w = jnp.asarray(w, jnp.float32)
-    axis = axis % w.ndim
+    axis = axis % len(w.shape)
     if w.shape[axis] % block:
         raise ValueError(f"axis {axis} of size {w.shape[axis]} is not a multiple of the block {block}")
+    return QuantizedArray(*_blocks(w, axis, block))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _blocks(w, axis: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """(int8 values, float32 block scales) of ``quantize_blocks``, one program per shape."""
+    w = jnp.asarray(w, jnp.float32)
     split = w.shape[:axis] + (w.shape[axis] // block, block) + w.shape[axis + 1:]
     s = _scales_for(jnp.max(jnp.abs(w.reshape(split)), axis=axis + 1))
     q = jnp.clip(jnp.round(w.reshape(split) / jnp.expand_dims(s, axis + 1)), -_QMAX, _QMAX)
-    return QuantizedArray(q.astype(jnp.int8).reshape(w.shape), s)
+    return q.astype(jnp.int8).reshape(w.shape), s
 
 
 def is_per_channel(w: QuantizedArray) -> bool:
