@@ -104,7 +104,9 @@ class DiskTier:
         have = len(hit.page_ids) + len(hit.host_keys)
         keys = []
         for key in prompt_page_hashes(tokens[:len(tokens) - 1], self.kv.page_size, r.salt, r.images)[have:]:
-            if key in self.cache or not self.store.contains(key):
+            if key in self.cache:  # (in host memory already: found there)
+                continue
+            if not self.store.contains(key):
                 break
             keys.append(key)
         if not keys:

@@ -8,10 +8,12 @@ by the same tenant's prompts), and read back into host memory when a later promp
 prefix continues here (``serving.runtime.disk_tier_steps``). The files outlive the
 process: a store opened over a directory rebuilds its index from them::
 
-    HostKVCache --evicted page--> put() --queue--> writer thread --> DIR/<key hex>.kvpage
+    HostKVCache --evicted page--> put() --queue--> writer thread --> DIR/<key hex>.<identity>.kvpage
     read(keys) <-- reader (off the engine loop) <-- checksum + identity checked <-- file
 
-One file per page, written to a temporary name and renamed (never seen half-written)::
+One file per page, named by its key and a digest of the model's and format's identity (so
+servers of different models may share a directory without overwriting each other's pages),
+written to a temporary name and renamed (never seen half-written)::
 
     b"XLKVPAGE" | uint32 LE header length | header (JSON, UTF-8) | payload
 
@@ -192,6 +194,7 @@ class DiskKVStore:
         self.read_seconds = 0.0
         self.corrupt_files = self.foreign_files = self.dropped_pages = 0
         self.usage_bytes = 0
+        self._tag = hashlib.blake2b(f"{model_id}\0{kv_format}".encode(), digest_size=4).hexdigest()
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> file bytes
         self._pending: dict[bytes, dict[str, np.ndarray]] = {}  # queued, not yet written
@@ -208,7 +211,7 @@ class DiskKVStore:
 
     def path(self, key: bytes) -> str:
         """The file of ``key``."""
-        return os.path.join(self.directory, key.hex() + SUFFIX)
+        return os.path.join(self.directory, f"{key.hex()}.{self._tag}{SUFFIX}")
 
     def _rebuild_index(self) -> None:
         found = []
@@ -219,8 +222,12 @@ class DiskKVStore:
                     continue
                 if not entry.name.endswith(SUFFIX) or not entry.is_file():
                     continue
+                name, _, tag = entry.name[:-len(SUFFIX)].partition(".")
+                if tag != self._tag:  # another model's or format's page (or no page of ours)
+                    self.foreign_files += 1
+                    continue
                 try:
-                    key = bytes.fromhex(entry.name[:-len(SUFFIX)])
+                    key = bytes.fromhex(name)
                     st = entry.stat()
                     with open(entry.path, "rb") as f:
                         header, offset = read_header(f, self.model_id, self.kv_format)

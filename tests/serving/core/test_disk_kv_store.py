@@ -75,7 +75,7 @@ def test_torn_corrupt_and_foreign_files_are_ignored_and_counted(tmp_path):
         f.truncate(FILE_BYTES - 7)
     with open(s.path(key(1)), "wb") as f:  # not a page file at all
         f.write(b"garbage")
-    with open(tmp_path / "x.kvpage", "wb") as f:  # a name that is no key
+    with open(s.path(key(9)).replace(key(9).hex(), "not-hex"), "wb") as f:  # a name that is no key
         f.write(b"")
     mine = store(tmp_path, writer=False)  # a restart: the damaged files are counted and removed
     assert mine.corrupt_files == 3 and mine.foreign_files == 0
