@@ -149,3 +149,53 @@ def test_host_evictions_spill_to_disk_and_the_disk_full_fails_no_request(engine,
     assert got == again == want and ev[-1].finish_reason == ev2[-1].finish_reason == "length"
     assert lp.disk_kv.dropped_pages >= 3 and lp.disk_kv.stores == 0 and os.listdir(d) == []
     assert lp.stats().disk_kv_dropped_pages >= 3
+
+
+def test_disk_counters_reach_metrics_the_wire_and_the_trace():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from serving.contract.engine_client import EngineStats, TokenEvent
+    from serving.gateway.services.metering import cached_by_tier
+    from serving.gateway.services.metrics import EngineStatsCollector
+    from serving.rpc import convert
+
+    ev = TokenEvent("r", (1,), prompt_tokens=50, cached_tokens=48, host_cached_tokens=40, disk_cached_tokens=32)
+    back = convert.event_from_proto("r", convert.event_to_proto(ev).tokens)
+    assert (back.cached_tokens, back.host_cached_tokens, back.disk_cached_tokens) == (48, 40, 32)
+    assert cached_by_tier(48, 40, 32) == {"device": 8, "host": 8, "disk": 32}
+    assert cached_by_tier(16, 40, 0) == {"device": 0, "host": 16, "disk": 0}  # (reloads after a preemption)
+    s = EngineStats(host_kv_capacity_bytes=1 << 20, disk_kv_hits=5, disk_kv_stores=7, disk_kv_evictions=2,
+                    disk_kv_usage_bytes=4096, disk_kv_capacity_bytes=1 << 30, disk_kv_bytes_read=1000,
+                    disk_kv_bytes_written=1400, disk_kv_read_seconds=0.25, disk_kv_reads=5,
+                    disk_kv_corrupt_files=1, disk_kv_foreign_files=3, disk_kv_dropped_pages=4)
+    assert convert.load_from_proto(convert.load_to_proto(s)) == s
+    reg = CollectorRegistry()
+    reg.register(EngineStatsCollector(lambda: {"m": lambda: s}))
+    text = generate_latest(reg).decode()
+    for line in ('xlaserve:disk_kv_cache_hits_total{model_name="m"} 5.0',
+                 'xlaserve:disk_kv_cache_stores_total{model_name="m"} 7.0',
+                 'xlaserve:disk_kv_cache_evictions_total{model_name="m"} 2.0',
+                 'xlaserve:disk_kv_cache_dropped_pages_total{model_name="m"} 4.0',
+                 'xlaserve:disk_kv_cache_read_bytes_total{model_name="m"} 1000.0',
+                 'xlaserve:disk_kv_cache_written_bytes_total{model_name="m"} 1400.0',
+                 'xlaserve:disk_kv_cache_usage_bytes{model_name="m"} 4096.0',
+                 'xlaserve:disk_kv_cache_ignored_files_total{model_name="m",why="corrupt"} 1.0',
+                 'xlaserve:disk_kv_cache_ignored_files_total{model_name="m",why="foreign"} 3.0',
+                 'xlaserve:disk_kv_cache_read_seconds_count{model_name="m"} 5.0',
+                 'xlaserve:disk_kv_cache_read_seconds_sum{model_name="m"} 0.25'):
+        assert line in text, line
+
+
+def test_a_disk_tier_needs_the_host_tier_and_a_bound(engine, tmp_path):
+    from serving.config.server_config import ServerConfig
+    from serving.runtime.engine_loop import EngineLoop
+
+    with pytest.raises(ValueError, match="host_kv_cache_gib > 0"):
+        ServerConfig(kv_disk_dir=str(tmp_path), kv_disk_max_bytes=1 << 30)
+    with pytest.raises(ValueError, match="kv_disk_max_bytes > 0"):
+        ServerConfig(kv_disk_dir=str(tmp_path), host_kv_cache_gib=1)
+    with pytest.raises(ValueError, match="needs kv_disk_dir"):
+        ServerConfig(kv_disk_max_bytes=1 << 30)
+    assert ServerConfig(kv_disk_dir=str(tmp_path), kv_disk_max_bytes=1, host_kv_cache_gib=1).kv_disk_max_bytes == 1
+    with pytest.raises(ValueError, match="under the host tier"):
+        EngineLoop(engine, kv_disk_dir=str(tmp_path), kv_disk_max_bytes=1 << 20)
