@@ -418,6 +418,8 @@ class EngineLoop:
         if warmup:
             t0 = time.perf_counter()
             self.engine.warmup(decode=warmup_decode)
+            if self.host_tier is not None:
+                self.host_tier.warmup()
             log.info("warmup compiled %d programs in %.1f s", len(self.engine.compile_times),
                      time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._run, name="xlaserve-engine", daemon=True)
