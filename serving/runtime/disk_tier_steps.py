@@ -99,6 +99,10 @@ class DiskTier:
         r = seq.sched
         if not r.prefix_cache or self.cache is None or len(self.store) == 0:
             return False
+        parent = self._parked.get(r.parent_id) if r.parent_id is not None else None
+        if parent is not None:  # one of n choices: queued with its parent (after it), as one family
+            self._parked[seq.req.request_id] = _Parked(seq, parent.keys, parent.future)
+            return True
         tokens = r.prompt_ids
         hit = self.kv.lookup_prefix(tokens, r.salt, len(tokens) - 1, r.images)
         have = len(hit.page_ids) + len(hit.host_keys)

@@ -102,13 +102,20 @@ def test_corrupt_and_foreign_files_are_skipped_and_the_request_answers(engine, t
         f.seek(-4, os.SEEK_END)
         f.write(b"\x00\x01\x02\x03")
     again = disk_loop(engine, tmp_path)
-    try:
-        got, ev = run(again, A)
+    try:  # two choices of one prompt (n=2, one seed): the second waits for the same disk pages
+        parent = request(A, **SAMPLED)
+        child = dataclasses.replace(request(A, **SAMPLED), parent_id=parent.request_id)
+
+        async def both():
+            return await asyncio.gather(collect(again, parent), collect(again, child))
+
+        (got, ev), (got_child, ev_child) = asyncio.run(both())
         stats = again.stats()
     finally:
         again.stop()
-    assert got == want
+    assert got == got_child == want
     assert ev[-1].disk_cached_tokens == ev[-1].cached_tokens == 16  # pages 0 and 1; the rest recomputed
+    assert ev_child[-1].disk_cached_tokens == 16 and stats.disk_kv_hits == 2  # read once, for both
     assert stats.disk_kv_corrupt_files == 1 and stats.disk_kv_foreign_files == files
     assert again.disk_kv.stores >= 1 and os.path.exists(page_path(first, A, 2))  # recomputed, saved at stop
 
