@@ -40,9 +40,11 @@ from serving.core.kv.kv_events import KvEventJournal
 
 log = logging.getLogger(__name__)
 
-PAYLOAD_NAMES = ("k", "v")
-"""Names of a host-tier entry's arrays in a page file, in the entry's order (a format
-with more arrays per page names the rest ``a2``, ``a3``, ...)."""
+PAYLOAD_NAMES = ("k", "v", "k_scale", "v_scale")
+"""Names of a host-tier entry's arrays in a page file, in the entry's order: ``k`` and ``v``
+(each ``[layers, kv_heads, page_size, head_dim]``), then a quantized format's scales (a
+further array would be named ``a4``, ...). Read back, the arrays go to the host tier in the
+file's order."""
 
 
 def payload(entry: tuple) -> dict:
