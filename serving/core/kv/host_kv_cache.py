@@ -9,12 +9,15 @@ only holds them::
 
     device prefix cache  --evicted page (k, v)-->  HostKVCache  --prefix hit-->  fresh device page
                                                    (LRU, <= capacity_bytes)
+                                                         |
+                                            evicted: spill(key, entry) -> the disk tier, if any
 
 An entry is one page of every layer: ``k`` and ``v`` numpy arrays, each
 ``[layers, kv_heads, page_size, head_dim]`` in the cache's storage dtype (one
 page of what ``serving.engine.kv_pages.read_pages`` returns). The bound counts
 ``k.nbytes + v.nbytes`` of every entry; storing past it evicts the least
-recently used entries (stored or read) first.
+recently used entries (stored or read) first, handing each to ``spill`` (the disk tier,
+``serving.core.kv.disk_kv_store``, under ``serving.runtime.disk_tier_steps``).
 
 No JAX here. Thread-safe (a lock): the engine loop's thread puts and gets,
 metrics scrapes read the counters.
