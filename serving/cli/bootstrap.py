@@ -24,6 +24,7 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     from serving.engine.compilation_cache import enable_compilation_cache
     from serving.engine.engine import Engine
     from serving.loading.mesh_loader import load_for_serving
+    from serving.runtime.disk_tier_steps import model_identity
     from serving.runtime.engine_loop import EngineLoop
 
     enable_compilation_cache()
@@ -73,6 +74,9 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
                       token_budget=cfg.token_budget, enable_prefix_caching=cfg.enable_prefix_caching,
                       max_queued_events=cfg.stream_buffer_events, tokenizer=tokenizer,
                       host_kv_cache_bytes=int(cfg.host_kv_cache_gib * GIB),
+                      kv_disk_dir=cfg.kv_disk_dir, kv_disk_max_bytes=cfg.kv_disk_max_bytes,
+                      kv_disk_model_id=model_identity(model.cfg, _weights_stamp(cfg.checkpoint or cfg.model),
+                                                      cfg.revision, cfg.dtype, cfg.quantization),
                       starvation_preemptions=cfg.flex_starvation_preemptions,
                       starvation_seconds=cfg.flex_starvation_seconds,
                       lora_modules=dict(cfg.lora_modules), max_cpu_loras=cfg.max_cpu_loras)
@@ -80,6 +84,17 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
     return loop, tokenizer, model.cfg.name
+
+
+def _weights_stamp(source: str | None) -> str:
+    """What names the served weights in the disk KV tier's files: ``source`` (a model name, Hub
+    id or path), with a file's size and modification time (other weights under one path)."""
+    import os
+
+    if source and os.path.isfile(source):
+        st = os.stat(source)
+        return f"{os.path.abspath(source)}:{st.st_size}:{st.st_mtime_ns}"
+    return str(source)
 
 
 def build_embedding_engine(cfg, warmup: bool = True):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import time
 
 from serving.cli.bootstrap import (
@@ -315,6 +316,10 @@ def _run_gateway(args, cfg, services, models, loop) -> int:
         for name in models:
             log.info("serving %s on http://%s:%d/v1", name, cfg.host, cfg.port)
         freeze_startup_heap()
+        # uvicorn re-raises the SIGTERM it handled once it has shut down; with the default
+        # action that would end the process here, before the engine stops below (the disk KV
+        # tier saves its pages then): a handler of ours takes the re-raised signal instead.
+        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: stopping the engine"))
         # On SIGTERM, open streams get drain_timeout seconds to finish, then are cut.
         # Slow or idle clients: a deadline on each request's headers, and a bound on connections.
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(),

@@ -18,6 +18,11 @@ _SETTINGS = [
     ("num_pages", int, "KV-cache pool size in pages"),
     ("host_kv_cache_gib", float, "host-memory KV tier under the prefix cache, in GiB: evicted and "
                                  "preempted pages are kept there and reloaded on a prefix hit (0: off)"),
+    ("kv_disk_dir", str, "disk KV tier under the host tier: pages the host tier evicts, and every cached "
+                         "page at shutdown, are kept in files here (keyed by prefix hash, model and KV "
+                         "format) and read back on a prefix hit, also after a restart (needs "
+                         "--host-kv-cache-gib and --kv-disk-max-bytes)"),
+    ("kv_disk_max_bytes", int, "the disk KV tier's bound in bytes (least recently used files removed past it)"),
     ("prefill_chunk", int, "most prompt tokens per prefill step (power of two)"),
     ("max_prefill_seqs", int, "sequences packed into one prefill step"),
     ("min_decode_batch", int, "smallest decode batch bucket"),

@@ -44,6 +44,8 @@ class ServerConfig:
     token_budget: int | None = None
     enable_prefix_caching: bool = True
     host_kv_cache_gib: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_max_bytes: int = 0
     attention_impl: str = "auto"
     drain_timeout: float = 30.0
     limit_concurrency: int | None = 2048
@@ -118,6 +120,12 @@ class ServerConfig:
         if self.host_kv_cache_gib and not self.enable_prefix_caching:
             raise ValueError("host_kv_cache_gib needs the prefix cache (host pages are found by prefix hash): "
                              "turn prefix caching on or the host tier off")
+        if self.kv_disk_dir and (not self.host_kv_cache_gib or self.kv_disk_max_bytes <= 0):
+            raise ValueError("kv_disk_dir needs host_kv_cache_gib > 0 (the disk tier sits under the host tier) "
+                             f"and kv_disk_max_bytes > 0, got {self.host_kv_cache_gib!r} and "
+                             f"{self.kv_disk_max_bytes!r}")
+        if self.kv_disk_max_bytes and not self.kv_disk_dir:
+            raise ValueError("kv_disk_max_bytes needs kv_disk_dir (where the disk KV tier keeps its files)")
         if self.task not in ("auto", "generate", "embed", "rerank"):  # serving.loading.model_source.TASKS
             raise ValueError(f"task must be auto, generate, embed or rerank, got {self.task!r}")
         if self.embed_max_batch < 1 or self.embed_max_batch & (self.embed_max_batch - 1):

@@ -280,6 +280,9 @@ class TokenEvent:
       cached_tokens: prompt tokens served from the prefix cache (host tier included).
       host_cached_tokens: tokens reloaded from the host KV tier instead of computed
         (``serving.core.kv.host_kv_cache``), over all its admissions (a preempted request's too).
+      disk_cached_tokens: of those, tokens whose pages were first read from the disk KV tier
+        (``serving.core.kv.disk_kv_store``); the device prefix cache served
+        ``cached_tokens - host_cached_tokens``.
       completion_tokens: tokens generated so far, including these.
       first_token_time: wall-clock seconds of the first generated token, or None.
       scheduled_time: wall-clock seconds when the request was first scheduled
@@ -312,6 +315,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     host_cached_tokens: int = 0
+    disk_cached_tokens: int = 0
     completion_tokens: int = 0
     first_token_time: float | None = None
     scheduled_time: float | None = None
@@ -356,6 +360,14 @@ class EngineStats:
       host_kv_hits, host_kv_stores, host_kv_evictions: the host KV tier's pages reloaded,
         stored and dropped (lifetime; all 0 without one).
       host_kv_usage_bytes, host_kv_capacity_bytes: its bytes held and its bound.
+      disk_kv_hits, disk_kv_stores, disk_kv_evictions: the disk KV tier's pages read back,
+        written and removed by its bound (lifetime; all 0 without one).
+      disk_kv_usage_bytes, disk_kv_capacity_bytes: its files' bytes and its bound.
+      disk_kv_bytes_read, disk_kv_bytes_written: file bytes (lifetime).
+      disk_kv_read_seconds, disk_kv_reads: seconds spent reading pages, and the pages read.
+      disk_kv_corrupt_files, disk_kv_foreign_files: files ignored: torn or corrupt (removed),
+        of another model or KV format (left alone).
+      disk_kv_dropped_pages: pages not written (the disk full, or another write error).
       lora_running: the LoRA adapters of requests in the running batch (sorted, unique).
       lora_waiting: the LoRA adapters of requests waiting (for a slot or an adapter slot).
       max_loras: the most adapters resident on the device at once (0: no LoRA serving).
@@ -384,6 +396,18 @@ class EngineStats:
     host_kv_evictions: int = 0
     host_kv_usage_bytes: int = 0
     host_kv_capacity_bytes: int = 0
+    disk_kv_hits: int = 0
+    disk_kv_stores: int = 0
+    disk_kv_evictions: int = 0
+    disk_kv_usage_bytes: int = 0
+    disk_kv_capacity_bytes: int = 0
+    disk_kv_bytes_read: int = 0
+    disk_kv_bytes_written: int = 0
+    disk_kv_read_seconds: float = 0.0
+    disk_kv_reads: int = 0
+    disk_kv_corrupt_files: int = 0
+    disk_kv_foreign_files: int = 0
+    disk_kv_dropped_pages: int = 0
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
     max_loras: int = 0

@@ -419,6 +419,8 @@ def _trace_body(row: dict) -> dict:
         "cost_usd": row["cost_usd"],
         "prefix_cache": trace.get("prefix_cache"),
         "host_cached_tokens": trace.get("host_cached_tokens", 0),
+        "disk_cached_tokens": trace.get("disk_cached_tokens", 0),
+        "cached_tokens_by_tier": trace.get("cached_tokens_by_tier"),
         "replica": trace.get("replica"),
         "prefill_replica": trace.get("prefill_replica"),
         "decode_replica": trace.get("decode_replica"),

@@ -116,7 +116,7 @@ def _logprobs_from_proto(m: pb.TokenLogprobs) -> TokenLogprobs:
 def tokens_to_proto(ev: TokenEvent) -> pb.Tokens:
     """The tokens and counts of an event (its finish reason and error go in Complete / Error)."""
     m = pb.Tokens(token_ids=ev.token_ids, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
-                  host_cached_tokens=ev.host_cached_tokens,
+                  host_cached_tokens=ev.host_cached_tokens, disk_cached_tokens=ev.disk_cached_tokens,
                   completion_tokens=ev.completion_tokens, num_preemptions=ev.num_preemptions,
                   num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
                   kv_transfer_bytes=ev.kv_transfer_bytes, kv_transfer_seconds=ev.kv_transfer_seconds)
@@ -154,7 +154,7 @@ def event_from_proto(request_id: str, m: pb.Tokens, finish_reason: str | None = 
     return TokenEvent(
         request_id=request_id, token_ids=tuple(m.token_ids), finish_reason=finish_reason,
         prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens, completion_tokens=m.completion_tokens,
-        host_cached_tokens=m.host_cached_tokens,
+        host_cached_tokens=m.host_cached_tokens, disk_cached_tokens=m.disk_cached_tokens,
         first_token_time=m.first_token_time if m.HasField("first_token_time") else None,
         scheduled_time=m.scheduled_time if m.HasField("scheduled_time") else None,
         num_preemptions=m.num_preemptions, error=error,
@@ -195,9 +195,12 @@ def loras_from_proto(adapters) -> dict[str, str]:
 
 
 _HOST_KV_FIELDS = ("host_kv_hits", "host_kv_stores", "host_kv_evictions", "host_kv_usage_bytes",
-                   "host_kv_capacity_bytes")
+                   "host_kv_capacity_bytes", "disk_kv_hits", "disk_kv_stores", "disk_kv_evictions",
+                   "disk_kv_usage_bytes", "disk_kv_capacity_bytes", "disk_kv_bytes_read", "disk_kv_bytes_written",
+                   "disk_kv_read_seconds", "disk_kv_reads", "disk_kv_corrupt_files", "disk_kv_foreign_files",
+                   "disk_kv_dropped_pages")
 
 
 def _host_kv(src) -> dict[str, int]:
-    """The host KV tier's counters of an ``EngineStats`` or ``pb.Load`` (same names in both)."""
+    """The host and disk KV tiers' counters of an ``EngineStats`` or ``pb.Load`` (same names in both)."""
     return {f: getattr(src, f) for f in _HOST_KV_FIELDS}

@@ -48,6 +48,12 @@ pool are copied to a host-memory LRU and prefix hits there reloaded
 (``serving.runtime.host_tier_steps``: reads before anything writes the evicted pages,
 loads before the steps, the host copies after them).
 
+Disk KV tier (``kv_disk_dir``, under the host tier): pages the host tier evicts are
+written to files by a writer thread, and every cached page when the loop stops; a new
+request whose prefix continues on disk waits outside the scheduler while a reader thread
+reads those pages into the host tier, then runs as a host-tier hit
+(``serving.runtime.disk_tier_steps``).
+
 LoRA adapters (an engine with ``max_loras`` > 0): a request naming one waits for
 its adapter's device slot and is salted with the adapter's digest
 (``serving.runtime.lora_admission``); :meth:`EngineLoop.load_lora` and
@@ -95,6 +101,7 @@ from serving.contract.engine_client import (
     TokenLogprobs,
 )
 from serving.contract.tokenizer_protocol import TextTokenizer
+from serving.core.kv.disk_kv_store import DiskKVStore
 from serving.core.kv.host_kv_cache import HostKVCache
 from serving.core.kv.kv_cache_manager import KVCacheManager
 from serving.core.kv.kv_events import KvEventJournal
@@ -104,6 +111,7 @@ from serving.engine.engine import Engine
 from serving.engine.lora_registry import LoraRegistry
 from serving.engine.verify_step import VerifyOutput
 from serving.runtime import sampling_request
+from serving.runtime.disk_tier_steps import DiskTier, disk_kv_stats, model_identity
 from serving.runtime.host_tier_steps import HostTier, host_kv_stats
 from serving.runtime.lora_admission import LoraAdmission
 from serving.runtime.speculative_steps import SpecCounters, dispatch_verify
@@ -143,6 +151,7 @@ class _Sequence:
     kv_bytes: int = 0  # KV pages pulled for it (disaggregated decode side)
     kv_seconds: float = 0.0
     lora: object = None  # the LoraGrant (device slot) it holds while queued or running
+    disk_cached_tokens: int = 0  # prompt tokens whose pages were read from the disk KV tier
 
 
 class EngineLoop:
@@ -164,6 +173,10 @@ class EngineLoop:
         the gateway that checked it: about 2 s for Gemma). None: requests with
         ``structured_output`` are rejected.
       host_kv_cache_bytes: the host KV tier's bound in bytes (0: no host tier).
+      kv_disk_dir: the disk KV tier's directory under the host tier (None: no disk tier;
+        needs the host tier); ``kv_disk_max_bytes`` bounds its files (> 0).
+      kv_disk_model_id: the served model's identity in the page files (None: the model's
+        config; the command line adds the weights' source, dtype and quantization).
       starvation_preemptions, starvation_seconds: the scheduler's starvation guard for
         flex-class (``"flex"``/``"batch"``) work: promoted to default once preempted more
         than this many times or waiting this long (None: that bound is off).
@@ -173,7 +186,7 @@ class EngineLoop:
 
     Raises:
       ValueError: `max_queued_events` below 2 (a token event and the final one); LoRA
-        modules for an engine without LoRA.
+        modules for an engine without LoRA; a disk tier without a host tier or a bound.
       model.lora_adapter.LoraAdapterError: a LoRA module that cannot be served.
     """
 
@@ -183,7 +196,8 @@ class EngineLoop:
                  tokenizer: TextTokenizer | None = None, host_kv_cache_bytes: int = 0,
                  starvation_preemptions: int | None = DEFAULT_STARVATION_PREEMPTIONS,
                  starvation_seconds: float | None = DEFAULT_STARVATION_SECONDS,
-                 lora_modules: dict[str, str] | None = None, max_cpu_loras: int | None = None):
+                 lora_modules: dict[str, str] | None = None, max_cpu_loras: int | None = None,
+                 kv_disk_dir: str | None = None, kv_disk_max_bytes: int = 0, kv_disk_model_id: str | None = None):
         if max_queued_events is not None and max_queued_events < 2:
             raise ValueError(f"max_queued_events must be >= 2, got {max_queued_events}")
         self.engine = engine
@@ -195,6 +209,15 @@ class EngineLoop:
         self.host_kv = HostKVCache(host_kv_cache_bytes) if host_kv_cache_bytes > 0 and enable_prefix_caching else None
         self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events, self.host_kv)
         self.host_tier = None if self.host_kv is None else HostTier(engine, self.kv, self.host_kv, self.kv_events)
+        self.disk_kv = self.disk_tier = None
+        if kv_disk_dir is not None:
+            if self.host_kv is None:
+                raise ValueError("the disk KV tier sits under the host tier: it needs host_kv_cache_bytes > 0 "
+                                 "and prefix caching")
+            self.disk_kv = DiskKVStore(kv_disk_dir, kv_disk_max_bytes, kv_disk_model_id or model_identity(
+                engine.model_cfg), cfg.kv_dtype)
+            self.disk_tier = DiskTier(self.disk_kv, self.kv, self.kv_events, wake=self.wake)
+            self.disk_tier.attach(self.host_kv)
         self.scheduler = Scheduler(
             self.kv, num_slots=cfg.max_slots,
             token_budget=token_budget or cfg.prefill_chunk + cfg.max_slots,
@@ -395,6 +418,8 @@ class EngineLoop:
         if warmup:
             t0 = time.perf_counter()
             self.engine.warmup(decode=warmup_decode)
+            if self.host_tier is not None:
+                self.host_tier.warmup()
             log.info("warmup compiled %d programs in %.1f s", len(self.engine.compile_times),
                      time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._run, name="xlaserve-engine", daemon=True)
@@ -416,7 +441,7 @@ class EngineLoop:
         self._stop.set()
         self.wake()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=30 if self.disk_tier is None else 120)
 
     # -- asyncio side ----------------------------------------------------------------
 
@@ -467,7 +492,7 @@ class EngineLoop:
         ev = TokenEvent(
             request_id=seq.req.request_id, token_ids=ids, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens or 0,
-            host_cached_tokens=r.host_cached_tokens,
+            host_cached_tokens=r.host_cached_tokens, disk_cached_tokens=seq.disk_cached_tokens,
             completion_tokens=len(r.output_ids), first_token_time=seq.first_token_time,
             scheduled_time=seq.scheduled_time, num_preemptions=r.num_preemptions, error=error,
             logprobs=logprobs, prompt_logprobs=prompt_lp, num_draft_tokens=r.num_draft_tokens,
@@ -505,6 +530,8 @@ class EngineLoop:
             if self.lora.drop(seq):  # waiting for an adapter slot: never queued
                 seq.sched.status = Status.FINISHED
             self.lora.release(seq)
+        if self.disk_tier is not None and self.disk_tier.drop(seq.req.request_id):  # its pages being read
+            seq.sched.status = Status.FINISHED
         offer = None
         if self.connector is not None:  # disaggregated serving (serving.replica.kv_connector)
             if self.connector.drop(seq.req.request_id):  # still waiting for its KV pages
@@ -536,9 +563,11 @@ class EngineLoop:
                     self._constrained.add(item)
                 if item.req.lora_name is not None:
                     self.lora.admit(item)  # queued once its adapter holds a device slot
-                elif item.req.kv_transfer is None or not self.connector.receive(
+                elif item.req.kv_transfer is not None and self.connector.receive(
                         item, self.scheduler.watermark_pages if self.scheduler.running else 0):
-                    self.scheduler.add(item.sched)  # (no pages to receive into: it computes the prompt)
+                    pass  # queued once its pages are in (none to receive into: it computes the prompt)
+                elif self.disk_tier is None or not self.disk_tier.park(item):
+                    self.scheduler.add(item.sched)  # (parked: queued once its disk pages are read)
             elif kind == "cancel":
                 seq = self._by_id.get(item)
                 if seq is not None:
@@ -567,6 +596,12 @@ class EngineLoop:
                     self._finish(seq, "error", f"engine error: {e}")
         for seq in list(self._by_id.values()):
             self._finish(seq, "cancelled")
+        if self.disk_tier is not None:  # the cached pages to disk: a restarted server finds them
+            try:
+                self.disk_tier.save_all(self.engine, self.host_tier.chunk_pages)
+            except Exception:
+                log.exception("KV disk tier: saving the cached pages at stop failed")
+            self.disk_tier.close()
 
     def _iteration(self, pending):
         """One loop turn: plan, dispatch the prefill and decode steps, then read back ``pending``.
@@ -588,6 +623,9 @@ class EngineLoop:
             else:  # its pages are in the prefix cache: admitted with a hit of all of them
                 got.seq.kv_bytes, got.seq.kv_seconds = got.nbytes, got.seconds
                 self.scheduler.add(got.seq.sched)
+        for seq in self.disk_tier.ready() if self.disk_tier is not None else ():
+            if seq.sched.status is not Status.FINISHED:  # its disk pages are in the host tier now
+                self.scheduler.add(seq.sched)
         # Prompts wait for open slots (a burst arriving): plan after the step in flight
         # ends, taking in what arrives meanwhile, instead of queueing a step of only the
         # prompts here now behind it. Pipelined, every arrival waited for one more step:
@@ -630,7 +668,8 @@ class EngineLoop:
         kv, spec = self.kv, self.spec_counters
         self._stats = EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + (len(self.lora.waiting) if self.lora is not None else 0),
+            num_waiting=len(sched.waiting) + (len(self.lora.waiting) if self.lora is not None else 0)
+            + (self.disk_tier.num_parked if self.disk_tier is not None else 0),
             waiting_prompt_tokens=sum(r.num_tokens for r in sched.waiting),
             kv_cache_usage=kv.usage, kv_pages_used=kv.num_pages - 1 - kv.num_free,
             kv_pages_total=kv.num_pages - 1,
@@ -640,7 +679,7 @@ class EngineLoop:
             spec_drafted_per_position=tuple(spec.drafted_per_position),
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             spec_num_tokens_now=sched.speculative_tokens_now(),
-            **host_kv_stats(self.host_kv), **self._lora_stats(sched), turn_profile=self.profile.snapshot())
+            **host_kv_stats(self.host_kv), **disk_kv_stats(self.disk_kv), **self._lora_stats(sched), turn_profile=self.profile.snapshot())
         for fut in self._pings:
             fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
         self._pings.clear()

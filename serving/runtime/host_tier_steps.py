@@ -58,6 +58,12 @@ class HostTier:
         self.pages_saved = 0
         self.pages_loaded = 0
 
+    def warmup(self) -> None:
+        """Compiles the read and write programs (a chunk of the null page 0 read and written
+        back), so no first host- or disk-tier hit waits for a compile."""
+        k, v = self.engine.read_pages((), self.chunk_pages)
+        self.engine.write_pages((), np.asarray(k), np.asarray(v))
+
     def save_evicted(self) -> None:
         """Dispatches reads of the pages evicted since the last call (their old contents:
         call it before anything writes them)."""

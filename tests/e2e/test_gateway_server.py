@@ -300,6 +300,8 @@ def test_request_trace(gw):
     assert t["prefix_cache"] == "hit"  # the same prompt again
     assert t["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert t["host_cached_tokens"] == 0  # (no host KV tier: the device prefix cache served them)
+    cached = t["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert t["cached_tokens_by_tier"] == {"device": cached, "host": 0, "disk": 0} and t["disk_cached_tokens"] == 0
     timings = t["timings"]
     assert 0 <= timings["queue_time_s"] <= timings["ttft_s"] <= timings["e2e_s"]
     assert timings["itl_max_s"] >= timings["itl_mean_s"] > 0

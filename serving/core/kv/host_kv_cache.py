@@ -9,12 +9,15 @@ only holds them::
 
     device prefix cache  --evicted page (k, v)-->  HostKVCache  --prefix hit-->  fresh device page
                                                    (LRU, <= capacity_bytes)
+                                                         |
+                                            evicted: spill(key, entry) -> the disk tier, if any
 
 An entry is one page of every layer: ``k`` and ``v`` numpy arrays, each
 ``[layers, kv_heads, page_size, head_dim]`` in the cache's storage dtype (one
 page of what ``serving.engine.kv_pages.read_pages`` returns). The bound counts
 ``k.nbytes + v.nbytes`` of every entry; storing past it evicts the least
-recently used entries (stored or read) first.
+recently used entries (stored or read) first, handing each to ``spill`` (the disk tier,
+``serving.core.kv.disk_kv_store``, under ``serving.runtime.disk_tier_steps``).
 
 No JAX here. Thread-safe (a lock): the engine loop's thread puts and gets,
 metrics scrapes read the counters.
@@ -35,6 +38,9 @@ class HostKVCache:
 
     Args:
       capacity_bytes: most bytes of page arrays held (>= 0; 0 holds nothing).
+      spill: called as ``spill(key, entry)`` with each entry evicted to make room (``entry``:
+        the arrays :meth:`put` stored, k then v), after the lock is released: the disk tier
+        (``serving.runtime.disk_tier_steps``) writes them there. None: they are dropped.
 
     Attributes (lifetime counters, in pages):
       hits: entries read by :meth:`get` (pages reloaded instead of recomputed).
@@ -46,10 +52,11 @@ class HostKVCache:
       ValueError: a negative capacity.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, spill=None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = int(capacity_bytes)
+        self.spill = spill
         self.usage_bytes = 0
         self.hits = self.misses = self.stores = self.evictions = 0
         self._lock = threading.Lock()
@@ -96,13 +103,22 @@ class HostKVCache:
                 return False, []
             if size > self.capacity_bytes:
                 return False, []
-            evicted = []
+            evicted, spilled = [], []
             while self.usage_bytes + size > self.capacity_bytes:
-                old, (ok, ov) = self._entries.popitem(last=False)
-                self.usage_bytes -= ok.nbytes + ov.nbytes
+                old, entry = self._entries.popitem(last=False)
+                self.usage_bytes -= sum(a.nbytes for a in entry)
                 self.evictions += 1
                 evicted.append(old)
+                spilled.append((old, entry))
             self._entries[key] = (k, v)
             self.usage_bytes += size
             self.stores += 1
-            return True, evicted
+        if self.spill is not None:
+            for old, entry in spilled:
+                self.spill(old, entry)
+        return True, evicted
+
+    def items(self) -> list[tuple[bytes, tuple[np.ndarray, ...]]]:
+        """(key, entry) of every held page, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._entries.items())

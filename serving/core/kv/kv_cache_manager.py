@@ -274,6 +274,10 @@ class KVCacheManager:
             return NO_HIT
         return PrefixHit(tuple(pages), (len(pages) + len(host_keys)) * ps, tuple(keys), tuple(host_keys))
 
+    def cached_pages(self) -> list[tuple[int, bytes]]:
+        """(page id, key) of every page in the device prefix cache now (held or free)."""
+        return list(self._hash_of.items())
+
     def take_evicted(self) -> list[tuple[int, bytes]]:
         """(page id, key) of the cached pages evicted since the last call whose key the host
         tier lacks, in eviction order; the caller copies them out before anything writes

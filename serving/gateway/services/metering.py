@@ -74,6 +74,7 @@ class RequestMeter:
     last_token_time: float | None = None
     cached_tokens: int = 0
     host_cached_tokens: int = 0  # of those and of recomputations, reloaded from the host KV tier
+    disk_cached_tokens: int = 0  # of those, read from the disk KV tier first
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -102,6 +103,7 @@ class RequestMeter:
             self.scheduled_time = ev.scheduled_time
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         self.host_cached_tokens = max(self.host_cached_tokens, ev.host_cached_tokens)
+        self.disk_cached_tokens = max(self.disk_cached_tokens, ev.disk_cached_tokens)
         if ev.replica is not None:
             self.replica = ev.replica
         if ev.prefill_replica is not None:
@@ -146,6 +148,16 @@ class RequestMeter:
         if cached_tokens is not None:
             self.cached_tokens = cached_tokens
         await self.metering._finish(self, status, finish_reason, completion_tokens, error)
+
+
+def cached_by_tier(cached: int, host: int, disk: int) -> dict[str, int]:
+    """{"device", "host", "disk"}: the prompt tokens each KV tier served of ``cached`` (host and
+    disk pages are reloaded into the device's pages; a page read from disk went through host
+    memory and counts as disk). Recomputations after a preemption may reload more than
+    ``cached``: each share is clipped to it."""
+    disk = min(disk, cached)
+    host = min(max(host - disk, 0), cached - disk)
+    return {"device": cached - host - disk, "host": host, "disk": disk}
 
 
 class Metering:
@@ -286,6 +298,9 @@ class Metering:
             "requested_prompt_tokens": m.prompt_tokens,
             "prefix_cache": prefix_cache,
             "host_cached_tokens": m.host_cached_tokens,
+            "disk_cached_tokens": m.disk_cached_tokens,
+            # which tier served cached_tokens: the device prefix cache, host memory, disk
+            "cached_tokens_by_tier": cached_by_tier(cached_tokens, m.host_cached_tokens, m.disk_cached_tokens),
             "reasoning_tokens": reasoning_tokens,
             "tool_calls": tool_calls,
             "replica": m.replica,

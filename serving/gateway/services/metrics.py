@@ -15,6 +15,11 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:spec_decode_num_accepted_tokens_per_pos_total{position} (per draft position),
               xlaserve:host_kv_cache_hits_total, xlaserve:host_kv_cache_stores_total,
               xlaserve:host_kv_cache_evictions_total (host KV tier, in pages),
+              xlaserve:disk_kv_cache_hits_total, xlaserve:disk_kv_cache_stores_total,
+              xlaserve:disk_kv_cache_evictions_total, xlaserve:disk_kv_cache_dropped_pages_total
+              (disk KV tier, in pages; dropped: the disk full), xlaserve:disk_kv_cache_read_bytes_total,
+              xlaserve:disk_kv_cache_written_bytes_total, xlaserve:disk_kv_cache_ignored_files_total{why}
+              (corrupt | foreign),
               xlaserve:engine_turn_seconds_total{part}, xlaserve:engine_turns_total{kind},
               xlaserve:engine_step_tokens_total{kind} (where the engine loop's time goes:
               serving.runtime.turn_profile; in-process engines only)
@@ -22,7 +27,9 @@ Names follow vLLM's where one exists, with the ``xlaserve:`` prefix:
               xlaserve:kv_cache_usage_perc (0..1), xlaserve:prefix_cache_hit_rate (0..1),
               xlaserve:spec_decode_acceptance_rate (0..1), xlaserve:spec_decode_tokens_per_step,
               xlaserve:spec_decode_num_speculative_tokens (the K of the present load; 0: off),
-              xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes
+              xlaserve:host_kv_cache_usage_bytes, xlaserve:host_kv_cache_capacity_bytes,
+              xlaserve:disk_kv_cache_usage_bytes, xlaserve:disk_kv_cache_capacity_bytes
+  summary     xlaserve:disk_kv_cache_read_seconds (_count: pages read from disk, _sum: seconds)
   info        xlaserve:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}
               (the Kubernetes inference gateway's LoRA metric, vLLM's labels: the adapters of
               running and of waiting requests, comma-separated; the value is the scrape's Unix
@@ -44,7 +51,7 @@ import time
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 # Buckets as vLLM's (seconds).
@@ -121,6 +128,26 @@ class EngineStatsCollector(Collector):
                                                         "Host KV tier: its bound in bytes (0: off).",
                                                         labels=["model_name"]),
         }
+        for field, metric, what in (  # the disk KV tier (serving.core.kv.disk_kv_store)
+                ("disk_kv_hits", "hits", "pages read back instead of recomputed"),
+                ("disk_kv_stores", "stores", "pages written"),
+                ("disk_kv_evictions", "evictions", "page files removed to keep within its bound"),
+                ("disk_kv_dropped_pages", "dropped_pages", "pages not written (the disk full)"),
+                ("disk_kv_bytes_read", "read_bytes", "file bytes read"),
+                ("disk_kv_bytes_written", "written_bytes", "file bytes written")):
+            host[field] = CounterMetricFamily(f"xlaserve:disk_kv_cache_{metric}", f"Disk KV tier: {what}.",
+                                              labels=["model_name"])
+        host["disk_kv_usage_bytes"] = GaugeMetricFamily("xlaserve:disk_kv_cache_usage_bytes",
+                                                        "Disk KV tier: bytes of page files.", labels=["model_name"])
+        host["disk_kv_capacity_bytes"] = GaugeMetricFamily("xlaserve:disk_kv_cache_capacity_bytes",
+                                                           "Disk KV tier: its bound in bytes (0: off).",
+                                                           labels=["model_name"])
+        disk_ignored = CounterMetricFamily("xlaserve:disk_kv_cache_ignored_files", "Disk KV tier: page files "
+                                           "ignored (corrupt: torn or failing its checksum, removed; foreign: "
+                                           "another model's or KV format's).", labels=["model_name", "why"])
+        disk_read = SummaryMetricFamily("xlaserve:disk_kv_cache_read_seconds",
+                                        "Disk KV tier: seconds reading pages (a page file opened, read, "
+                                        "checked), off the engine loop.", labels=["model_name"])
         turn_seconds = CounterMetricFamily("xlaserve:engine_turn_seconds",
                                            "Engine loop: seconds of its turns by part (plan, dispatch_prefill, "
                                            "dispatch_decode, readback_wait, readback_host, other).",
@@ -153,6 +180,10 @@ class EngineStatsCollector(Collector):
                     step_tokens.add_metric([name, "prefill" if key == "prefill_tokens" else "decode"], value)
             for field, family in host.items():
                 family.add_metric([name], getattr(s, field, 0))
+            if getattr(s, "disk_kv_capacity_bytes", 0):
+                disk_ignored.add_metric([name, "corrupt"], s.disk_kv_corrupt_files)
+                disk_ignored.add_metric([name, "foreign"], s.disk_kv_foreign_files)
+                disk_read.add_metric([name], count_value=s.disk_kv_reads, sum_value=s.disk_kv_read_seconds)
             running.add_metric([name], s.num_running)
             waiting.add_metric([name], s.num_waiting)
             kv.add_metric([name], s.kv_cache_usage)
@@ -173,8 +204,8 @@ class EngineStatsCollector(Collector):
                 accepted_pos.add_metric([name, str(j)], n)
             k_now.add_metric([name], getattr(s, "spec_num_tokens_now", 0))
         return [running, waiting, kv, hit_rate, queries, hits, drafts, draft_tokens, accepted, acceptance,
-                per_step, drafted_pos, accepted_pos, k_now, *host.values(), turn_seconds, turns, step_tokens,
-                lora_info]
+                per_step, drafted_pos, accepted_pos, k_now, *host.values(), disk_ignored, disk_read, turn_seconds,
+                turns, step_tokens, lora_info]
 
 
 class _ReplayedCollector(Collector):
