@@ -102,13 +102,23 @@ the schema allows 128 x 1024 completions, which a 4-slot CPU engine takes minute
 generate (load, not conformance; the bounds themselves are unit-tested)."""
 
 
+MAX_FUZZ_TOKENS = 32
+"""Schema-valid cases that name a token budget above this get this one (a request without one
+keeps the route's default): a generated 500-token answer costs the engine seconds and checks
+nothing a 32-token one does not (finish reasons and lengths: test_server_e2e.py)."""
+TOKEN_BUDGETS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
 def _served_model(case):
-    """The case naming the served model (in its body or path), with few choices."""
+    """The case naming the served model (in its body or path), with few choices and tokens."""
     if isinstance(case.body, dict):
         case.body["model"] = MODEL
         for name in ("n", "best_of"):  # an integral float (90.0) is an integer to pydantic
             if isinstance(case.body.get(name), (int, float)) and case.body[name] > MAX_FUZZ_CHOICES:
                 case.body[name] = MAX_FUZZ_CHOICES
+        for name in TOKEN_BUDGETS:
+            if isinstance(case.body.get(name), (int, float)) and case.body[name] > MAX_FUZZ_TOKENS:
+                case.body[name] = MAX_FUZZ_TOKENS
         prompt = case.body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             case.body["prompt"] = prompt[:MAX_FUZZ_CHOICES]
@@ -166,6 +176,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_sche
                 strategy = st.one_of(strategy.map(_served_model), strategy)
             checks = NEGATIVE_CHECKS if mode is GenerationMode.NEGATIVE else POSITIVE_CHECKS
             statuses: dict[int, int] = {}
+            t_op = time.monotonic()
 
             @settings(max_examples=MAX_EXAMPLES_BY_ROUTE.get(op.label, MAX_EXAMPLES[op.method.upper()]),
                       **FUZZ_SETTINGS)
@@ -180,7 +191,8 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, api_sche
 
             run()
             n = sum(statuses.values())
-            report.append(f"{op.label} [{mode.value}]: {n} cases, statuses {dict(sorted(statuses.items()))}")
+            report.append(f"{op.label} [{mode.value}]: {n} cases, statuses {dict(sorted(statuses.items()))}, "
+                          f"{time.monotonic() - t_op:.1f} s")
             assert n > 0, f"no case was generated for {op.label} ({mode.value})"
     total = sum(int(line.split(": ")[1].split()[0]) for line in report)
     print(f"\nschemathesis: {total} cases in {time.monotonic() - t0:.1f} s, 0 failures\n" + "\n".join(report))
