@@ -199,14 +199,28 @@ def load_gguf(
     int8 = check_quantization(quantization) == "int8"
     prefix = "gguf-int8-" if int8 else "gguf-"
     cache = Path(cache_dir) / f"{prefix}{_cache_key(path)}" if cache_dir is not None else None
-    if cache is not None:
-        cached = _load_cache(cache)
-        if cached is not None:
-            cfg_dict, params = cached
-            if name:
-                cfg_dict["name"] = name
-            return ModelConfig.from_dict(cfg_dict), params
+    if cache is None:
+        return _read_gguf(path, name, int8, progress)
+    from filelock import FileLock
 
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # One process dequantizes; others starting at once (replicas on one host, test workers)
+    # wait for its cache instead of repeating the work.
+    with FileLock(f"{cache}.lock"):
+        cached = _load_cache(cache)
+        if cached is None:
+            cfg, params = _read_gguf(path, name, int8, progress)
+            _save_cache(cache, cfg, params)
+            return cfg, params
+    cfg_dict, params = cached
+    if name:
+        cfg_dict["name"] = name
+    return ModelConfig.from_dict(cfg_dict), params
+
+
+def _read_gguf(path: Path, name: str | None, int8: bool, progress: bool
+               ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """``load_gguf``'s work without its cache."""
     from gguf import GGUFReader
     from tqdm import tqdm
 
@@ -302,8 +316,6 @@ def load_gguf(
         raise ValueError(f"GGUF {path.name} ({arch}) has tensors this decoder does not use: "
                          f"{unused[:8]}{' ...' if len(unused) > 8 else ''}")
     log.info("dequantized %s in %.1f s", path.name, time.perf_counter() - t0)
-    if cache is not None:
-        _save_cache(cache, cfg, params)
     return cfg, params
 
 
