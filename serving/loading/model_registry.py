@@ -40,7 +40,15 @@ def gguf_tokenizer(path: str | Path) -> TextTokenizer:
       ValueError: neither (an unknown ``tokenizer.ggml.pre`` or
         ``tokenizer.ggml.model``), naming the file and the reason.
     """
+    from filelock import FileLock
+
     cache = cache_dir("tokenizer")
+    # One process rebuilds a vocabulary (~12 s for Gemma's 262k entries) while others wait for it.
+    with FileLock(str(Path(cache) / f"{Path(path).name}.lock")):
+        return _gguf_tokenizer(path, cache)
+
+
+def _gguf_tokenizer(path: str | Path, cache) -> TextTokenizer:
     bpe = BPETokenizer.cached_gguf(path, cache)  # a stat; keeps the Gemma path below as it was
     if bpe is not None:
         return bpe
