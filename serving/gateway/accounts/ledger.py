@@ -261,6 +261,25 @@ class Ledger:
         """Blocks until everything queued so far is written (to the database or the spool)."""
         self._submit(None).result(timeout)
 
+    def settle(self, timeout: float = 30) -> bool:
+        """Writes what is queued and replays the spool now (all of it, while the database
+        takes it), instead of at the next retry; blocks.
+
+        Returns:
+          True when no write is left in the spool; False when the database refused the
+          replay (it stays spooled, replayed later as usual) or `timeout` seconds passed.
+        """
+        deadline = time.monotonic() + timeout
+        while self.spooled_records or self.spool_write_failed:
+            if time.monotonic() >= deadline:
+                return False
+            self._next_replay = 0.0
+            self.flush(max(deadline - time.monotonic(), 0.001))  # written ...
+            self.flush(max(deadline - time.monotonic(), 0.001))  # ... and the replay after it done
+            if self._next_replay > time.monotonic():  # the replay failed: retried later
+                return not self.spooled_records
+        return True
+
     def close(self) -> None:
         """Writes what is queued (and tries the spool once more), then stops the writer thread."""
         if self._closed:

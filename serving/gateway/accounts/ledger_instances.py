@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -49,7 +50,7 @@ import sqlalchemy as sa
 
 from serving.gateway.accounts.database import requests as requests_table
 from serving.gateway.accounts.ledger import replay_spool
-from serving.gateway.accounts.ledger_spool import LedgerSpool
+from serving.gateway.accounts.ledger_spool import OFFSET_FILE, SPOOL_FILE, LedgerSpool
 
 log = logging.getLogger("xlaserve.ledger")
 
@@ -142,6 +143,55 @@ def take_over_gone_instances(root: Path, engine: sa.Engine, by: str) -> list[dic
         finally:
             os.close(fd)
     return done
+
+
+def spooled_x_request_ids(root: Path) -> set[str]:
+    """The X-Request-IDs of the rows whose writes still wait in any spool under `root`
+    (every instance's, live or gone; read only, whole lines past each ``replayed``
+    offset): an admission row, or a completion carrying the admission row it inserts."""
+    found: set[str] = set()
+    if not Path(root).is_dir():
+        return found
+    for directory in Path(root).iterdir():
+        path = directory / SPOOL_FILE
+        try:
+            start = int((directory / OFFSET_FILE).read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            start = 0
+        try:
+            with open(path, "rb") as f:
+                if start > os.fstat(f.fileno()).st_size:
+                    start = 0  # emptied after a full replay, the offset not yet reset
+                f.seek(start)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break  # an append in progress
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # quarantined when replayed
+                    row = record.get("row") if isinstance(record, dict) else None
+                    if isinstance(row, dict) and row.get("x_request_id"):
+                        found.add(str(row["x_request_id"]))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
+
+
+def settle_spools(ledger, instance: "GatewayInstance", timeout: float = 10) -> set[str]:
+    """Brings every spool this host can reach into the database, as far as it can now:
+    this gateway's own (``Ledger.settle``), then each gone instance's
+    (:func:`take_over_gone_instances`). Batch recovery calls it before it decides that an
+    attempt without a ledger row never ran (``batches.py``).
+
+    Returns:
+      The X-Request-IDs still spooled after that (:func:`spooled_x_request_ids`): rows of
+      a live gateway whose database writes wait, or of a spool that could not be
+      replayed now. Their attempts must not be taken for never run.
+    """
+    ledger.settle(timeout)
+    take_over_gone_instances(instance.directory.parent, ledger.engine, instance.id)
+    return spooled_x_request_ids(instance.directory.parent)
 
 
 def mark_interrupted(engine: sa.Engine, instance: str, by: str) -> int:

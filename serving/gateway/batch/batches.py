@@ -145,6 +145,11 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+class AttemptStillSpooled(RuntimeError):
+    """A stale line's attempt has no ledger row yet, but its row waits in a ledger spool
+    (``BatchStore.recover_lines``): recovery must wait for the replay."""
+
+
 def batch_object(row: Mapping[str, Any]) -> dict:
     """The API's JSON for a ``batches`` row."""
     def t(name: str) -> int | None:
@@ -248,12 +253,18 @@ class BatchStore:
       engine: a SQLAlchemy engine (tables created; see ``database.py``).
       files: where input files are read and output files written.
       clock: Unix seconds now (None: the database's clock, ``database_clock``).
+      settle: brings the ledger spools this gateway can reach into the database and
+        returns the X-Request-IDs still spooled (``ledger_instances.settle_spools``);
+        :meth:`recover_lines` calls it before taking an attempt without a ledger row
+        for one that never ran (None: no spool, nothing to settle).
     """
 
-    def __init__(self, engine: sa.Engine, files: FileStore, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, engine: sa.Engine, files: FileStore, clock: Callable[[], float] | None = None,
+                 settle: Callable[[], set[str]] | None = None) -> None:
         self.engine = engine
         self.files = files
         self.clock = clock or database_clock(engine)
+        self.settle = settle
 
     # -- the API's side ------------------------------------------------------
 
@@ -399,7 +410,24 @@ class BatchStore:
         the reason, and the line is pending again, to be rerun. An attempt that stopped
         before its request was admitted (no ledger row: nothing ran, nothing to meter)
         is struck from the line's attempts, so every attempt listed has a ledger row.
-        Returns how many lines."""
+
+        A missing row may only be late: its writes may wait in a ledger spool (the
+        database was away while the attempt ran). So before striking, the spools are
+        settled (``settle``): a row that arrives is cancelled as above; an attempt whose
+        row is still spooled somewhere keeps the line as it is and this raises, for the
+        runner to try again later, rather than run the line again and bill it twice.
+
+        Returns:
+          How many lines.
+
+        Raises:
+          AttemptStillSpooled: a running line's attempt has no row and its row is in a
+            spool that could not be replayed now (nothing was changed).
+        """
+        if self.settle is not None and self._unadmitted_attempts(batch_id):
+            still_spooled = self.settle()
+        else:
+            still_spooled = set()
         now = self.clock()
         with self.engine.begin() as conn:
             stale = conn.execute(sa.select(batch_lines.c.line_no, batch_lines.c.attempt_id,
@@ -414,12 +442,25 @@ class BatchStore:
                 admitted = conn.execute(sa.select(sa.func.count()).select_from(requests_table).where(
                     requests_table.c.x_request_id == attempt)).scalar_one()
                 listed = json.loads(attempts or "[]")
+                if not admitted and attempt in still_spooled:
+                    raise AttemptStillSpooled(
+                        f"batch {batch_id} line {line_no}: the ledger row of attempt {attempt} waits in a "
+                        "ledger spool; the line is recovered once it is replayed")
                 if not admitted:
                     listed = [a for a in listed if a != attempt]
                 conn.execute(batch_lines.update().where(batch_lines.c.batch_id == batch_id,
                                                         batch_lines.c.line_no == line_no)
                              .values(status="pending", attempt_id=None, attempts=json.dumps(listed)))
         return len(stale)
+
+    def _unadmitted_attempts(self, batch_id: str) -> bool:
+        """Whether a running line's attempt has no ledger row."""
+        with self.engine.connect() as conn:
+            admitted = sa.select(requests_table.c.x_request_id).where(
+                requests_table.c.x_request_id == batch_lines.c.attempt_id).exists()
+            return conn.execute(sa.select(sa.func.count()).select_from(batch_lines).where(
+                batch_lines.c.batch_id == batch_id, batch_lines.c.status == "running",
+                ~admitted)).scalar_one() > 0
 
     def pending_lines(self, batch_id: str, limit: int) -> list[dict]:
         """Up to `limit` pending lines, in file order."""
