@@ -36,6 +36,7 @@ are reconciled when a gateway using that host's spool directory starts.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -254,6 +255,47 @@ def release_instance(instance: GatewayInstance, ledger) -> int | None:
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged process may still write on the filesystem of `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def sqlite_path(engine: sa.Engine) -> Path | None:
+    """The file of a SQLite database (None: another database, or in memory)."""
+    if engine.dialect.name != "sqlite" or not engine.url.database or engine.url.database == ":memory:":
+        return None
+    return Path(engine.url.database).resolve()
+
+
+def check_spool_filesystem(root: Path, engine: sa.Engine, spool_max_bytes: int) -> bool:
+    """The start-up check of the spool's filesystem (`root` exists).
+
+    The spool exists for when the database cannot take writes; on a filesystem without room
+    for it, or on the one a full SQLite database shares, it fails exactly then. So a spool
+    with less free space than its bound is refused, and one sharing the SQLite database's
+    filesystem is said in the log (and by ``xlaserve:ledger_spool_shares_database_filesystem``).
+
+    Returns:
+      Whether the spool shares the SQLite database's filesystem.
+
+    Raises:
+      OSError: (ENOSPC) the filesystem has less free space than `spool_max_bytes`.
+    """
+    free = free_bytes(root)
+    if free < spool_max_bytes:
+        raise OSError(errno.ENOSPC, f"the ledger spool's filesystem ({root}) has {free} bytes free, less than "
+                      f"the spool's bound ({spool_max_bytes} bytes, --ledger-spool-max-bytes): free space, "
+                      "lower the bound, or move the spool (--ledger-spool-dir)")
+    db = sqlite_path(engine)
+    shares = db is not None and db.parent.exists() and os.stat(db.parent).st_dev == os.stat(root).st_dev
+    if shares:
+        log.warning("the ledger spool (%s) is on the filesystem of the SQLite database (%s): when that "
+                    "filesystem fills, both fail together; put the spool elsewhere (--ledger-spool-dir)",
+                    root, db)
+    return shares
+
+
 def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None = None,
                         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES):
     """This gateway's ledger with a spool: takes a fresh instance, takes over the
@@ -267,7 +309,8 @@ def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None =
       (Ledger, GatewayInstance); release the instance after closing the ledger.
 
     Raises:
-      OSError: the spool directory cannot be created or locked.
+      OSError: the spool directory cannot be created or locked, or its filesystem has
+        less room than `spool_max_bytes` (:func:`check_spool_filesystem`).
       ValueError: `spool_max_bytes` below 1.
     """
     from serving.config.server_config import data_dir
@@ -279,6 +322,12 @@ def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None =
     if spool_max_bytes < 1:
         raise ValueError(f"ledger_spool_max_bytes must be at least 1, got {spool_max_bytes}")
     instance = GatewayInstance(root)
+    try:
+        shares = check_spool_filesystem(root, engine, spool_max_bytes)
+    except OSError:
+        instance.release(remove=True)
+        raise
     take_over_gone_instances(root, engine, instance.id)
     spool = LedgerSpool(instance.directory, spool_max_bytes)
+    spool.shares_database_filesystem = shares
     return Ledger(engine, spool=spool, instance=instance.id), instance

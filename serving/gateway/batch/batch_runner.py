@@ -34,6 +34,9 @@ every ``custom_id`` ends with exactly one "ok" ledger row and one output line. (
 longer than the lease, it stops its lines at its next renewal; a line that it
 finishes meanwhile may be run twice.)
 
+Each poll also deletes the files past their ``expires_at`` (``FileStore.sweep_expired``;
+the API hides them at once).
+
 Cancellation (``cancelling``) and expiry (``expires_at`` passed: ``expired``)
 are seen at the next renewal (or at once when this gateway's routes call
 :meth:`BatchRunner.wake`): running lines are disconnected (their ledger rows
@@ -207,6 +210,12 @@ class BatchRunner:
 
     async def _loop(self) -> None:
         while True:
+            try:
+                swept = await self._db(self.store.files.sweep_expired)
+                if swept:
+                    logger.info("%d expired files deleted", swept)
+            except Exception:
+                logger.exception("sweeping expired files failed")
             try:
                 for batch_id in await self._db(self.store.claimable):
                     if batch_id in self._jobs:
@@ -423,7 +432,8 @@ def install_batch_api(app: FastAPI, services, endpoints: Mapping[str, Handler], 
     file_store = batch_store = None
     if services.ledger is not None:
         clock = settings.clock or database_clock(services.ledger.engine)
-        file_store = FileStore(services.ledger.engine, clock)
+        key_store = services.authenticator.key_store
+        file_store = FileStore(services.ledger.engine, clock, None if key_store is None else key_store.quotas)
         settle = None
         if services.instance is not None and services.ledger.spool is not None:
             from serving.gateway.accounts.ledger_instances import settle_spools
@@ -433,7 +443,6 @@ def install_batch_api(app: FastAPI, services, endpoints: Mapping[str, Handler], 
             def settle() -> set[str]:
                 return settle_spools(ledger, instance)
         batch_store = BatchStore(services.ledger.engine, file_store, clock, settle)
-        key_store = services.authenticator.key_store
 
         def principal_of(key_id: str | None) -> Principal | None:
             if key_id is None or key_store is None:

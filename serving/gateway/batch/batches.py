@@ -47,7 +47,8 @@ from starlette.responses import JSONResponse, Response
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.accounts.database import batch_lines, batches, cursor_page, database_clock, database_time
 from serving.gateway.accounts.database import requests as requests_table
-from serving.gateway.batch.files import FileStore, file_not_found, list_page
+from serving.gateway.batch.files import EXPIRES_AFTER_RANGE_S, FileStore, file_not_found, list_page
+from serving.gateway.batch.storage_quotas import check_batch_quota
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.openapi import error_responses, json_request_body
 from serving.gateway.openai.openai_serving import read_json
@@ -70,6 +71,15 @@ INTERRUPTED_AFTER_OK = ("interrupted: the server stopped after this attempt's le
                         "output line was written; rerun")
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's ``expires_after``: the file expires `seconds` after its `anchor` (its creation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRES_AFTER_RANGE_S[0], le=EXPIRES_AFTER_RANGE_S[1])
+
+
 class CreateBatchRequest(BaseModel):
     """``POST /v1/batches``."""
 
@@ -79,6 +89,7 @@ class CreateBatchRequest(BaseModel):
     endpoint: str
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -269,14 +280,27 @@ class BatchStore:
     # -- the API's side ------------------------------------------------------
 
     def create(self, tenant: str, key_id: str | None, endpoint: str, input_file_id: str,
-               completion_window: str, metadata: Mapping[str, str] | None) -> dict:
-        """A new batch in status ``validating``; returns its row."""
+               completion_window: str, metadata: Mapping[str, str] | None,
+               output_expires_after_s: float | None = None) -> dict:
+        """A new batch in status ``validating``; returns its row.
+
+        Args:
+          output_expires_after_s: its output and error files expire this many seconds
+            after they are written (None: kept until deleted).
+
+        Raises:
+          OpenAIError: 429 ``quota_exceeded`` (``batches``) when the tenant already has its
+            quota of unfinished batches (``storage_quotas.py``).
+        """
         now = self.clock()
         row = dict(batch_id="batch_" + uuid.uuid4().hex, tenant=tenant, key_id=key_id, endpoint=endpoint,
                    input_file_id=input_file_id, status="validating", completion_window=completion_window,
                    metadata=json.dumps(dict(metadata)) if metadata else None, created_at=now,
-                   expires_at=now + COMPLETION_WINDOW_S[completion_window], total=0, completed=0, failed=0)
+                   expires_at=now + COMPLETION_WINDOW_S[completion_window], total=0, completed=0, failed=0,
+                   output_expires_after_s=output_expires_after_s)
         with self.engine.begin() as conn:
+            if self.files.quotas is not None:
+                check_batch_quota(conn, self.files.quotas(tenant), tenant)
             conn.execute(batches.insert().values(**row))
             return dict(conn.execute(sa.select(batches).where(batches.c.batch_id == row["batch_id"]))
                         .mappings().one())
@@ -544,7 +568,8 @@ class BatchStore:
                 if lines:
                     ids[f"{kind}_file_id"] = self.files.create(
                         row["tenant"], "batch_output", f"{batch_id}_{kind}.jsonl",
-                        "".join(lines).encode("utf-8"), conn=conn)["file_id"]
+                        "".join(lines).encode("utf-8"), conn=conn,
+                        expires_after_s=row.get("output_expires_after_s"))["file_id"]
             if ids:
                 conn.execute(batches.update().where(batches.c.batch_id == batch_id).values(**ids))
         return True
@@ -583,7 +608,7 @@ def install_batch_routes(app: FastAPI, store: Callable[[], BatchStore], principa
         return await anyio.to_thread.run_sync(lambda: fn(*args))
 
     @app.post(BATCHES_PATH, response_model=BatchObject, openapi_extra=json_request_body(CreateBatchRequest),
-              responses=error_responses(400, 401, 403, 404, 413, 415))
+              responses=error_responses(400, 401, 403, 404, 413, 415, 429))
     async def create_batch(request: Request, caller: Principal = Depends(principal)) -> Response:
         batches_ = store()
         req = CreateBatchRequest.model_validate(await read_json(request))
@@ -597,8 +622,9 @@ def install_batch_routes(app: FastAPI, store: Callable[[], BatchStore], principa
         if file["purpose"] != "batch":
             raise OpenAIError(f"The file {req.input_file_id} has purpose {file['purpose']!r}; a batch "
                               "needs a file uploaded with purpose 'batch'.", param="input_file_id")
+        expires = req.output_expires_after
         row = await run(batches_.create, caller.tenant, caller.key_id, req.endpoint, req.input_file_id,
-                        req.completion_window, req.metadata)
+                        req.completion_window, req.metadata, None if expires is None else float(expires.seconds))
         wake()
         return JSONResponse(batch_object(row))
 
