@@ -173,6 +173,19 @@ class FileStore:
             raise
         return row
 
+    def check_quota(self, tenant: str, at_least: int) -> None:
+        """Before reading an upload: raises what :meth:`create` would for a file of at least
+        `at_least` bytes (the body's length less the form's framing), so a tenant over its
+        quota is answered without its body being read and parsed.
+
+        Raises:
+          OpenAIError: 413/429 for a quota (``storage_quotas.check_file_quota``).
+        """
+        if self.quotas is None:
+            return
+        with self.engine.connect() as conn:
+            check_file_quota(conn, self.quotas(tenant), tenant, at_least, self.clock())
+
     def get(self, file_id: str, tenant: str) -> dict | None:
         """The row of `tenant`'s file `file_id` (without the content), or None (also once expired)."""
         cols = [c for c in files_table.c if c.name != "content"]
@@ -254,6 +267,9 @@ def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal:
     async def upload_file(request: Request, caller: Principal = Depends(principal)) -> Response:
         files = store()
         _require_multipart(request.headers.get("content-type"))
+        length = request.headers.get("content-length", "")
+        if length.isdigit():  # over a quota already: answered before the body is read
+            await run(files.check_quota, caller.tenant, max(int(length) - FORM_OVERHEAD_BYTES, 0))
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, upload = form.get("purpose"), form.get("file")
             if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:

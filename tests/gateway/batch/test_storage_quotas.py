@@ -67,7 +67,7 @@ async def test_a_tenant_over_its_quotas_is_refused_by_name_while_another_is_serv
             with file_size_limit(db_file.stat().st_size + 600_000):
                 assert (await _upload(b, 150_000)).status_code == 200
                 over = await _upload(b, 150_000)  # 300 kB stored with it: over file_bytes
-                alone = await _upload(b, 250_000)  # larger than the quota on its own
+                alone = await _upload(b, 300_000)  # larger than the quota on its own
                 assert (await _upload(b, 10_000)).status_code == 200
                 count = await _upload(b, 10)  # a third file
                 served.append(await victim_chat(1))
