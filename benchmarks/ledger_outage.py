@@ -10,9 +10,13 @@ seconds, started again, and the load goes on for `--after` seconds. Then, once
 what the clients received: one row per response id, none missing, none
 doubled, completion tokens equal to the usage each client was told.
 
-    python -m benchmarks.ledger_outage [--outage 30] [--clients 8] [--before 5] [--after 5]
+    python -m benchmarks.ledger_outage [--outage 30] [--clients 8] [--before 5] [--after 5] [--full-disk]
 
-Needs PostgreSQL's server binaries (Debian's ``postgresql`` package).
+Needs PostgreSQL's server binaries (Debian's ``postgresql`` package). With ``--full-disk`` the
+database is instead a SQLite file on a filesystem of its own (a 64 MB tmpfs this benchmark
+mounts: Linux, as root) whose disk fills: the outage is a file filling it to the last byte
+(SQLite answers "database or disk is full"), the end of it that file's removal; the spool
+is on another filesystem (the start-up check refuses one without room).
 """
 
 from __future__ import annotations
@@ -40,6 +44,35 @@ from tests.support.server_process import free_port
 MODEL = "fake"
 
 
+class FullDisk:
+    """A SQLite ledger on a small tmpfs of its own; :meth:`stop` fills the disk, :meth:`start`
+    frees it (the ``PostgresCluster`` interface the benchmark drives)."""
+
+    def __init__(self, size_mb: int = 64) -> None:
+        self.mount = Path(tempfile.mkdtemp(prefix="xlaserve-fulldisk-"))
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(self.mount)], check=True)
+        self.url = f"sqlite:///{self.mount / 'ledger.db'}"
+        self.filler = self.mount / "filler"
+
+    def stop(self) -> None:
+        """Fills the filesystem: a file written until ENOSPC."""
+        with open(self.filler, "wb", buffering=0) as f:
+            chunk = b"\0" * (1 << 20)
+            while True:
+                try:
+                    f.write(chunk)
+                except OSError:
+                    if len(chunk) == 1:
+                        break
+                    chunk = chunk[: len(chunk) // 2]
+
+    def start(self) -> None:
+        self.filler.unlink()
+
+    def remove(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], check=False)
+
+
 def _spool(metrics: str) -> tuple[float, float]:
     values = {}
     for line in metrics.splitlines():
@@ -56,7 +89,7 @@ async def _run(args, url: str, key: str, pg: PostgresCluster) -> dict:
     failures: list[str] = []
     phase = "before"
     stop = asyncio.Event()
-    peak = [0.0, 0.0]
+    peak = [0.0, 0.0, 0.0]
 
     async def client(c: httpx.AsyncClient, k: int) -> None:
         i = 0
@@ -87,8 +120,11 @@ async def _run(args, url: str, key: str, pg: PostgresCluster) -> dict:
 
     async def watch(c: httpx.AsyncClient) -> None:
         while not stop.is_set():
-            records, nbytes = _spool((await c.get("/metrics")).text)
+            text = (await c.get("/metrics")).text
+            records, nbytes = _spool(text)
             peak[0], peak[1] = max(peak[0], records), max(peak[1], nbytes)
+            full = [float(x.split()[1]) for x in text.splitlines() if x.startswith("xlaserve:ledger_database_full ")]
+            peak[2] = max(peak[2], full[0] if full else 0.0)
             await asyncio.sleep(0.5)
 
     headers = {"Authorization": f"Bearer {key}"}
@@ -117,6 +153,7 @@ async def _run(args, url: str, key: str, pg: PostgresCluster) -> dict:
     ms = lambda xs: round(1000 * statistics.median(xs), 1) if xs else None  # noqa: E731
     return dict(received=received, phase_of=phase_of, failures=failures, outage_s=round(outage_s, 1),
                 drain_s=round(drained_s, 2), peak_spool_records=int(peak[0]), peak_spool_bytes=int(peak[1]),
+                database_full_seen=bool(peak[2]),
                 replayed_writes=int(replayed),
                 p50_ms={p: ms(v) for p, v in latency.items()},
                 requests={p: len(v) for p, v in latency.items()})
@@ -129,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=float, default=5.0, help="seconds of load after it is back")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients")
     p.add_argument("--delay", type=float, default=0.005, help="the fake engine's seconds per token")
+    p.add_argument("--full-disk", action="store_true", help="a full disk under a SQLite ledger instead of a "
+                   "stopped PostgreSQL (mounts a tmpfs: Linux, as root)")
     args = p.parse_args(argv)
 
-    pg = PostgresCluster()
+    pg = FullDisk() if args.full_disk else PostgresCluster()
     work = Path(tempfile.mkdtemp(prefix="xlaserve-outage-"))
     proc = None
     try:
@@ -168,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     by_id = {r["request_id"]: r for r in rows}
     report = dict(
         out,
+        outage_kind="full disk (SQLite on a filled tmpfs)" if args.full_disk else "PostgreSQL stopped",
         served=len(received),
         served_during_outage=sum(1 for v in phase_of.values() if v == "outage"),
         ledger_rows=len(rows),

@@ -5,6 +5,7 @@
     xlaserve keys list [--tenant acme]
     xlaserve keys revoke key_0123456789ab
     xlaserve tenants set acme --rpm 600 --models gemma-3-270m --service-tiers default,flex,priority
+    xlaserve tenants set acme --max-file-bytes 100000000 --max-files 100 --max-batches 10
     xlaserve tenants list
     xlaserve usage --group-by day --start 2026-11-01 [--tenant acme]
 
@@ -86,12 +87,17 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     store = _store(args)
     if args.tenants_command == "set":
         models = None if args.models is None else [m for m in args.models.split(",") if m]
-        store.set_tenant(args.tenant, _limits(args), models, _tiers(args))
+        from serving.gateway.accounts.api_keys import Quotas
+
+        quotas = Quotas(file_bytes=args.max_file_bytes, files=args.max_files, batches=args.max_batches)
+        store.set_tenant(args.tenant, _limits(args), models, _tiers(args), quotas=quotas)
         print(f"tenant {args.tenant} set")
     else:
         rows = [[t["name"], t["rpm"], t["tpm"], t["max_concurrent"], t["models"] or "all",
-                 t["service_tiers"] or "all"] for t in store.list_tenants()]
-        _print_table(["TENANT", "RPM", "TPM", "CONCURRENT", "MODELS", "SERVICE_TIERS"], rows)
+                 t["service_tiers"] or "all", t["max_file_bytes"], t["max_files"], t["max_batches"]]
+                for t in store.list_tenants()]
+        _print_table(["TENANT", "RPM", "TPM", "CONCURRENT", "MODELS", "SERVICE_TIERS", "FILE_BYTES", "FILES",
+                      "BATCHES"], rows)
     return 0
 
 
@@ -161,6 +167,10 @@ def register(sub) -> None:
     tset.add_argument("tenant")
     _add_limit_flags(tset)
     tset.add_argument("--models", help="comma-separated models the tenant may use (default: all)")
+    tset.add_argument("--max-file-bytes", type=int, help="bytes of files it may store, uploads and batch "
+                      "outputs together (default: unlimited)")
+    tset.add_argument("--max-files", type=int, help="files it may store at once (default: unlimited)")
+    tset.add_argument("--max-batches", type=int, help="unfinished batches it may have (default: unlimited)")
     tlist = tsub.add_parser("list", help="list tenants with their limits and models")
     for p in (tset, tlist):
         db_flag(p)

@@ -55,6 +55,11 @@ class IncrementalDetokenizer:
         right before the earliest-completing occurrence of any of them; among
         stop strings completing at the same character, the one starting first
         wins.
+      min_tokens: stop strings are armed only from the token after the first
+        ``min_tokens`` (vLLM's rule, as ``min_tokens`` masks stop ids on the
+        device): an occurrence counts when it completes in the text that a later
+        token adds (it may start earlier); one that completes within the first
+        ``min_tokens`` tokens' text is ordinary text.
 
     Attributes:
       stopped: True once a stop string matched; later :meth:`add` calls return "".
@@ -69,10 +74,14 @@ class IncrementalDetokenizer:
     never emitted, even partially.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         if isinstance(stop, str):
             stop = (stop,)
         self._tokenizer = tokenizer
+        self._min_tokens = max(int(min_tokens), 0)
+        self._fed = 0  # ids given to add() so far
+        # Matches must end past this many characters of ``_pending`` (None: not armed yet).
+        self._armed_at: int | None = 0 if self._min_tokens == 0 else None
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # Token window: ids[prefix:read] produced the previous emission,
@@ -113,8 +122,21 @@ class IncrementalDetokenizer:
         """
         if self.stopped or not token_ids:
             return ""
-        self._ids.extend(int(t) for t in token_ids)
-        return self._emit(self._decode_new())
+        out = ""
+        for t in token_ids:  # one at a time: stop strings arm after exactly min_tokens ids
+            if self._armed_at is None and self._fed >= self._min_tokens:
+                self._armed_at = len(self._pending)
+            self._fed += 1
+            self._ids.append(int(t))
+            out += self._emit(self._decode_new())
+            if self.stopped:
+                break
+        return out
+
+    def skip(self) -> None:
+        """Counts a generated id that is not fed (a stop id dropped from the text) toward
+        ``min_tokens``."""
+        self._fed += 1
 
     def flush(self) -> str:
         """End of stream: release everything still held back.
@@ -194,6 +216,15 @@ class IncrementalDetokenizer:
             i = pending.find(s)
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
+        if self._armed_at is None:
+            best = None  # within the first min_tokens tokens: no stop string yet
+        elif best is not None and best[0] <= self._armed_at:
+            # The earliest match completed in text before arming: look for one that ends later.
+            best = None
+            for s in self._stops:
+                i = pending.find(s, max(self._armed_at - len(s) + 1, 0))
+                if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+                    best = (i + len(s), i, s)
         if best is not None:
             out = self._release(best[1])
             self._pending = ""
@@ -207,6 +238,8 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self._stops):
                 hold = k
                 break
+        if self._armed_at is not None:  # the arming point moves with the released text
+            self._armed_at = max(self._armed_at - (len(pending) - hold), 0)
         return self._release(len(pending) - hold)
 
     def _release(self, n: int) -> str:

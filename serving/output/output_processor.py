@@ -136,7 +136,7 @@ class TextGeneration:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
-        self._detok = IncrementalDetokenizer(tokenizer, stop)
+        self._detok = IncrementalDetokenizer(tokenizer, stop, min_tokens=request.sampling.min_tokens)
         self._stop_ids = frozenset(request.sampling.stop_token_ids)
         self._events: AsyncIterator[TokenEvent] | None = None
         self._first: TokenEvent | None = None
@@ -246,6 +246,7 @@ class TextGeneration:
                     if event.logprobs is not None and pos < len(event.logprobs):
                         self.logprobs.append(event.logprobs[pos])
                     if tid in self._stop_ids:
+                        self._detok.skip()  # it still counts toward min_tokens
                         continue  # the one place stop tokens leave the text
                     out, blocked = self._filter(self._detok.add((tid,)))
                     if out:

@@ -158,3 +158,26 @@ async def test_the_pixel_budget_holds_decodes_beyond_it_until_pixels_come_back()
     third.set()
     await c
     assert budget.in_use == 0
+
+
+async def test_images_decode_in_threads_of_their_own_at_a_lower_priority():
+    """Image work runs in the decode pool's threads (not the prompt workers'), each reniced by
+    `nice` (a bomb's decodes wait behind each other and yield the cores to the engine)."""
+    import os
+    import threading
+
+    from serving.gateway.media.decode_workers import DecodeWorkers
+
+    workers = DecodeWorkers(threads=1, nice=3)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def where():
+        tid = threading.get_native_id()
+        return os.getpriority(os.PRIO_PROCESS, tid), threading.current_thread().name, tid
+
+    try:
+        (prio, name, tid), (_, _, tid2) = [await workers.run(where) for _ in range(2)]
+    finally:
+        workers.close()
+    assert prio == min(base + 3, 19) and name.startswith("xlaserve-image") and tid == tid2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's is as it was

@@ -187,7 +187,8 @@ async def test_the_trace_records_the_tier(gateway):
 def test_an_older_database_gains_the_new_columns(tmp_path):
     url = f"sqlite:///{tmp_path / 'old.db'}"
     old = sa.MetaData()
-    for table in (database.tenants, database.api_keys, database.requests):  # as shipped before
+    for table in (database.tenants, database.api_keys, database.requests, database.files,
+                  database.batches):  # as shipped before
         sa.Table(table.name, old, *(sa.Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
                                     for c in table.columns if (table.name, c.name) not in database.ADDED_COLUMNS))
     engine = sa.create_engine(url)
@@ -196,7 +197,8 @@ def test_an_older_database_gains_the_new_columns(tmp_path):
         conn.execute(sa.text("INSERT INTO tenants (name, created_at) VALUES ('acme', 1.0)"))
     engine.dispose()
     db = database.open_database(url)
-    columns = {t: {c["name"] for c in sa.inspect(db).get_columns(t)} for t in ("tenants", "api_keys", "requests")}
+    columns = {t: {c["name"] for c in sa.inspect(db).get_columns(t)}
+               for t in ("tenants", "api_keys", "requests", "files", "batches")}
     assert all(c in columns[t] for t, c in database.ADDED_COLUMNS)
     assert database.add_missing_columns(db) == []  # idempotent
     with db.connect() as conn:

@@ -50,6 +50,28 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
+class Quotas:
+    """A tenant's storage quotas (files and batches); None means unlimited.
+
+    Attributes:
+      file_bytes: bytes of all its stored files together (uploads and batch outputs).
+      files: how many files it may store at once.
+      batches: how many of its batches may be unfinished (validating, in progress,
+        finalizing, cancelling) at once.
+    """
+
+    file_bytes: int | None = None
+    files: int | None = None
+    batches: int | None = None
+
+    def __post_init__(self):
+        for name in ("file_bytes", "files", "batches"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} quota must be >= 1 (or unset for no quota), got {v}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Principal:
     """Who is calling: the key's tenant, id and limits.
 
@@ -118,9 +140,10 @@ class KeyStore:
 
     def set_tenant(self, name: str, limits: Limits = Limits(),
                    models: Sequence[str] | None = None, service_tiers: Sequence[str] | None = None,
-                   actor: str = CLI_ACTOR) -> None:
-        """Creates or replaces tenant `name`'s limits, model and service-tier allow-lists,
-        recorded in the audit trail as `actor`'s (``key_audit.py``).
+                   actor: str = CLI_ACTOR, quotas: Quotas | None = None) -> None:
+        """Creates or replaces tenant `name`'s limits, model and service-tier allow-lists
+        and (unless `quotas` is None: kept as they are) storage quotas, recorded in the
+        audit trail as `actor`'s (``key_audit.py``).
 
         Raises:
           ValueError: an empty name, or a tier that is not default, flex or priority.
@@ -130,6 +153,8 @@ class KeyStore:
         values = dict(rpm=limits.rpm, tpm=limits.tpm, max_concurrent=limits.max_concurrent,
                       models=None if models is None else json.dumps(sorted(models)),
                       service_tiers=_tiers_json(service_tiers))
+        if quotas is not None:
+            values.update(max_file_bytes=quotas.file_bytes, max_files=quotas.files, max_batches=quotas.batches)
         with self.engine.begin() as conn:
             updated = conn.execute(tenants.update().where(tenants.c.name == name).values(**values))
             if updated.rowcount == 0:
@@ -137,7 +162,15 @@ class KeyStore:
             record_audit(conn, actor, "tenant.set", name, {
                 "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
                 "models": None if models is None else sorted(models),
-                "service_tiers": None if service_tiers is None else sorted(set(service_tiers))})
+                "service_tiers": None if service_tiers is None else sorted(set(service_tiers)),
+                **({} if quotas is None else {"quotas": dataclasses.asdict(quotas)})})
+
+    def quotas(self, name: str) -> Quotas:
+        """Tenant `name`'s storage quotas (unlimited if never set)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(tenants.c.max_file_bytes, tenants.c.max_files, tenants.c.max_batches)
+                               .where(tenants.c.name == name)).first()
+        return Quotas() if row is None else Quotas(*row)
 
     def tenant(self, name: str) -> tuple[Limits, frozenset[str] | None]:
         """(limits, model allow-list or None) of tenant `name`; unlimited if never set."""

@@ -10,6 +10,7 @@ Tables::
 
     tenants   name* | rpm | tpm | max_concurrent | models (JSON list or NULL = all) | created_at
               | service_tiers (JSON list or NULL = all)
+              | max_file_bytes | max_files | max_batches (storage quotas, NULL = unlimited)
     api_keys  key_id* | tenant | name | key_hash (sha256, unique) | key_prefix | is_admin
               | rpm | tpm | max_concurrent | created_at | revoked_at
               | service_tiers (JSON list or NULL = all)
@@ -19,11 +20,12 @@ Tables::
               | reasoning_tokens | tool_calls | queue_time_s | ttft_s | itl_mean_s
               | itl_max_s | e2e_s | cost_usd | trace (JSON) | gateway_instance | service_tier
     files     file_id* | tenant | purpose | filename | bytes | created_at | content (bytes)
+              | expires_at (NULL = kept; expired files are gone for the API and swept)
     batches   batch_id* | tenant | key_id | endpoint | input_file_id | output_file_id
               | error_file_id | status | completion_window | metadata (JSON) | errors (JSON)
               | created_at | in_progress_at | finalizing_at | completed_at | failed_at
               | expired_at | cancelling_at | cancelled_at | expires_at | total | completed
-              | failed | lease_owner | lease_expires_at
+              | failed | lease_owner | lease_expires_at | output_expires_after_s
     batch_lines  batch_id* | line_no* | custom_id | body (JSON) | status | attempt_id
               | attempts (JSON list) | outcome (JSON: the output or error line) | finished_at
     responses response_id* | tenant | model | created_at | previous_response_id
@@ -53,6 +55,7 @@ their table first shipped), so a database file from an older version keeps worki
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from typing import Callable
@@ -72,6 +75,10 @@ tenants = sa.Table(
     sa.Column("models", sa.Text, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("service_tiers", sa.Text, nullable=True),
+    # Storage quotas (api_keys.Quotas; NULL: unlimited).
+    sa.Column("max_file_bytes", sa.BigInteger, nullable=True),
+    sa.Column("max_files", sa.Integer, nullable=True),
+    sa.Column("max_batches", sa.Integer, nullable=True),
 )
 
 api_keys = sa.Table(
@@ -132,6 +139,7 @@ files = sa.Table(
     sa.Column("bytes", sa.BigInteger, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False, index=True),
     sa.Column("content", sa.LargeBinary, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=True, index=True),  # NULL: kept until deleted
 )
 
 batches = sa.Table(
@@ -146,6 +154,7 @@ batches = sa.Table(
     sa.Column("status", sa.String(16), nullable=False, index=True),
     sa.Column("completion_window", sa.String(8), nullable=False),
     sa.Column("metadata", sa.Text, nullable=True),
+    sa.Column("output_expires_after_s", sa.Float, nullable=True),  # its output files' expires_after
     sa.Column("errors", sa.Text, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False, index=True),
     *(sa.Column(f"{t}_at", sa.Float, nullable=True) for t in (
@@ -263,16 +272,49 @@ def database_clock(engine: sa.Engine) -> Callable[[], float]:
     return now
 
 
+_DISK_FULL_TEXT = ("database or disk is full", "no space left on device", "could not extend file",
+                   "file too large", "disk full")
+_DISK_FULL_SQLSTATE = "53100"  # PostgreSQL's disk_full
+
+
+_SQLITE_STORAGE_ERRORS = ("SQLITE_FULL", "SQLITE_IOERR_WRITE")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """True when `error` means the database's storage refuses writes: full (SQLite's
+    SQLITE_FULL, "database or disk is full"; PostgreSQL's ``disk_full``, SQLSTATE 53100,
+    "could not extend file"; an ``OSError`` ENOSPC/EFBIG) or failing to write (SQLite's
+    SQLITE_IOERR_WRITE, "disk I/O error", which is also what a file-size limit gives it).
+    Not "unreachable": the database answers, and retrying the same write will not help
+    until space is freed."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EFBIG)
+    if isinstance(error, sa.exc.DBAPIError):
+        orig = error.orig
+        if getattr(orig, "sqlite_errorname", None) in _SQLITE_STORAGE_ERRORS:
+            return True
+        if getattr(orig, "pgcode", None) == _DISK_FULL_SQLSTATE or getattr(orig, "sqlstate", None) == _DISK_FULL_SQLSTATE:
+            return True
+        text = str(orig).lower()
+        return any(t in text for t in _DISK_FULL_TEXT)
+    return False
+
+
 def is_unreachable(error: BaseException) -> bool:
     """True when `error` means the database cannot be reached now (refused or lost
-    connection, pool timeout, SQLite busy), not that a statement is wrong."""
+    connection, pool timeout, SQLite busy), not that a statement is wrong, nor that
+    its storage is full (:func:`is_disk_full`)."""
+    if is_disk_full(error):
+        return False
     if isinstance(error, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)):
         return True
     return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
 
 
 ADDED_COLUMNS = (("tenants", "service_tiers"), ("api_keys", "service_tiers"), ("requests", "service_tier"),
-                 ("requests", "gateway_instance"))
+                 ("requests", "gateway_instance"), ("tenants", "max_file_bytes"), ("tenants", "max_files"),
+                 ("tenants", "max_batches"), ("files", "expires_at"),
+                 ("batches", "output_expires_after_s"))
 """(table, column): nullable columns added after their table first shipped (what an older
 database lacks; :func:`add_missing_columns` adds any nullable column missing, these included)."""
 

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import sqlalchemy as sa
 
-from serving.gateway.accounts.database import is_unreachable
+from serving.gateway.accounts.database import is_disk_full, is_unreachable
 from serving.gateway.accounts.database import requests as requests_table
 from serving.gateway.accounts.ledger_spool import LedgerSpool
 
@@ -141,8 +141,8 @@ def replay_spool(spool: LedgerSpool, engine: sa.Engine, chunks: int | None = Non
     spool back for ever.
 
     Raises:
-      sqlalchemy.exc.SQLAlchemyError: the database is unreachable (what was
-        committed stays replayed).
+      sqlalchemy.exc.SQLAlchemyError: the database is unreachable or its storage is
+        full (what was committed stays replayed; the rest stays spooled).
     """
     done = 0
     while chunks is None or chunks > 0:
@@ -154,7 +154,7 @@ def replay_spool(spool: LedgerSpool, engine: sa.Engine, chunks: int | None = Non
             with engine.begin() as conn:
                 apply_writes(conn, records)
         except Exception as e:
-            if is_unreachable(e):
+            if is_unreachable(e) or is_disk_full(e):
                 raise
             _apply_one_by_one(engine, records)
         spool.mark_replayed(batch[-1][0], len(batch))
@@ -170,8 +170,8 @@ def _apply_one_by_one(engine: sa.Engine, records: list[Mapping[str, Any]]) -> No
             with engine.begin() as conn:
                 apply_writes(conn, [record])
         except Exception as e:
-            if is_unreachable(e):
-                raise
+            if is_unreachable(e) or is_disk_full(e):
+                raise  # kept for a later replay
             rid = record.get("request_id") or record.get("row", {}).get("request_id")
             log.error("a spooled ledger write (%s of %s) was refused and is dropped: %s",
                       record.get("op"), rid, _first_line(e))
@@ -202,6 +202,11 @@ class Ledger:
         self.instance = instance
         self.retry_s = retry_s
         self.spool_write_failed = False  # the last spool append failed (cleared by one that works)
+        # The database refused the last write for full storage (cleared by one it takes); rows
+        # go to the spool meanwhile, as while it is unreachable, but this is told apart
+        # (``xlaserve:ledger_database_full``, the log) and is no 503 while the spool takes them.
+        self.database_full = False
+        self.database_full_writes = 0  # writes the full database refused (spooled instead)
         self.replayed_total = 0
         self._next_replay = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -261,6 +266,25 @@ class Ledger:
         """Blocks until everything queued so far is written (to the database or the spool)."""
         self._submit(None).result(timeout)
 
+    def settle(self, timeout: float = 30) -> bool:
+        """Writes what is queued and replays the spool now (all of it, while the database
+        takes it), instead of at the next retry; blocks.
+
+        Returns:
+          True when no write is left in the spool; False when the database refused the
+          replay (it stays spooled, replayed later as usual) or `timeout` seconds passed.
+        """
+        deadline = time.monotonic() + timeout
+        while self.spooled_records or self.spool_write_failed:
+            if time.monotonic() >= deadline:
+                return False
+            self._next_replay = 0.0
+            self.flush(max(deadline - time.monotonic(), 0.001))  # written ...
+            self.flush(max(deadline - time.monotonic(), 0.001))  # ... and the replay after it done
+            if self._next_replay > time.monotonic():  # the replay failed: retried later
+                return not self.spooled_records
+        return True
+
     def close(self) -> None:
         """Writes what is queued (and tries the spool once more), then stops the writer thread."""
         if self._closed:
@@ -301,12 +325,15 @@ class Ledger:
                     conn.execute(sa.select(1))
                 n = 0
         except Exception as e:
-            if not is_unreachable(e):
+            if is_disk_full(e):
+                self.database_full = True
+            elif not is_unreachable(e):
                 log.error("replaying the ledger spool failed: %s", _first_line(e))
             self._next_replay = time.monotonic() + self.retry_s
             return
         self.replayed_total += n
         self.spool_write_failed = False  # the database answers: writes go to it again
+        self.database_full = False
         if n and not self.spool.depth_records:
             log.warning("the ledger database is back: the spool is replayed (%d writes in all)",
                         self.replayed_total)
@@ -338,9 +365,7 @@ class Ledger:
             with self.engine.begin() as conn:
                 apply_writes(conn, [record for record, _ in ops])
         except Exception as batch_error:
-            if self.spool is not None and is_unreachable(batch_error):
-                log.warning("the ledger database is unreachable (%s); spooling row writes to %s until "
-                            "it is back", _first_line(batch_error), self.spool.path)
+            if self.spool is not None and self._divert(batch_error, len(ops)):
                 self._next_replay = time.monotonic() + self.retry_s
                 self._spool(ops)
                 return
@@ -353,15 +378,32 @@ class Ledger:
                         apply_writes(conn, [record])
                     fut.set_result(None)
                 except Exception as e:
-                    if self.spool is not None and is_unreachable(e):
+                    if self.spool is not None and self._divert(e, len(ops) - i):
                         self._spool(ops[i:])
                         return
                     log.error("ledger write failed: %s", e)
                     self._failed(record, fut, e)
             return
         self.spool_write_failed = False
+        self.database_full = False
         for _, fut in ops:
             fut.set_result(None)
+
+    def _divert(self, error: BaseException, n: int) -> bool:
+        """Whether `n` writes that failed with `error` go to the spool: the database is
+        unreachable, or its storage is full (told apart: logged as such, counted)."""
+        if is_disk_full(error):
+            if not self.database_full:
+                log.error("the ledger database's storage is full (%s); spooling row writes to %s until "
+                          "it takes them", _first_line(error), self.spool.path)
+            self.database_full = True
+            self.database_full_writes += n
+            return True
+        if is_unreachable(error):
+            log.warning("the ledger database is unreachable (%s); spooling row writes to %s until "
+                        "it is back", _first_line(error), self.spool.path)
+            return True
+        return False
 
     def _spool(self, ops) -> None:
         for record, _ in ops:
@@ -380,6 +422,22 @@ class Ledger:
         self.spool_write_failed = False
         for _, fut in ops:
             fut.set_result(None)
+
+    def _divert(self, error: BaseException, n: int) -> bool:
+        """Whether `n` writes that failed with `error` go to the spool: the database is
+        unreachable, or its storage is full (told apart: logged as such, counted)."""
+        if is_disk_full(error):
+            if not self.database_full:
+                log.error("the ledger database's storage is full (%s); spooling row writes to %s until "
+                          "it takes them", _first_line(error), self.spool.path)
+            self.database_full = True
+            self.database_full_writes += n
+            return True
+        if is_unreachable(error):
+            log.warning("the ledger database is unreachable (%s); spooling row writes to %s until "
+                        "it is back", _first_line(error), self.spool.path)
+            return True
+        return False
 
     # -- reads (blocking; call from a worker thread on the event loop) -------------
 

@@ -36,8 +36,10 @@ are reconciled when a gateway using that host's spool directory starts.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -49,7 +51,7 @@ import sqlalchemy as sa
 
 from serving.gateway.accounts.database import requests as requests_table
 from serving.gateway.accounts.ledger import replay_spool
-from serving.gateway.accounts.ledger_spool import LedgerSpool
+from serving.gateway.accounts.ledger_spool import OFFSET_FILE, SPOOL_FILE, LedgerSpool
 
 log = logging.getLogger("xlaserve.ledger")
 
@@ -144,6 +146,55 @@ def take_over_gone_instances(root: Path, engine: sa.Engine, by: str) -> list[dic
     return done
 
 
+def spooled_x_request_ids(root: Path) -> set[str]:
+    """The X-Request-IDs of the rows whose writes still wait in any spool under `root`
+    (every instance's, live or gone; read only, whole lines past each ``replayed``
+    offset): an admission row, or a completion carrying the admission row it inserts."""
+    found: set[str] = set()
+    if not Path(root).is_dir():
+        return found
+    for directory in Path(root).iterdir():
+        path = directory / SPOOL_FILE
+        try:
+            start = int((directory / OFFSET_FILE).read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            start = 0
+        try:
+            with open(path, "rb") as f:
+                if start > os.fstat(f.fileno()).st_size:
+                    start = 0  # emptied after a full replay, the offset not yet reset
+                f.seek(start)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break  # an append in progress
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # quarantined when replayed
+                    row = record.get("row") if isinstance(record, dict) else None
+                    if isinstance(row, dict) and row.get("x_request_id"):
+                        found.add(str(row["x_request_id"]))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
+
+
+def settle_spools(ledger, instance: "GatewayInstance", timeout: float = 10) -> set[str]:
+    """Brings every spool this host can reach into the database, as far as it can now:
+    this gateway's own (``Ledger.settle``), then each gone instance's
+    (:func:`take_over_gone_instances`). Batch recovery calls it before it decides that an
+    attempt without a ledger row never ran (``batches.py``).
+
+    Returns:
+      The X-Request-IDs still spooled after that (:func:`spooled_x_request_ids`): rows of
+      a live gateway whose database writes wait, or of a spool that could not be
+      replayed now. Their attempts must not be taken for never run.
+    """
+    ledger.settle(timeout)
+    take_over_gone_instances(instance.directory.parent, ledger.engine, instance.id)
+    return spooled_x_request_ids(instance.directory.parent)
+
+
 def mark_interrupted(engine: sa.Engine, instance: str, by: str) -> int:
     """Rows of `instance` still "running" become "interrupted", finished now, with
     the reason in ``error``; what the row holds (its admission, the requested
@@ -204,6 +255,47 @@ def release_instance(instance: GatewayInstance, ledger) -> int | None:
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged process may still write on the filesystem of `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def sqlite_path(engine: sa.Engine) -> Path | None:
+    """The file of a SQLite database (None: another database, or in memory)."""
+    if engine.dialect.name != "sqlite" or not engine.url.database or engine.url.database == ":memory:":
+        return None
+    return Path(engine.url.database).resolve()
+
+
+def check_spool_filesystem(root: Path, engine: sa.Engine, spool_max_bytes: int) -> bool:
+    """The start-up check of the spool's filesystem (`root` exists).
+
+    The spool exists for when the database cannot take writes; on a filesystem without room
+    for it, or on the one a full SQLite database shares, it fails exactly then. So a spool
+    with less free space than its bound is refused, and one sharing the SQLite database's
+    filesystem is said in the log (and by ``xlaserve:ledger_spool_shares_database_filesystem``).
+
+    Returns:
+      Whether the spool shares the SQLite database's filesystem.
+
+    Raises:
+      OSError: (ENOSPC) the filesystem has less free space than `spool_max_bytes`.
+    """
+    free = free_bytes(root)
+    if free < spool_max_bytes:
+        raise OSError(errno.ENOSPC, f"the ledger spool's filesystem ({root}) has {free} bytes free, less than "
+                      f"the spool's bound ({spool_max_bytes} bytes, --ledger-spool-max-bytes): free space, "
+                      "lower the bound, or move the spool (--ledger-spool-dir)")
+    db = sqlite_path(engine)
+    shares = db is not None and db.parent.exists() and os.stat(db.parent).st_dev == os.stat(root).st_dev
+    if shares:
+        log.warning("the ledger spool (%s) is on the filesystem of the SQLite database (%s): when that "
+                    "filesystem fills, both fail together; put the spool elsewhere (--ledger-spool-dir)",
+                    root, db)
+    return shares
+
+
 def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None = None,
                         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES):
     """This gateway's ledger with a spool: takes a fresh instance, takes over the
@@ -217,7 +309,8 @@ def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None =
       (Ledger, GatewayInstance); release the instance after closing the ledger.
 
     Raises:
-      OSError: the spool directory cannot be created or locked.
+      OSError: the spool directory cannot be created or locked, or its filesystem has
+        less room than `spool_max_bytes` (:func:`check_spool_filesystem`).
       ValueError: `spool_max_bytes` below 1.
     """
     from serving.config.server_config import data_dir
@@ -229,6 +322,12 @@ def open_durable_ledger(engine: sa.Engine, spool_dir: str | os.PathLike | None =
     if spool_max_bytes < 1:
         raise ValueError(f"ledger_spool_max_bytes must be at least 1, got {spool_max_bytes}")
     instance = GatewayInstance(root)
+    try:
+        shares = check_spool_filesystem(root, engine, spool_max_bytes)
+    except OSError:
+        instance.release(remove=True)
+        raise
     take_over_gone_instances(root, engine, instance.id)
     spool = LedgerSpool(instance.directory, spool_max_bytes)
+    spool.shares_database_filesystem = shares
     return Ledger(engine, spool=spool, instance=instance.id), instance

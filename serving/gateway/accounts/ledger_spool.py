@@ -81,6 +81,8 @@ class LedgerSpool:
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.quarantined = 0
+        # Whether it shares the SQLite database's filesystem (set by ledger_instances' start-up check).
+        self.shares_database_filesystem = False
         self._offset = self._read_offset()
         self._size = self._cut_torn_tail()
         if self._offset > self._size:  # truncated after a full replay, offset not yet reset
@@ -89,6 +91,12 @@ class LedgerSpool:
         self._records = self._count_lines(self._offset)
 
     # -- state ------------------------------------------------------------------
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes still free on the spool's filesystem (for an unprivileged writer)."""
+        st = os.statvfs(self.directory)
+        return st.f_bavail * st.f_frsize
 
     @property
     def depth_records(self) -> int:

@@ -26,10 +26,16 @@ the line's end are written in one transaction. A runner taking over a batch
 finds lines left ``running``: their attempt's ledger row, if still "running",
 or "ok" but without an output line (the server stopped between the two
 writes), becomes "cancelled" with the reason, and the line runs again with a
-new attempt. So every ``custom_id`` ends with exactly one "ok" ledger row and
-one output line. (If a gateway only *lost* its lease, e.g. a database stall
+new attempt. An attempt without a ledger row is struck (it never ran) only after
+the ledger spools this host reaches are replayed (``ledger_instances.settle_spools``);
+one whose row a live gateway still spools holds the batch back
+(``AttemptStillSpooled``: the lease is released and recovery tried again later). So
+every ``custom_id`` ends with exactly one "ok" ledger row and one output line. (If a gateway only *lost* its lease, e.g. a database stall
 longer than the lease, it stops its lines at its next renewal; a line that it
 finishes meanwhile may be run twice.)
+
+Each poll also deletes the files past their ``expires_at`` (``FileStore.sweep_expired``;
+the API hides them at once).
 
 Cancellation (``cancelling``) and expiry (``expires_at`` passed: ``expired``)
 are seen at the next renewal (or at once when this gateway's routes call
@@ -56,7 +62,7 @@ from starlette.responses import Response
 
 from serving.gateway.accounts.api_keys import ANONYMOUS, Principal
 from serving.gateway.accounts.database import database_clock
-from serving.gateway.batch.batches import BatchStore, install_batch_routes
+from serving.gateway.batch.batches import AttemptStillSpooled, BatchStore, install_batch_routes
 from serving.gateway.batch.files import FileStore, install_file_routes
 from serving.gateway.http.errors import SERVER_ERROR, OpenAIError, error_response
 from serving.gateway.http.log_context import request_id_var
@@ -205,6 +211,12 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             try:
+                swept = await self._db(self.store.files.sweep_expired)
+                if swept:
+                    logger.info("%d expired files deleted", swept)
+            except Exception:
+                logger.exception("sweeping expired files failed")
+            try:
                 for batch_id in await self._db(self.store.claimable):
                     if batch_id in self._jobs:
                         continue
@@ -221,6 +233,8 @@ class BatchRunner:
         keeper = asyncio.create_task(self._keep_lease(job))
         try:
             await self._drive(job)
+        except AttemptStillSpooled as e:
+            logger.warning("%s; the lease is released for a later try", e)
         except Exception:
             logger.exception("batch %s: runner error; the lease is released for a later try", job.batch_id)
         finally:
@@ -418,9 +432,17 @@ def install_batch_api(app: FastAPI, services, endpoints: Mapping[str, Handler], 
     file_store = batch_store = None
     if services.ledger is not None:
         clock = settings.clock or database_clock(services.ledger.engine)
-        file_store = FileStore(services.ledger.engine, clock)
-        batch_store = BatchStore(services.ledger.engine, file_store, clock)
         key_store = services.authenticator.key_store
+        file_store = FileStore(services.ledger.engine, clock, None if key_store is None else key_store.quotas)
+        settle = None
+        if services.instance is not None and services.ledger.spool is not None:
+            from serving.gateway.accounts.ledger_instances import settle_spools
+
+            ledger, instance = services.ledger, services.instance
+
+            def settle() -> set[str]:
+                return settle_spools(ledger, instance)
+        batch_store = BatchStore(services.ledger.engine, file_store, clock, settle)
 
         def principal_of(key_id: str | None) -> Principal | None:
             if key_id is None or key_store is None:

@@ -47,7 +47,8 @@ from starlette.responses import JSONResponse, Response
 from serving.gateway.accounts.api_keys import Principal
 from serving.gateway.accounts.database import batch_lines, batches, cursor_page, database_clock, database_time
 from serving.gateway.accounts.database import requests as requests_table
-from serving.gateway.batch.files import FileStore, file_not_found, list_page
+from serving.gateway.batch.files import EXPIRES_AFTER_RANGE_S, FileStore, file_not_found, list_page
+from serving.gateway.batch.storage_quotas import check_batch_quota
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.openapi import error_responses, json_request_body
 from serving.gateway.openai.openai_serving import read_json
@@ -70,6 +71,15 @@ INTERRUPTED_AFTER_OK = ("interrupted: the server stopped after this attempt's le
                         "output line was written; rerun")
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's ``expires_after``: the file expires `seconds` after its `anchor` (its creation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRES_AFTER_RANGE_S[0], le=EXPIRES_AFTER_RANGE_S[1])
+
+
 class CreateBatchRequest(BaseModel):
     """``POST /v1/batches``."""
 
@@ -79,6 +89,7 @@ class CreateBatchRequest(BaseModel):
     endpoint: str
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -143,6 +154,11 @@ class BatchList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+class AttemptStillSpooled(RuntimeError):
+    """A stale line's attempt has no ledger row yet, but its row waits in a ledger spool
+    (``BatchStore.recover_lines``): recovery must wait for the replay."""
 
 
 def batch_object(row: Mapping[str, Any]) -> dict:
@@ -248,24 +264,43 @@ class BatchStore:
       engine: a SQLAlchemy engine (tables created; see ``database.py``).
       files: where input files are read and output files written.
       clock: Unix seconds now (None: the database's clock, ``database_clock``).
+      settle: brings the ledger spools this gateway can reach into the database and
+        returns the X-Request-IDs still spooled (``ledger_instances.settle_spools``);
+        :meth:`recover_lines` calls it before taking an attempt without a ledger row
+        for one that never ran (None: no spool, nothing to settle).
     """
 
-    def __init__(self, engine: sa.Engine, files: FileStore, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, engine: sa.Engine, files: FileStore, clock: Callable[[], float] | None = None,
+                 settle: Callable[[], set[str]] | None = None) -> None:
         self.engine = engine
         self.files = files
         self.clock = clock or database_clock(engine)
+        self.settle = settle
 
     # -- the API's side ------------------------------------------------------
 
     def create(self, tenant: str, key_id: str | None, endpoint: str, input_file_id: str,
-               completion_window: str, metadata: Mapping[str, str] | None) -> dict:
-        """A new batch in status ``validating``; returns its row."""
+               completion_window: str, metadata: Mapping[str, str] | None,
+               output_expires_after_s: float | None = None) -> dict:
+        """A new batch in status ``validating``; returns its row.
+
+        Args:
+          output_expires_after_s: its output and error files expire this many seconds
+            after they are written (None: kept until deleted).
+
+        Raises:
+          OpenAIError: 429 ``quota_exceeded`` (``batches``) when the tenant already has its
+            quota of unfinished batches (``storage_quotas.py``).
+        """
         now = self.clock()
         row = dict(batch_id="batch_" + uuid.uuid4().hex, tenant=tenant, key_id=key_id, endpoint=endpoint,
                    input_file_id=input_file_id, status="validating", completion_window=completion_window,
                    metadata=json.dumps(dict(metadata)) if metadata else None, created_at=now,
-                   expires_at=now + COMPLETION_WINDOW_S[completion_window], total=0, completed=0, failed=0)
+                   expires_at=now + COMPLETION_WINDOW_S[completion_window], total=0, completed=0, failed=0,
+                   output_expires_after_s=output_expires_after_s)
         with self.engine.begin() as conn:
+            if self.files.quotas is not None:
+                check_batch_quota(conn, self.files.quotas(tenant), tenant)
             conn.execute(batches.insert().values(**row))
             return dict(conn.execute(sa.select(batches).where(batches.c.batch_id == row["batch_id"]))
                         .mappings().one())
@@ -399,7 +434,24 @@ class BatchStore:
         the reason, and the line is pending again, to be rerun. An attempt that stopped
         before its request was admitted (no ledger row: nothing ran, nothing to meter)
         is struck from the line's attempts, so every attempt listed has a ledger row.
-        Returns how many lines."""
+
+        A missing row may only be late: its writes may wait in a ledger spool (the
+        database was away while the attempt ran). So before striking, the spools are
+        settled (``settle``): a row that arrives is cancelled as above; an attempt whose
+        row is still spooled somewhere keeps the line as it is and this raises, for the
+        runner to try again later, rather than run the line again and bill it twice.
+
+        Returns:
+          How many lines.
+
+        Raises:
+          AttemptStillSpooled: a running line's attempt has no row and its row is in a
+            spool that could not be replayed now (nothing was changed).
+        """
+        if self.settle is not None and self._unadmitted_attempts(batch_id):
+            still_spooled = self.settle()
+        else:
+            still_spooled = set()
         now = self.clock()
         with self.engine.begin() as conn:
             stale = conn.execute(sa.select(batch_lines.c.line_no, batch_lines.c.attempt_id,
@@ -414,12 +466,25 @@ class BatchStore:
                 admitted = conn.execute(sa.select(sa.func.count()).select_from(requests_table).where(
                     requests_table.c.x_request_id == attempt)).scalar_one()
                 listed = json.loads(attempts or "[]")
+                if not admitted and attempt in still_spooled:
+                    raise AttemptStillSpooled(
+                        f"batch {batch_id} line {line_no}: the ledger row of attempt {attempt} waits in a "
+                        "ledger spool; the line is recovered once it is replayed")
                 if not admitted:
                     listed = [a for a in listed if a != attempt]
                 conn.execute(batch_lines.update().where(batch_lines.c.batch_id == batch_id,
                                                         batch_lines.c.line_no == line_no)
                              .values(status="pending", attempt_id=None, attempts=json.dumps(listed)))
         return len(stale)
+
+    def _unadmitted_attempts(self, batch_id: str) -> bool:
+        """Whether a running line's attempt has no ledger row."""
+        with self.engine.connect() as conn:
+            admitted = sa.select(requests_table.c.x_request_id).where(
+                requests_table.c.x_request_id == batch_lines.c.attempt_id).exists()
+            return conn.execute(sa.select(sa.func.count()).select_from(batch_lines).where(
+                batch_lines.c.batch_id == batch_id, batch_lines.c.status == "running",
+                ~admitted)).scalar_one() > 0
 
     def pending_lines(self, batch_id: str, limit: int) -> list[dict]:
         """Up to `limit` pending lines, in file order."""
@@ -503,7 +568,8 @@ class BatchStore:
                 if lines:
                     ids[f"{kind}_file_id"] = self.files.create(
                         row["tenant"], "batch_output", f"{batch_id}_{kind}.jsonl",
-                        "".join(lines).encode("utf-8"), conn=conn)["file_id"]
+                        "".join(lines).encode("utf-8"), conn=conn,
+                        expires_after_s=row.get("output_expires_after_s"))["file_id"]
             if ids:
                 conn.execute(batches.update().where(batches.c.batch_id == batch_id).values(**ids))
         return True
@@ -542,7 +608,7 @@ def install_batch_routes(app: FastAPI, store: Callable[[], BatchStore], principa
         return await anyio.to_thread.run_sync(lambda: fn(*args))
 
     @app.post(BATCHES_PATH, response_model=BatchObject, openapi_extra=json_request_body(CreateBatchRequest),
-              responses=error_responses(400, 401, 403, 404, 413, 415))
+              responses=error_responses(400, 401, 403, 404, 413, 415, 429))
     async def create_batch(request: Request, caller: Principal = Depends(principal)) -> Response:
         batches_ = store()
         req = CreateBatchRequest.model_validate(await read_json(request))
@@ -556,8 +622,9 @@ def install_batch_routes(app: FastAPI, store: Callable[[], BatchStore], principa
         if file["purpose"] != "batch":
             raise OpenAIError(f"The file {req.input_file_id} has purpose {file['purpose']!r}; a batch "
                               "needs a file uploaded with purpose 'batch'.", param="input_file_id")
+        expires = req.output_expires_after
         row = await run(batches_.create, caller.tenant, caller.key_id, req.endpoint, req.input_file_id,
-                        req.completion_window, req.metadata)
+                        req.completion_window, req.metadata, None if expires is None else float(expires.seconds))
         wake()
         return JSONResponse(batch_object(row))
 

@@ -3,16 +3,20 @@
 Routes (all scoped to the caller's tenant: another tenant's file is a 404):
 
 * ``POST /v1/files``: a ``multipart/form-data`` upload with a ``file`` part and
-  ``purpose=batch``; answers the file object. The body is held to the server's
-  ``max_file_bytes`` (413 in OpenAI's shape, counted while the upload streams
-  in, never after reading it all), not to ``max_request_bytes``.
+  ``purpose=batch``, optionally ``expires_after[anchor]=created_at`` and
+  ``expires_after[seconds]`` (3600..2592000, OpenAI's); answers the file object. The body is
+  held to the server's ``max_file_bytes`` (413 in OpenAI's shape, counted while the upload
+  streams in, never after reading it all), not to ``max_request_bytes``, and to the tenant's
+  storage quotas (``storage_quotas.py``: 413/429 naming the quota); a database whose
+  storage is full answers 507 ``storage_full``.
 * ``GET /v1/files`` (``purpose``, ``limit`` 1..10000, ``after``, ``order``
   asc|desc by creation), ``GET /v1/files/{file_id}``,
   ``GET /v1/files/{file_id}/content`` (the bytes as uploaded or written),
   ``DELETE /v1/files/{file_id}``.
 
 Contents are stored in the gateway database (``database.files``), so every
-gateway sharing it serves the same files. A batch's output and error files
+gateway sharing it serves the same files. A file past its ``expires_at`` is gone at once
+for every route (404) and deleted by the batch runner's sweep (:meth:`FileStore.sweep_expired`). A batch's output and error files
 are files of purpose ``batch_output``, written by the batch runner. The lines
 of a ``batch`` file are checked when a batch is created from it
 (``batches.py``), as OpenAI does; the upload only checks its size and purpose.
@@ -33,8 +37,9 @@ from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 
 from serving.gateway.accounts.api_keys import Principal
-from serving.gateway.accounts.database import cursor_page
+from serving.gateway.accounts.database import cursor_page, is_disk_full
 from serving.gateway.accounts.database import files as files_table
+from serving.gateway.batch.storage_quotas import QuotaLookup, check_file_quota, live_files, storage_full
 from serving.gateway.http.errors import REQUEST_TOO_LARGE, OpenAIError
 from serving.gateway.http.openapi import error_responses
 
@@ -44,6 +49,8 @@ UPLOAD_PURPOSES = ("batch",)
 FORM_OVERHEAD_BYTES = 64 * 1024
 """Room for the multipart framing and the ``purpose`` field on top of ``max_file_bytes``."""
 MAX_LIST_LIMIT = 10_000
+EXPIRES_AFTER_RANGE_S = (3600, 2_592_000)
+"""OpenAI's bounds on ``expires_after.seconds`` (one hour to 30 days)."""
 
 
 class FileObject(BaseModel):
@@ -87,8 +94,32 @@ def file_not_found(file_id: str, param: str = "file_id") -> OpenAIError:
 
 def file_object(row: dict) -> dict:
     """The API's JSON for a ``files`` row."""
+    expires = row.get("expires_at")
     return FileObject(id=row["file_id"], bytes=row["bytes"], created_at=int(row["created_at"]),
-                      filename=row["filename"], purpose=row["purpose"]).model_dump(mode="json")
+                      filename=row["filename"], purpose=row["purpose"],
+                      expires_at=None if expires is None else int(expires)).model_dump(mode="json")
+
+
+def expires_after_seconds(anchor: object, seconds: object, param: str = "expires_after") -> float | None:
+    """The seconds of an ``expires_after`` (``{"anchor": "created_at", "seconds": N}``, OpenAI's),
+    None when neither part is given.
+
+    Raises:
+      OpenAIError: 400 naming `param` for another anchor, a missing part, or seconds outside
+        3600..2592000.
+    """
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise OpenAIError(f"'{param}.anchor' must be 'created_at'; got {anchor!r}.", param=param)
+    try:
+        n = int(str(seconds))
+    except ValueError:
+        n = None
+    lo, hi = EXPIRES_AFTER_RANGE_S
+    if n is None or not lo <= n <= hi:
+        raise OpenAIError(f"'{param}.seconds' must be an integer in [{lo}, {hi}]; got {seconds!r}.", param=param)
+    return float(n)
 
 
 class FileStore:
@@ -99,45 +130,85 @@ class FileStore:
       clock: Unix seconds now (injectable for tests).
     """
 
-    def __init__(self, engine: sa.Engine, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: sa.Engine, clock: Callable[[], float] = time.time,
+                 quotas: QuotaLookup | None = None) -> None:
         self.engine = engine
         self.clock = clock
+        self.quotas = quotas
 
     def create(self, tenant: str, purpose: str, filename: str, content: bytes,
-               conn: sa.Connection | None = None) -> dict:
+               conn: sa.Connection | None = None, expires_after_s: float | None = None,
+               check_quota: bool = False) -> dict:
         """Stores a file; returns its row (without the content).
 
         Args:
           conn: a connection whose transaction the insert joins (None: its own).
+          expires_after_s: seconds after creation it expires (None: kept until deleted).
+          check_quota: hold it to the tenant's quotas (uploads; batch outputs are not).
+
+        Raises:
+          OpenAIError: 413/429 for a quota (``storage_quotas.check_file_quota``); 507
+            ``storage_full`` when the database's storage is full.
         """
+        now = self.clock()
         row = dict(file_id="file-" + uuid.uuid4().hex, tenant=tenant, purpose=purpose,
-                   filename=filename, bytes=len(content), created_at=self.clock())
+                   filename=filename, bytes=len(content), created_at=now,
+                   expires_at=None if expires_after_s is None else now + expires_after_s)
         stmt = files_table.insert().values(content=content, **row)
-        if conn is not None:
-            conn.execute(stmt)
-        else:
-            with self.engine.begin() as c:
-                c.execute(stmt)
+
+        def write(c: sa.Connection) -> None:
+            if check_quota and self.quotas is not None:
+                check_file_quota(c, self.quotas(tenant), tenant, len(content), now)
+            c.execute(stmt)
+
+        try:
+            if conn is not None:
+                write(conn)
+            else:
+                with self.engine.begin() as c:
+                    write(c)
+        except sa.exc.DBAPIError as e:
+            if is_disk_full(e):
+                raise storage_full() from e
+            raise
         return row
 
+    def check_quota(self, tenant: str, at_least: int) -> None:
+        """Before reading an upload: raises what :meth:`create` would for a file of at least
+        `at_least` bytes (the body's length less the form's framing), so a tenant over its
+        quota is answered without its body being read and parsed.
+
+        Raises:
+          OpenAIError: 413/429 for a quota (``storage_quotas.check_file_quota``).
+        """
+        if self.quotas is None:
+            return
+        with self.engine.connect() as conn:
+            check_file_quota(conn, self.quotas(tenant), tenant, at_least, self.clock())
+
     def get(self, file_id: str, tenant: str) -> dict | None:
-        """The row of `tenant`'s file `file_id` (without the content), or None."""
+        """The row of `tenant`'s file `file_id` (without the content), or None (also once expired)."""
         cols = [c for c in files_table.c if c.name != "content"]
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(*cols).where(files_table.c.file_id == file_id,
-                                                      files_table.c.tenant == tenant)).mappings().first()
+                                                      live_files(tenant, self.clock()))).mappings().first()
         return None if row is None else dict(row)
 
     def content(self, file_id: str, tenant: str) -> bytes | None:
-        """The bytes of `tenant`'s file `file_id`, or None."""
+        """The bytes of `tenant`'s file `file_id`, or None (also once expired)."""
         with self.engine.connect() as conn:
             return conn.execute(sa.select(files_table.c.content).where(
-                files_table.c.file_id == file_id, files_table.c.tenant == tenant)).scalar()
+                files_table.c.file_id == file_id, live_files(tenant, self.clock()))).scalar()
+
+    def sweep_expired(self) -> int:
+        """Deletes every tenant's expired files; returns how many."""
+        with self.engine.begin() as conn:
+            return conn.execute(files_table.delete().where(files_table.c.expires_at <= self.clock())).rowcount
 
     def list(self, tenant: str, purpose: str | None = None, limit: int = MAX_LIST_LIMIT,
              after: str | None = None, descending: bool = True) -> tuple[list[dict], bool]:
-        """(rows, has_more) of `tenant`'s files, newest first unless not `descending`."""
-        where = files_table.c.tenant == tenant
+        """(rows, has_more) of `tenant`'s files not expired, newest first unless not `descending`."""
+        where = live_files(tenant, self.clock())
         if purpose is not None:
             where = sa.and_(where, files_table.c.purpose == purpose)
         with self.engine.connect() as conn:
@@ -192,10 +263,13 @@ def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal:
         return await anyio.to_thread.run_sync(lambda: fn(*args))
 
     @app.post(FILES_PATH, response_model=FileObject, openapi_extra=_UPLOAD_BODY,
-              responses=error_responses(400, 401, 403, 404, 413, 415))
+              responses=error_responses(400, 401, 403, 404, 413, 415, 429, 507))
     async def upload_file(request: Request, caller: Principal = Depends(principal)) -> Response:
         files = store()
         _require_multipart(request.headers.get("content-type"))
+        length = request.headers.get("content-length", "")
+        if length.isdigit():  # over a quota already: answered before the body is read
+            await run(files.check_quota, caller.tenant, max(int(length) - FORM_OVERHEAD_BYTES, 0))
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, upload = form.get("purpose"), form.get("file")
             if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:
@@ -206,9 +280,11 @@ def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal:
                                   param="file")
             if max_file_bytes is not None and (upload.size or 0) > max_file_bytes:
                 raise file_too_large(max_file_bytes, upload.size)
+            expires_s = expires_after_seconds(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
             content = await upload.read()
             filename = (upload.filename or "upload.jsonl")[:512]
-        row = await run(files.create, caller.tenant, purpose, filename, content)
+        row = await anyio.to_thread.run_sync(lambda: files.create(
+            caller.tenant, purpose, filename, content, expires_after_s=expires_s, check_quota=True))
         return JSONResponse(file_object(row))
 
     @app.get(FILES_PATH, response_model=FileList, responses=error_responses(400, 401, 403, 404, 413))

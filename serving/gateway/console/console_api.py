@@ -31,7 +31,7 @@ from fastapi import Depends, FastAPI, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 
-from serving.gateway.accounts.api_keys import KeyInfo, KeyStore, Limits, Principal
+from serving.gateway.accounts.api_keys import KeyInfo, KeyStore, Limits, Principal, Quotas
 from serving.gateway.accounts.key_audit import MAX_AUDIT_PAGE, audit_page
 from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.console.console_auth import ConsoleAuth
@@ -66,9 +66,19 @@ class CreateKeyRequest(_Limits):
 
 
 class SetTenantRequest(_Limits):
-    """``PUT /console/api/tenants/{name}``: what ``xlaserve tenants set`` takes."""
+    """``PUT /console/api/tenants/{name}``: what ``xlaserve tenants set`` takes. The storage
+    quotas change only when the body names one of them (unnamed: kept as they are)."""
 
     models: list[str] | None = Field(None, description="models the tenant may use (None: all)")
+    max_file_bytes: int | None = Field(None, ge=1, description="bytes of files it may store (None: unlimited)")
+    max_files: int | None = Field(None, ge=1, description="files it may store (None: unlimited)")
+    max_batches: int | None = Field(None, ge=1, description="unfinished batches it may have (None: unlimited)")
+
+    def quotas(self) -> Quotas | None:
+        """The quotas to set, or None when the body names none of them."""
+        if not {"max_file_bytes", "max_files", "max_batches"} & self.model_fields_set:
+            return None
+        return Quotas(file_bytes=self.max_file_bytes, files=self.max_files, batches=self.max_batches)
 
 
 def key_body(info: KeyInfo) -> dict:
@@ -207,7 +217,7 @@ def install_console_api(app: FastAPI, auth: ConsoleAuth, ledger: Ledger | None, 
         if not name or len(name) > 128:
             raise OpenAIError("A tenant's name is 1 to 128 characters.", param="name")
         await blocking(lambda: store.set_tenant(name, body.limits(), body.models, body.service_tiers,
-                                                actor=admin.key_id or "console"))
+                                                actor=admin.key_id or "console", quotas=body.quotas()))
         return JSONResponse({"object": "console.tenant", "name": name, **body.model_dump()})
 
     @app.get("/console/api/audit", include_in_schema=False)

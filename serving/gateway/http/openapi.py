@@ -29,9 +29,11 @@ _ERROR_DESCRIPTIONS = {
     409: "The record's state does not allow it (e.g. cancelling a finished batch).",
     413: "Request body too large.",
     415: "Content-Type is not `application/json`.",
-    429: "Over a rate limit (`Retry-After`, `x-ratelimit-*` headers), or a flex request shed "
-         "under load (`resource_unavailable`, `Retry-After`).",
+    429: "Over a rate limit (`Retry-After`, `x-ratelimit-*` headers), a flex request shed "
+         "under load (`resource_unavailable`, `Retry-After`), or a storage quota "
+         "(`quota_exceeded`, `param` names it).",
     503: "Engine overloaded or draining (`Retry-After`).",
+    507: "The server's storage is full (`storage_full`): nothing was stored.",
 }
 
 

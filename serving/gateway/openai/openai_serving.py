@@ -51,6 +51,7 @@ from serving.gateway.http.errors import (
 from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
 from serving.gateway.media.image_input import check_image_count
+from serving.gateway.media.decode_workers import DecodeWorkers
 from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
 from serving.gateway.media.pixel_budget import PixelBudget
 from serving.gateway.openai.chat_plan import ChatPlan, chat_plan
@@ -151,6 +152,9 @@ class OpenAIServing:
         self.services = services or GatewayServices()
         self.limits = limits or GatewayLimits()
         self.prompts = PromptWorkers(self.limits.max_prompt_chars, self.limits.tokenizer_threads)
+        # Images in threads of their own at a lower priority: bombs wait behind each other, not
+        # other tenants' prompts, and yield the cores (serving/gateway/media/decode_workers.py).
+        self.images = DecodeWorkers()
         # Decoded image pixels in flight, all requests together: two of the largest images allowed.
         self.pixel_budget = PixelBudget(2 * self.limits.media.max_image_pixels)
         self.streams = ChoiceStreams(self.services, self.limits)
@@ -468,7 +472,7 @@ class OpenAIServing:
             prompt_ids, starts = expand_image_placeholders(prompt_ids, spec, newline, len(image_parts))
 
             async def images():  # decoded once admitted: a rate-limited caller costs no decode
-                loaded = await load_images(image_parts, spec, self.limits.media, self.prompts.run,
+                loaded = await load_images(image_parts, spec, self.limits.media, self.images.run,
                                            budget=self.pixel_budget)
                 return prompt_images(starts, loaded, spec)
         return plan, prompt_ids, images

@@ -6,6 +6,12 @@ naming its field) and the mapping:
 
 - ``top_k``: 0, -1, or any k at or above the vocabulary size means off (0).
 - ``stop_token_ids`` join the model's stop ids (chat: the chat stop ids).
+- ``ignore_eos`` (vLLM's): the model's own stop ids are left out; the caller's
+  ``stop_token_ids`` still end the output. The engine is therefore asked with
+  ``ignore_eos`` only when no caller id remains (its ``ignore_eos`` drops every
+  stop id), else with exactly the caller's ids: what ends generation on the
+  device is what leaves the text (docs/design/sampling-on-device.md, "Stop
+  conditions").
 - ``logit_bias`` keys become ids; ``repetition_penalty``, ``min_p``,
   ``min_tokens`` and the penalties pass through (absent: neutral).
 - ``logprobs``: the engine is asked for the top-k it needs (completions'
@@ -68,8 +74,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     _check_ids((i for i, _ in bias), vocab, "logit_bias")
     extra_stops = tuple(req.stop_token_ids or ())
     _check_ids(extra_stops, vocab, "stop_token_ids")
-    stops = tuple(dict.fromkeys((*(tok.chat_stop_token_ids if chat else tok.stop_token_ids),
-                                 *extra_stops)))
+    model_stops = () if req.ignore_eos else (tok.chat_stop_token_ids if chat else tok.stop_token_ids)
+    stops = tuple(dict.fromkeys((*model_stops, *extra_stops)))
     top_k = req.top_k if req.top_k is not None and 0 < req.top_k < vocab else 0
     logprobs = engine_logprobs(req)
     prompt_logprobs = None
@@ -85,7 +91,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         min_p=0.0 if req.min_p is None else float(req.min_p),
         seed=req.seed,
         stop_token_ids=stops,
-        ignore_eos=req.ignore_eos,
+        ignore_eos=bool(req.ignore_eos) and not stops,
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),

@@ -222,6 +222,9 @@ class _ReplayedCollector(Collector):
         yield CounterMetricFamily("xlaserve:ledger_spool_quarantined",
                                   "Corrupt spool lines moved to the quarantine file and skipped.",
                                   value=0 if spool is None else spool.quarantined)
+        yield CounterMetricFamily("xlaserve:ledger_database_full_writes",
+                                  "Row writes the ledger database refused because its storage is full "
+                                  "(spooled instead).", value=getattr(self.ledger, "database_full_writes", 0))
 
 
 class GatewayMetrics:
@@ -269,6 +272,16 @@ class GatewayMetrics:
               "ledger database.", registry=self.registry).set_function(lambda: ledger.spooled_records)
         Gauge("xlaserve:ledger_spool_bytes", "Bytes of those writes.",
               registry=self.registry).set_function(lambda: ledger.spooled_bytes)
+        Gauge("xlaserve:ledger_database_full", "1 while the ledger database refuses writes because its "
+              "storage is full (they go to the spool), not unreachable.",
+              registry=self.registry).set_function(lambda: float(ledger.database_full))
+        spool = ledger.spool
+        if spool is not None:
+            Gauge("xlaserve:ledger_spool_free_bytes", "Free bytes on the ledger spool's filesystem.",
+                  registry=self.registry).set_function(lambda: spool.free_bytes)
+            Gauge("xlaserve:ledger_spool_shares_database_filesystem", "1 when the spool is on the SQLite "
+                  "database's filesystem (they fill together).",
+                  registry=self.registry).set_function(lambda: float(spool.shares_database_filesystem))
         self.registry.register(_ReplayedCollector(ledger))
 
     def add_engine_collector(self, collector: Collector) -> None:

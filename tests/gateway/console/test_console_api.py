@@ -225,3 +225,15 @@ async def test_keys_are_created_and_revoked_through_the_key_store_and_audited(cl
     created = next(a for a in audit if a["action"] == "key.create" and a["target"] == new["key_id"])
     assert created["details"]["rpm"] == 5 and new["key"] not in str(audit)
     assert {a["actor"] for a in audit} == {keys["admin_id"], "cli"}  # the fixture's keys: KeyStore's default
+
+
+async def test_a_tenants_storage_quotas_are_set_in_the_console_and_kept_when_unnamed(client, keys):
+    admin = bearer(keys["admin"])
+    r = await client.put("/console/api/tenants/acme", json={"rpm": 7, "max_files": 3, "max_file_bytes": 1000},
+                         headers=admin)
+    assert r.status_code == 200, r.text
+    assert (await client.put("/console/api/tenants/acme", json={"rpm": 8}, headers=admin)).status_code == 200
+    (t,) = [t for t in (await client.get("/console/api/tenants", headers=admin)).json()["data"] if t["name"] == "acme"]
+    assert (t["rpm"], t["max_files"], t["max_file_bytes"], t["max_batches"]) == (8, 3, 1000, None)
+    r = await client.put("/console/api/tenants/acme", json={"max_files": 0}, headers=admin)
+    assert_openai_error(r, 400)

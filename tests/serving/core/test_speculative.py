@@ -509,3 +509,20 @@ def test_metrics_and_trace_report_drafts_and_acceptance():
                               num_draft_tokens=4, num_accepted_tokens=2))
     asyncio.run(meter.finish("ok", "length", completion_tokens=4))
     assert ledger.rows["r1"]["trace"]["speculative"] == {"draft_tokens": 4, "accepted_tokens": 2}
+
+
+# -- combined stop conditions (issue 44, item 14) -----------------------------------------------
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+@pytest.mark.parametrize("min_tokens", [0, 8])
+def test_combined_stop_conditions_agree_with_ngram_speculation(tiny_loop, tiny_tokenizer, ignore_eos, min_tokens):
+    """stop x stop_token_ids x max_tokens, for each ignore_eos x min_tokens, greedy and seeded,
+    with n-gram speculation and without: the text, completion_tokens and log probabilities
+    describe the same tokens, cut where docs/design/sampling-on-device.md says; speculation
+    changes nothing (n-gram drafts keep seeded outputs too)."""
+    from tests.support.stop_agreement import check_with_and_without_speculation, stop_cases
+
+    cases = stop_cases(tiny_loop, tiny_tokenizer, tiny_prompt, ignore_eos, min_tokens)
+    spec, plain = check_with_and_without_speculation(tiny_loop, tiny_tokenizer, cases)
+    assert spec == plain

@@ -370,3 +370,16 @@ def test_per_position_acceptance_and_k_under_load(draft_loop):
                  'xlaserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0',
                  'xlaserve:spec_decode_num_speculative_tokens{model_name="m"} 4.0'):
         assert line in text, line
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+@pytest.mark.parametrize("min_tokens", [0, 8])
+def test_combined_stop_conditions_agree_with_a_draft_model(draft_loop, tiny_tokenizer, ignore_eos, min_tokens):
+    """test_speculative.py's pairings of stop, stop_token_ids and max_tokens per ignore_eos x
+    min_tokens, with draft-model speculation: every outcome (the seeded ones by speculative
+    sampling, not plain decoding's ids) follows the stop rules, and the greedy ones equal
+    plain decoding's."""
+    from tests.support.stop_agreement import check_with_and_without_speculation, stop_cases
+
+    cases = stop_cases(draft_loop, tiny_tokenizer, tiny_prompt, ignore_eos, min_tokens)
+    check_with_and_without_speculation(draft_loop, tiny_tokenizer, cases)

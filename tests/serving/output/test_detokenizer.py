@@ -190,3 +190,30 @@ def test_window_stays_small():
         d.add([t])
     assert len(d._ids) <= 8
     assert d.text == "x" * 5000 + "中" * 1000
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcx", max_size=30), st.lists(st.sampled_from(["a", "ab", "abc", "bx", "xx"]),
+                                                         min_size=1, max_size=3),
+       st.integers(0, 12), st.lists(st.integers(1, 4), min_size=1, max_size=3))
+def test_min_tokens_arms_stop_strings_after_that_many_tokens(text, stops, min_tokens, sizes):
+    """A stop string counts only when it completes in the text of a token after the first
+    min_tokens (byte tokens here: one character each), whatever the chunking."""
+    d = IncrementalDetokenizer(TOK, stops, min_tokens=min_tokens)
+    out = []
+    for piece in _chunks(TOK.encode(text), sizes):
+        out.append(d.add(piece))
+        if d.stopped:
+            break
+    out.append(d.flush())
+    ends = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i)
+            and i + len(s) > min_tokens]
+    cut = text[:min(ends)[1]] if ends else text
+    assert "".join(out) == cut and d.stopped == bool(ends)
+
+
+def test_skipped_ids_count_toward_min_tokens():
+    d = IncrementalDetokenizer(TOK, ["b"], min_tokens=2)
+    d.skip()  # a stop id dropped from the text: the second token is "b", within min_tokens
+    assert d.add(TOK.encode("b")) == "b" and not d.stopped
+    assert d.add(TOK.encode("ab")) == "a" and d.stopped
