@@ -193,7 +193,8 @@ class EngineLoop:
         self.max_waiting_tokens = max_waiting_tokens or max_waiting * cfg.max_model_len
         self.kv_events = KvEventJournal()  # the prefix cache's page hashes, for routers
         self.host_kv = HostKVCache(host_kv_cache_bytes) if host_kv_cache_bytes > 0 and enable_prefix_caching else None
-        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events, self.host_kv)
+        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events, self.host_kv,
+                                 kv_format=cfg.kv_format or "")
         self.host_tier = None if self.host_kv is None else HostTier(engine, self.kv, self.host_kv, self.kv_events)
         self.scheduler = Scheduler(
             self.kv, num_slots=cfg.max_slots,
