@@ -108,3 +108,17 @@ def test_bad_kv_cache_settings_are_clear_errors():
         EngineConfig.from_server_config(ServerConfig(kv_cache_bytes=1000), GEMMA_270M)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="q8_0")
+
+
+def test_shard_plan_counts_the_quantized_pages():
+    """``shard-plan --kv-dtype int8 | fp8``: the same pages in the bytes ``kv_page_bytes`` gives
+    (values and scale pages), which ``--kv-cache-bytes`` divides by."""
+    from sharding.mesh import MeshConfig
+    from sharding.plan import device_spec, plan
+
+    plans = {fmt: plan(TINY, MeshConfig.parse(""), device_spec("h200"), slots=4, max_len=256, page_size=16,
+                       kv_dtype=fmt) for fmt in ("bfloat16", "int8", "fp8")}
+    for fmt, p in plans.items():
+        assert p.kv_pages == plans["bfloat16"].kv_pages
+        assert p.kv_bytes == p.kv_pages * kv_page_bytes(TINY, 16, fmt if fmt == "bfloat16" else "bfloat16", fmt)
+    assert plans["int8"].kv_bytes == plans["fp8"].kv_bytes < plans["bfloat16"].kv_bytes

@@ -146,7 +146,8 @@ def test_an_offer_for_another_prompt_or_shape_is_refused(pair):
         offer = pev[-1].kv_transfer
         errors = []
         for bad_ids, bad in ((ids[:5] + [9] + ids[6:], offer), (ids, dataclasses.replace(offer, dtype="float32")),
-                             (ids, dataclasses.replace(offer, num_tokens=offer.num_tokens + 3))):
+                             (ids, dataclasses.replace(offer, num_tokens=offer.num_tokens + 3)),
+                             (ids, dataclasses.replace(offer, kv_format="int8", dtype="int8"))):
             with pytest.raises(RequestRejectedError) as e:
                 decode.submit(EngineRequest("d", bad_ids, sampling(), kv_transfer=bad))
             errors.append(str(e.value))
@@ -155,3 +156,39 @@ def test_an_offer_for_another_prompt_or_shape_is_refused(pair):
 
     errors = asyncio.run(main())
     assert "page hashes differ" in errors[0] and "float32" in errors[1] and "whole pages" in errors[2]
+    assert "KV pages are int8, this replica's unquantized: serve both with the same --kv-cache-dtype" in errors[3]
+
+
+def test_quantized_chunks_carry_their_scale_pages_over_grpc():
+    """An int8 offer's chunks: values and float32 scale pages go over PullKv and come back bit for
+    bit; a message missing its scales is refused."""
+    import numpy as np
+
+    from serving.contract.engine_client import KvTransferParams
+    from serving.replica.kv_transport import _pull_grpc, chunk_messages
+    from serving.rpc import engine_pb2 as pb
+
+    rng = np.random.default_rng(0)
+    params = KvTransferParams(transfer_id="ab" * 6, transport="grpc", num_tokens=16, chunk_pages=2,
+                              page_shape=(3, 1, 8, 4), dtype="int8", kv_format="int8")
+    chunks = [{"k": rng.integers(-127, 128, (3, 1, 2, 8, 4)).astype(np.int8),
+               "k_scale": rng.random((3, 1, 2, 8)).astype(np.float32),
+               "v": rng.integers(-127, 128, (3, 1, 2, 8, 4)).astype(np.int8),
+               "v_scale": rng.random((3, 1, 2, 8)).astype(np.float32)} for _ in range(2)]
+
+    class Stub:
+        def __init__(self, messages):
+            self.messages = messages
+
+        def PullKv(self, request, timeout):
+            return self.messages(request.chunks)
+
+    got = _pull_grpc(Stub(lambda ids: chunk_messages(chunks, ids)), params, [1, 0], deadline=1e12)
+    assert [sorted(c) for c in got] == [["k", "k_scale", "v", "v_scale"]] * 2
+    for c, want in zip(got, (chunks[1], chunks[0])):
+        for name in want:
+            assert c[name].dtype == want[name].dtype
+            np.testing.assert_array_equal(c[name], want[name])
+    no_scales = lambda ids: [pb.KvChunk(index=0, k=chunks[0]["k"].tobytes(), v=chunks[0]["v"].tobytes())]
+    with pytest.raises(Exception, match="0 bytes of k_scale"):
+        _pull_grpc(Stub(no_scales), params, [0], deadline=1e12)
