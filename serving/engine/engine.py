@@ -314,15 +314,16 @@ class Engine:
             self.params = self.policy.store_params(place_params(params, mesh, rules))
             kv_sh = kv_cache_sharding(kv_shape, mesh, rules)
             rep = replicated(mesh)
-            kv_zeros = lambda: sharded_zeros(kv_shape, kv_stored, kv_sh)  # noqa: E731
+            values_sh = kv_sh
+            kv_zeros = lambda: sharded_zeros(kv_shape, kv_stored, values_sh)  # noqa: E731
             if kv_format is not None:  # values and scale pages, split alike (head_dim is never split)
                 from sharding.placement import kv_scale_sharding
 
-                scale_sh = kv_scale_sharding(kv_sh)
+                scale_sh = kv_scale_sharding(values_sh)
                 kv_zeros = lambda: QuantizedPages(  # noqa: E731
-                    sharded_zeros(kv_shape, self.policy.storage_dtype(quantized_dtype(kv_format)), kv_sh),
+                    sharded_zeros(kv_shape, self.policy.storage_dtype(quantized_dtype(kv_format)), values_sh),
                     sharded_zeros(kv_shape[:-1], SCALE_DTYPE, scale_sh), jnp.dtype(cfg.kv_dtype).name)
-                kv_sh = QuantizedPages(kv_sh, scale_sh, jnp.dtype(cfg.kv_dtype).name)
+                kv_sh = QuantizedPages(values_sh, scale_sh, jnp.dtype(cfg.kv_dtype).name)
             self.state = DeviceState(
                 KVCache(kv_zeros(), kv_zeros()),
                 sharded_zeros((cfg.max_slots,), jnp.int32, rep),
