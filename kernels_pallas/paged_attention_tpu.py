@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.block_sizes import prefill_block_sizes
-from kernels_pallas.kernel_io import as_stacked_cache, cache_refs, load_pages, ragged_from_slabs
+from kernels_pallas.kernel_io import as_stacked_cache, cache_refs, ragged_from_slabs
 
 _MASK_VALUE = -1e30
 _SUBLANES = 8  # query rows are padded to a multiple of the TPU sublane count
@@ -66,11 +66,22 @@ def _online_softmax_step(q, k, v, valid, m_ref, l_ref, acc_ref, scale, soft_cap)
 
 def _cache_operands(k_pages, v_pages, k_scale, v_scale, kv_spec, kv_index, page_size):
     """The cache operands of a kernel and their BlockSpecs: (k, v), or with scale pages
-    (k, k_scale, v, v_scale), a scale page [page_size] fetched by the same page index."""
+    (k, k_scale, v, v_scale), a scale page fetched by the same page index. Scale pages go in
+    as [layers, kv_heads, pages, 1, page_size] (a free reshape) so a block's last two
+    dimensions are the array's, as Mosaic requires of blocks narrower than (8, 128)."""
     if k_scale is None:
         return (k_pages, v_pages), (kv_spec, kv_spec)
-    scale_spec = pl.BlockSpec((1, 1, 1, page_size), lambda *a: kv_index(*a)[:4])
+    k_scale, v_scale = (s.reshape(s.shape[:3] + (1, page_size)) for s in (k_scale, v_scale))
+    scale_spec = pl.BlockSpec((1, 1, 1, 1, page_size), kv_index)
     return (k_pages, k_scale, v_pages, v_scale), (kv_spec, scale_spec, kv_spec, scale_spec)
+
+
+def _page(ref, scale_ref) -> jax.Array:
+    """The block's page [page_size, head_dim] in float32, times its scale page when quantized."""
+    x = ref[0, 0, 0].astype(jnp.float32)
+    if scale_ref is None:
+        return x
+    return x * scale_ref[0, 0, 0, 0].astype(jnp.float32)[:, None]
 
 
 def _init(m_ref, l_ref, acc_ref):
@@ -115,7 +126,7 @@ def _decode_kernel(layer_ref, window_ref, lengths_ref, pt_ref, q_ref, *refs, qua
         q = q_ref[0, 0].astype(jnp.float32)  # [rows, d]
         pos = i * page_size + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], page_size), 1)
         valid = (pos < length) & (pos >= first_tok)
-        _online_softmax_step(q, load_pages(k_ref, ks_ref, (0, 0, 0)), load_pages(v_ref, vs_ref, (0, 0, 0)),
+        _online_softmax_step(q, _page(k_ref, ks_ref), _page(v_ref, vs_ref),
                              valid, m_ref, l_ref, acc_ref, scale, soft_cap)
 
     @pl.when(i == pl.num_programs(2) - 1)
@@ -208,7 +219,7 @@ def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, pt
         qpos = pos0 + row
         valid = (row < rows_here) & (key <= qpos) & (key < kv_len)
         valid &= (window <= 0) | (qpos - key < window)
-        _online_softmax_step(q, load_pages(k_ref, ks_ref, (0, 0, 0)), load_pages(v_ref, vs_ref, (0, 0, 0)),
+        _online_softmax_step(q, _page(k_ref, ks_ref), _page(v_ref, vs_ref),
                              valid, m_ref, l_ref, acc_ref, scale, soft_cap)
 
     @pl.when(i == pl.num_programs(3) - 1)

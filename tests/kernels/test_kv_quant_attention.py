@@ -210,3 +210,29 @@ def test_prefill_attention(fmt, kernel):
     _check(out, np.concatenate(exact), 1e-5, rows=np.arange(n_tok))
     _check(out, np.concatenate(approx), TOL[fmt], rows=np.arange(n_tok))
     assert np.all(np.asarray(out)[n_tok:] == 0)
+
+
+def test_quantized_kernels_lower_for_cuda_and_tpu():
+    """jax.export of the Pallas kernels over int8 pages: Triton for platforms=["cuda"], Mosaic for
+    ["tpu"] (a scale page is a block whose last two dimensions are the array's; no device needed)."""
+    spec = jax.ShapeDtypeStruct
+    i32 = lambda *shape: spec(shape, jnp.int32)  # noqa: E731
+    cache = QuantizedPages(spec((2, 1, 64, 16, 256), jnp.int8), spec((2, 1, 64, 16), jnp.float32))
+    triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    cases = [
+        ("cuda", "xlaserve_paged_decode", lambda q, k, v, l, t, w, y: paged_decode_attention_pallas(
+            q, k, v, l, t, scale=0.06, sliding_window=w, layer=y), (8,)),
+        ("cuda", "xlaserve_paged_prefill", lambda q, k, v, cu, kv, t, n, w, y: paged_prefill_attention_pallas(
+            q, k, v, cu, kv, t, n, scale=0.06, sliding_window=w, layer=y), (128,)),
+        ("tpu", "xlaserve_paged_decode_tpu", lambda q, k, v, l, t, w, y: paged_decode_attention_tpu(
+            q, k, v, l, t, scale=0.06, sliding_window=w, layer=y), (8,)),
+        ("tpu", "xlaserve_paged_prefill_tpu", lambda q, k, v, cu, kv, t, n, w, y: paged_prefill_attention_tpu(
+            q, k, v, cu, kv, t, n, scale=0.06, sliding_window=w, layer=y), (128,)),
+    ]
+    for platform, name, fn, (rows,) in cases:
+        q = spec((rows, 4, 256), jnp.bfloat16)
+        rest = ((i32(8), i32(8, 32), i32(), i32()) if rows == 8
+                else (i32(5), i32(4), i32(4, 32), i32(), i32(), i32()))
+        exported = jax.export.export(jax.jit(fn), platforms=[platform],
+                                     disabled_checks=triton if platform == "cuda" else ())(q, cache, cache, *rest)
+        assert name in exported.mlir_module(), (platform, name)
