@@ -65,8 +65,9 @@ class KVCache:
 
     @property
     def kv_format(self) -> str:
-        """"int8" or "fp8" for a quantized cache, else the stored dtype's name."""
-        return self.k.format if self.quantized else jnp.dtype(self.k.dtype).name
+        """"int8" or "fp8" for a quantized cache, else its values' dtype name ("bfloat16" for
+        uint16 bits)."""
+        return self.k.format if self.quantized else logical_dtype(self.k.dtype).name
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, kv_format: str | None = None,
