@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.block_sizes import prefill_block_sizes
-from kernels_pallas.kernel_io import as_stacked_cache, ragged_from_slabs
+from kernels_pallas.kernel_io import as_stacked_cache, cache_refs, ragged_from_slabs
 
 _MASK_VALUE = -1e30
 _SUBLANES = 8  # query rows are padded to a multiple of the TPU sublane count
@@ -64,6 +64,26 @@ def _online_softmax_step(q, k, v, valid, m_ref, l_ref, acc_ref, scale, soft_cap)
     m_ref[...] = m_new
 
 
+def _cache_operands(k_pages, v_pages, k_scale, v_scale, kv_spec, kv_index, page_size):
+    """The cache operands of a kernel and their BlockSpecs: (k, v), or with scale pages
+    (k, k_scale, v, v_scale), a scale page fetched by the same page index. Scale pages go in
+    as [layers, kv_heads, pages, 1, page_size] (a free reshape) so a block's last two
+    dimensions are the array's, as Mosaic requires of blocks narrower than (8, 128)."""
+    if k_scale is None:
+        return (k_pages, v_pages), (kv_spec, kv_spec)
+    k_scale, v_scale = (s.reshape(s.shape[:3] + (1, page_size)) for s in (k_scale, v_scale))
+    scale_spec = pl.BlockSpec((1, 1, 1, 1, page_size), kv_index)
+    return (k_pages, k_scale, v_pages, v_scale), (kv_spec, scale_spec, kv_spec, scale_spec)
+
+
+def _page(ref, scale_ref) -> jax.Array:
+    """The block's page [page_size, head_dim] in float32, times its scale page when quantized."""
+    x = ref[0, 0, 0].astype(jnp.float32)
+    if scale_ref is None:
+        return x
+    return x * scale_ref[0, 0, 0, 0].astype(jnp.float32)[:, None]
+
+
 def _init(m_ref, l_ref, acc_ref):
     m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -91,8 +111,9 @@ def _decode_index(b, h, i, layer_ref, window_ref, lengths_ref, pt_ref, *, page_s
     return (layer_ref[0], h, pt_ref[b * num_cols + jnp.minimum(col, num_cols - 1)], 0, 0)
 
 
-def _decode_kernel(layer_ref, window_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
-                   m_ref, l_ref, acc_ref, *, scale, soft_cap, page_size):
+def _decode_kernel(layer_ref, window_ref, lengths_ref, pt_ref, q_ref, *refs, quantized, scale, soft_cap,
+                   page_size):
+    k_ref, ks_ref, v_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = cache_refs(refs, quantized)
     b, i = pl.program_id(0), pl.program_id(2)
     first_tok, length, first, end = _decode_page_range(b, layer_ref, window_ref, lengths_ref, page_size)
 
@@ -105,7 +126,7 @@ def _decode_kernel(layer_ref, window_ref, lengths_ref, pt_ref, q_ref, k_ref, v_r
         q = q_ref[0, 0].astype(jnp.float32)  # [rows, d]
         pos = i * page_size + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], page_size), 1)
         valid = (pos < length) & (pos >= first_tok)
-        _online_softmax_step(q, k_ref[0, 0, 0].astype(jnp.float32), v_ref[0, 0, 0].astype(jnp.float32),
+        _online_softmax_step(q, _page(k_ref, ks_ref), _page(v_ref, vs_ref),
                              valid, m_ref, l_ref, acc_ref, scale, soft_cap)
 
     @pl.when(i == pl.num_programs(2) - 1)
@@ -121,7 +142,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, scal
       ValueError: num_heads not a multiple of kv_heads.
     """
     slots, num_heads, head_dim = q.shape
-    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
+    k_pages, v_pages, k_scale, v_scale, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
     rows = -(-group // _SUBLANES) * _SUBLANES
     num_cols = page_table.shape[1]
@@ -133,21 +154,22 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, scal
                lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1))
     kv_index = functools.partial(_decode_index, page_size=page_size, num_cols=num_cols)
     kv_spec = pl.BlockSpec((1, 1, 1, page_size, head_dim), kv_index)
+    cache, cache_specs = _cache_operands(k_pages, v_pages, k_scale, v_scale, kv_spec, kv_index, page_size)
     q_spec = pl.BlockSpec((1, 1, rows, head_dim), lambda b, h, i, *_: (b, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars), grid=(slots, kv_heads, num_cols),
-        in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec,
+        in_specs=[q_spec, *cache_specs], out_specs=q_spec,
         scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, head_dim), jnp.float32)])
     out = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale, soft_cap=soft_cap, page_size=page_size),
+        functools.partial(_decode_kernel, quantized=k_scale is not None, scale=scale, soft_cap=soft_cap, page_size=page_size),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((slots, kv_heads, rows, head_dim), q.dtype),
         compiler_params=None if interpret else pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="xlaserve_paged_decode_tpu",
-    )(*scalars, qg, k_pages, v_pages)
+    )(*scalars, qg, *cache)
     return out[:, :, :group].reshape(slots, num_heads, head_dim)
 
 
@@ -177,8 +199,9 @@ def _prefill_index(s, h, j, i, layer_ref, window_ref, cu_ref, kv_lens_ref, num_s
     return (layer_ref[0], h, pt_ref[s * num_cols + col], 0, 0)
 
 
-def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, pt_ref, q_ref, k_ref, v_ref,
-                    o_ref, m_ref, l_ref, acc_ref, *, scale, soft_cap, block_q, group, page_size):
+def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, pt_ref, q_ref, *refs, quantized,
+                    scale, soft_cap, block_q, group, page_size):
+    k_ref, ks_ref, v_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = cache_refs(refs, quantized)
     s, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     rows_here, pos0, kv_len, window, first, end = _prefill_geometry(
         s, j, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, block_q, page_size)
@@ -196,7 +219,7 @@ def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, pt
         qpos = pos0 + row
         valid = (row < rows_here) & (key <= qpos) & (key < kv_len)
         valid &= (window <= 0) | (qpos - key < window)
-        _online_softmax_step(q, k_ref[0, 0, 0].astype(jnp.float32), v_ref[0, 0, 0].astype(jnp.float32),
+        _online_softmax_step(q, _page(k_ref, ks_ref), _page(v_ref, vs_ref),
                              valid, m_ref, l_ref, acc_ref, scale, soft_cap)
 
     @pl.when(i == pl.num_programs(3) - 1)
@@ -219,7 +242,7 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_ta
       ValueError: num_heads not a multiple of kv_heads.
     """
     num_tokens, num_heads, head_dim = q.shape
-    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
+    k_pages, v_pages, k_scale, v_scale, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
     max_seqs, num_cols = page_table.shape
     block_q = block_q or prefill_block_sizes("tpu", head_dim, page_size).block_q
@@ -236,14 +259,15 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_ta
                page_table.astype(jnp.int32).reshape(-1))
     kv_index = functools.partial(_prefill_index, block_q=bq, page_size=page_size, num_cols=num_cols)
     kv_spec = pl.BlockSpec((1, 1, 1, page_size, head_dim), kv_index)
+    cache, cache_specs = _cache_operands(k_pages, v_pages, k_scale, v_scale, kv_spec, kv_index, page_size)
     q_spec = pl.BlockSpec((1, bq, 1, group, head_dim), lambda s, h, j, i, *_: (s, j, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars), grid=(max_seqs, kv_heads, num_q_blocks, num_cols),
-        in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec,
+        in_specs=[q_spec, *cache_specs], out_specs=q_spec,
         scratch_shapes=[pltpu.VMEM((bq * group, 1), jnp.float32), pltpu.VMEM((bq * group, 1), jnp.float32),
                         pltpu.VMEM((bq * group, head_dim), jnp.float32)])
     slab = pl.pallas_call(
-        functools.partial(_prefill_kernel, scale=scale, soft_cap=soft_cap, block_q=bq, group=group,
+        functools.partial(_prefill_kernel, quantized=k_scale is not None, scale=scale, soft_cap=soft_cap, block_q=bq, group=group,
                           page_size=page_size),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_slab.shape, q.dtype),
@@ -251,5 +275,5 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_ta
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="xlaserve_paged_prefill_tpu",
-    )(*scalars, q_slab, k_pages, v_pages)
+    )(*scalars, q_slab, *cache)
     return ragged_from_slabs(slab, cu, num_seqs, num_tokens)

@@ -45,26 +45,36 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.dot_rows import DotRows, repeat_last
+from kernels_pallas.kv_quant import QuantizedPages, dequantize, logical_kv_dtype, quantize, split_pages
 from kernels_pallas.kv_storage import from_storage, to_storage
 from kernels_pallas.ordered_sum import ordered_sum
 
 _MASK_VALUE = -1e30
 
 
-def _gather_pages(pages: jax.Array, page_table: jax.Array, layer) -> jax.Array:
+def _gather_pages(pages, page_table: jax.Array, layer) -> jax.Array:
     """[(layers,) kv_heads, num_pages, page_size, d] x [seqs, P] -> [seqs, kv_heads, P * page_size, d].
 
     With ``layer`` given, ``pages`` is the stacked cache of all layers and the
     layer is selected inside the same gather, so no per-layer copy is made.
+    Quantized pages (``kernels_pallas.kv_quant.QuantizedPages``) gather their scale
+    pages the same way and are dequantized right after the gather, into their logical dtype.
     """
     kv_heads, _, page_size, head_dim = pages.shape[-4:]
     seqs, num_cols = page_table.shape
-    if layer is None:
-        g = pages[:, page_table]  # [kv_heads, seqs, P, page_size, d]
+
+    def gather(a):
+        if layer is None:
+            return jnp.moveaxis(a[:, page_table], 0, 2)  # [kv, seqs, P, ...] -> [seqs, P, kv, ...]
+        return a[layer, :, page_table]  # [seqs, P, kv, ...]
+
+    data, scale = split_pages(pages)
+    g = gather(data)
+    if scale is None:
+        g = from_storage(g)
     else:
-        g = pages[layer, :, page_table].transpose(2, 0, 1, 3, 4)  # [seqs, P, kv, ...] -> [kv, seqs, P, ...]
-    g = from_storage(g)
-    return g.reshape(kv_heads, seqs, num_cols * page_size, head_dim).transpose(1, 0, 2, 3)
+        g = dequantize(g, gather(scale), logical_kv_dtype(pages))
+    return g.transpose(0, 2, 1, 3, 4).reshape(seqs, kv_heads, num_cols * page_size, head_dim)
 
 
 def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
@@ -405,7 +415,9 @@ def write_kv_pages(
       k, v: [num_tokens, kv_heads, head_dim].
       slot_mapping: [num_tokens] int32 flat cache slot ``page * page_size + offset``;
         padding tokens point into the null page 0.
-      (A uint16 cache holds bfloat16 bits: see ``kernels_pallas.kv_storage``.)
+      (A uint16 cache holds bfloat16 bits: see ``kernels_pallas.kv_storage``. Quantized
+      pages, ``kernels_pallas.kv_quant.QuantizedPages``, get each row quantized per token
+      and KV head, its scale written into the scale page at the same slot.)
 
     Returns:
       The updated (k_pages, v_pages).
@@ -413,11 +425,18 @@ def write_kv_pages(
     page_size = k_pages.shape[-2]
     page = slot_mapping // page_size
     off = slot_mapping % page_size
-    k, v = to_storage(k, k_pages.dtype), to_storage(v, v_pages.dtype)
-    if layer is None:
-        k_pages = k_pages.at[:, page, off].set(k.transpose(1, 0, 2))
-        v_pages = v_pages.at[:, page, off].set(v.transpose(1, 0, 2))
-    else:  # indices (layer, :, page, off): the advanced dims lead -> [T, kv_heads, d]
-        k_pages = k_pages.at[layer, :, page, off].set(k)
-        v_pages = v_pages.at[layer, :, page, off].set(v)
-    return k_pages, v_pages
+
+    def scatter(pages, rows):  # rows: [T, kv_heads, ...]
+        if layer is None:
+            return pages.at[:, page, off].set(jnp.moveaxis(rows, 0, 1))
+        # indices (layer, :, page, off): the advanced dims lead -> [T, kv_heads, ...]
+        return pages.at[layer, :, page, off].set(rows)
+
+    def write(pages, x):
+        if isinstance(pages, QuantizedPages):
+            data, scale = quantize(x, pages.format)
+            return QuantizedPages(scatter(pages.data, to_storage(data, pages.data.dtype)),
+                                  scatter(pages.scale, scale), pages.logical)
+        return scatter(pages, to_storage(x, pages.dtype))
+
+    return write(k_pages, k), write(v_pages, v)

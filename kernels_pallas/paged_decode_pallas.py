@@ -28,15 +28,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.block_sizes import decode_block_sizes
-from kernels_pallas.kernel_io import as_stacked_cache
+from kernels_pallas.kernel_io import as_stacked_cache, cache_refs, load_pages
 
 _MIN_ROWS = 16
 _MASK_VALUE = -1e30
 
 
-def _decode_kernel(layer_ref, window_ref, lengths_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _decode_kernel(layer_ref, window_ref, lengths_ref, page_table_ref, q_ref, *refs, quantized: bool,
                    scale: float, soft_cap: float | None, pages_per_block: int, page_size: int,
                    num_cols: int):
+    k_ref, ks_ref, v_ref, vs_ref, o_ref = cache_refs(refs, quantized)
     b = pl.program_id(0)
     h = pl.program_id(1)
     layer = layer_ref[0]
@@ -53,8 +54,8 @@ def _decode_kernel(layer_ref, window_ref, lengths_ref, page_table_ref, q_ref, k_
     def body(i, carry):
         o, m, l = carry
         pages = page_table_ref[b, pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_ref[layer, h, pages].reshape(block_tokens, head_dim).astype(jnp.float32)
-        v = v_ref[layer, h, pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        k = load_pages(k_ref, ks_ref, (layer, h, pages)).reshape(block_tokens, head_dim)
+        v = load_pages(v_ref, vs_ref, (layer, h, pages)).reshape(block_tokens, head_dim)
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = (pos < length) & (pos >= first_tok)  # [block]
         s = jnp.dot(q, k.T) * scale  # [rows, block]
@@ -101,7 +102,8 @@ def paged_decode_attention_pallas(
     Args:
       q: [slots, num_heads, head_dim].
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], or with
-        ``layer`` the stacked [num_layers, kv_heads, num_pages, page_size, head_dim].
+        ``layer`` the stacked [num_layers, kv_heads, num_pages, page_size, head_dim]; or
+        ``kernels_pallas.kv_quant.QuantizedPages`` (dequantized right after each page gather).
       lengths: [slots] int32, tokens in the cache including the current one (0: padding slot).
       page_table: [slots, P] int32.
       scale: multiplies q.k.
@@ -119,7 +121,7 @@ def paged_decode_attention_pallas(
       ValueError: num_heads not a multiple of kv_heads.
     """
     slots, num_heads, head_dim = q.shape
-    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
+    k_pages, v_pages, k_scale, v_scale, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
     rows = max(_MIN_ROWS, group)
     ppb = pages_per_block or decode_block_sizes("gpu", head_dim, page_size).pages_per_block
@@ -133,7 +135,9 @@ def paged_decode_attention_pallas(
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    kernel = functools.partial(_decode_kernel, scale=scale, soft_cap=soft_cap, pages_per_block=ppb,
+    quantized = k_scale is not None
+    cache = (k_pages, k_scale, v_pages, v_scale) if quantized else (k_pages, v_pages)
+    kernel = functools.partial(_decode_kernel, quantized=quantized, scale=scale, soft_cap=soft_cap, pages_per_block=ppb,
                                page_size=page_size, num_cols=num_cols)
     full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
     out = pl.pallas_call(
@@ -142,12 +146,12 @@ def paged_decode_attention_pallas(
         in_specs=[
             full((1,)), full((1,)), full(lengths.shape), full(page_table.shape),
             pl.BlockSpec((1, 1, rows, head_dim), lambda b, h: (b, h, 0, 0)),
-            full(k_pages.shape), full(v_pages.shape),
+            *(full(x.shape) for x in cache),
         ],
         out_specs=pl.BlockSpec((1, 1, rows, head_dim), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((slots, kv_heads, rows, head_dim), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(),
         name="xlaserve_paged_decode",
-    )(layer_arr, window, lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages)
+    )(layer_arr, window, lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, *cache)
     return out[:, :, :group].reshape(slots, num_heads, head_dim)

@@ -31,13 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.block_sizes import prefill_block_sizes
-from kernels_pallas.kernel_io import as_stacked_cache, ragged_from_slabs
+from kernels_pallas.kernel_io import as_stacked_cache, cache_refs, load_pages, ragged_from_slabs
 from kernels_pallas.paged_decode_pallas import _MASK_VALUE, _compiler_params
 
 
 def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, page_table_ref, q_ref,
-                    k_ref, v_ref, o_ref, *, scale: float, soft_cap: float | None, block_q: int,
+                    *refs, quantized: bool, scale: float, soft_cap: float | None, block_q: int,
                     group: int, pages_per_block: int, page_size: int, num_cols: int):
+    k_ref, ks_ref, v_ref, vs_ref, o_ref = cache_refs(refs, quantized)
     s = pl.program_id(0)
     h = pl.program_id(1)
     j = pl.program_id(2)
@@ -66,8 +67,8 @@ def _prefill_kernel(layer_ref, window_ref, cu_ref, kv_lens_ref, num_seqs_ref, pa
     def body(i, carry):
         o, m, l = carry
         pages = page_table_ref[s, pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_ref[layer, h, pages].reshape(block_tokens, head_dim).astype(jnp.float32)
-        v = v_ref[layer, h, pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        k = load_pages(k_ref, ks_ref, (layer, h, pages)).reshape(block_tokens, head_dim)
+        v = load_pages(v_ref, vs_ref, (layer, h, pages)).reshape(block_tokens, head_dim)
         key_pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = ((key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
                  & row_ok[:, None])
@@ -115,7 +116,8 @@ def paged_prefill_attention_pallas(
     Args:
       q: [num_tokens, num_heads, head_dim]; tokens past cu_q_lens[num_seqs] are padding.
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], or with ``layer``
-        the stacked [num_layers, kv_heads, num_pages, page_size, head_dim].
+        the stacked [num_layers, kv_heads, num_pages, page_size, head_dim]; or
+        ``kernels_pallas.kv_quant.QuantizedPages`` (dequantized right after each page gather).
       cu_q_lens: [S + 1] int32; kv_lens: [S] int32 (cache length after this chunk);
       page_table: [S, P] int32; num_seqs: [] int32.
       scale, sliding_window, soft_cap, layer: as in ``paged_prefill_attention_xla``.
@@ -130,7 +132,7 @@ def paged_prefill_attention_pallas(
       ValueError: num_heads not a multiple of kv_heads.
     """
     num_tokens, num_heads, head_dim = q.shape
-    k_pages, v_pages, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
+    k_pages, v_pages, k_scale, v_scale, layer, group = as_stacked_cache(k_pages, v_pages, layer, num_heads)
     _, kv_heads, _, page_size, _ = k_pages.shape
     max_seqs = kv_lens.shape[0]
     sizes = prefill_block_sizes("gpu", head_dim, page_size)
@@ -147,17 +149,19 @@ def paged_prefill_attention_pallas(
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1), window, cu_q_lens.astype(jnp.int32),
                kv_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),
                page_table.astype(jnp.int32)]
-    kernel = functools.partial(_prefill_kernel, scale=scale, soft_cap=soft_cap, block_q=bq, group=group,
+    quantized = k_scale is not None
+    cache = (k_pages, k_scale, v_pages, v_scale) if quantized else (k_pages, v_pages)
+    kernel = functools.partial(_prefill_kernel, quantized=quantized, scale=scale, soft_cap=soft_cap, block_q=bq, group=group,
                                pages_per_block=ppb, page_size=page_size, num_cols=num_cols)
     full = lambda shape: pl.BlockSpec(shape, lambda s, h, j: (0,) * len(shape))
     slab = pl.pallas_call(
         kernel,
         grid=(max_seqs, kv_heads, num_q_blocks),
-        in_specs=[full(x.shape) for x in scalars] + [full(qg.shape), full(k_pages.shape), full(v_pages.shape)],
+        in_specs=[full(x.shape) for x in scalars] + [full(qg.shape)] + [full(x.shape) for x in cache],
         out_specs=pl.BlockSpec((1, bq, 1, group, head_dim), lambda s, h, j: (s, j, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((max_seqs, num_q_blocks * bq, kv_heads, group, head_dim), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(),
         name="xlaserve_paged_prefill",
-    )(*scalars, qg, k_pages, v_pages)
+    )(*scalars, qg, *cache)
     return ragged_from_slabs(slab, cu_q_lens, num_seqs, num_tokens)

@@ -7,7 +7,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_quant import QuantizedPages
+from kernels_pallas.kv_storage import logical_dtype
 from model.config import ModelConfig
+
+
+def _take(pages, fn):
+    """``fn`` applied to a cache array, or to both arrays of quantized pages."""
+    return pages.map(fn) if isinstance(pages, QuantizedPages) else fn(pages)
 
 
 @jax.tree_util.register_dataclass
@@ -19,7 +26,10 @@ class KVCache:
       k, v: [num_layers, kv_heads, num_pages, page_size, head_dim] in the
         KV storage dtype (``kernels_pallas.kv_storage``: uint16 holds bfloat16
         bits; the engine's backend policy picks the storage). Page 0 is the null
-        page (padding writes land there).
+        page (padding writes land there). A quantized cache holds
+        ``kernels_pallas.kv_quant.QuantizedPages`` instead: int8 or float8_e4m3fn values
+        of that shape and a float32 scale page [num_layers, kv_heads, num_pages, page_size]
+        beside each page.
         Logical axes: ``sharding.rules.KV_CACHE_AXES``.
     """
 
@@ -46,11 +56,28 @@ class KVCache:
             (none reads another's destination). Unused entries copy the
             null page 0 onto itself.
         """
-        return KVCache(self.k.at[:, :, dst].set(self.k[:, :, src]),
-                       self.v.at[:, :, dst].set(self.v[:, :, src]))
+        copy = lambda a: a.at[:, :, dst].set(a[:, :, src])
+        return KVCache(_take(self.k, copy), _take(self.v, copy))
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.k, QuantizedPages)
+
+    @property
+    def kv_format(self) -> str:
+        """"int8" or "fp8" for a quantized cache, else its values' dtype name ("bfloat16" for
+        uint16 bits)."""
+        return self.k.format if self.quantized else logical_dtype(self.k.dtype).name
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
-        """An all-zero cache; ``dtype`` is the stored dtype (float32, bfloat16, or uint16 bits)."""
+    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, kv_format: str | None = None,
+              quantized_stored=None) -> "KVCache":
+        """An all-zero cache; ``dtype`` is the stored dtype (float32, bfloat16, or uint16 bits),
+        or with ``kv_format`` "int8" / "fp8" the dtype dequantized values are read in
+        (quantized pages with their scale pages, values held in ``quantized_stored``:
+        default the format's dtype; uint8 holds fp8 bits)."""
         shape = cls.shape(cfg, num_pages, page_size)
+        if kv_format in ("int8", "fp8"):
+            logical = logical_dtype(dtype)
+            return cls(*(QuantizedPages.zeros(shape, kv_format, logical, quantized_stored) for _ in "kv"))
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.attention import paged_attention, write_kv_pages
-from kernels_pallas.kv_storage import logical_dtype
+from kernels_pallas.kv_quant import logical_kv_dtype
 from kernels_pallas.padded_attention_xla import padded_attention_xla
 from model.attention_metadata import AttentionMetadata
 from model.compute import REFERENCE, Compute
@@ -329,7 +329,8 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
         with ``cfg.qk_norm`` also q_norm, k_norm [H]; with ``cfg.qkv_bias`` also
         bq [N, H], bk, bv [K, H] (added after the projections).
       positions: [T] int32.
-      k_cache, v_cache: the stacked cache [layers, K, pages, page_size, H].
+      k_cache, v_cache: the stacked cache [layers, K, pages, page_size, H] (arrays, or
+        ``kernels_pallas.kv_quant.QuantizedPages`` with their scale pages).
       md: the step's attention metadata.
       layer: int32 scalar, this layer's index into the cache.
       theta: this layer's RoPE base; window: its sliding window (None or int32, <= 0: global).
@@ -353,7 +354,7 @@ def attention_block(h: jax.Array, p: dict, positions: jax.Array, k_cache: jax.Ar
                           rope_scaled=rope_scaled, lora=lora)
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
     attn = paged_attention(
-        q.astype(logical_dtype(k_cache.dtype)), k_cache, v_cache, md, layer=layer,
+        q.astype(logical_kv_dtype(k_cache)), k_cache, v_cache, md, layer=layer,
         scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
         config=compute.attention, window_bound=cfg.sliding_window if window is not None else None,
         bidirectional_spans=md.image_spans)

@@ -98,6 +98,19 @@ def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh, rules: ShardingRules) 
     return NamedSharding(mesh, rules.spec(shape, KV_CACHE_AXES, dict(mesh.shape), what="KV cache"))
 
 
+def kv_scale_sharding(kv_sharding: NamedSharding) -> NamedSharding:
+    """The scale pages ``[layers, kv_heads, num_pages, page_size]`` of a quantized KV cache
+    split as its values (``kv_sharding``, whose head_dim is never split).
+
+    Raises:
+      ValueError: a values sharding that splits head_dim.
+    """
+    spec = tuple(kv_sharding.spec) + (None,) * (5 - len(kv_sharding.spec))
+    if spec[4] is not None:
+        raise ValueError(f"a quantized KV cache cannot split head_dim (spec {spec})")
+    return NamedSharding(kv_sharding.mesh, P(*spec[:4]))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -8,7 +8,8 @@ For a model config, a mesh, a slot count and a context length:
     per-device shard bytes of the real arrays (tests/sharding/multidevice/test_shard_plan.py).
   * KV-cache bytes per device: ``slots * ceil(max_len / page_size) + 1`` pages
     (the null page), pages split over ``data``, KV heads over ``tensor`` where
-    they divide it.
+    they divide it; an int8 / fp8 ``kv_dtype`` counts 1-byte values plus a float32
+    scale per token, KV head and layer (``--kv-cache-dtype``'s pages).
   * a working-set estimate: parameters + KV cache + the largest transients of
     the XLA reference path (one layer's gathered K/V for a full decode batch,
     a prefill chunk's attention scores over the whole context, the logits).
@@ -147,19 +148,23 @@ def plan(cfg: ModelConfig, mesh: MeshConfig, device: DeviceSpec, *, slots: int =
         raise ValueError(f"slots ({slots}) must split evenly over data={mesh.data} replicas")
     sizes = mesh.axis_sizes()
     p_bytes, p_total, per_param = param_bytes_per_device(cfg, mesh, rules, dtype)
-    kv_item = jnp.dtype(kv_dtype or dtype).itemsize
+    kv_fmt = kv_dtype or dtype
+    quantized = kv_fmt in ("int8", "fp8")  # 1-byte values + a float32 scale per token and KV head
+    kv_item = 1 if quantized else jnp.dtype(kv_fmt).itemsize
     pages_per_seq = -(-max_len // page_size)
     pages = slots * pages_per_seq + 1
     pages += -pages % mesh.data  # the pool splits evenly over the replicas
     kv_shape = (cfg.num_layers, cfg.num_kv_heads, pages, page_size, cfg.head_dim)
     kv_bytes = 2 * rules.shard_bytes(kv_shape, KV_CACHE_AXES, sizes, kv_item, what="KV cache")
+    if quantized:  # the scale pages, split as the values (kernels_pallas.kv_quant)
+        kv_bytes += 2 * rules.shard_bytes(kv_shape[:-1], KV_CACHE_AXES[:-1], sizes, 4, what="KV scales")
     kv_local = rules.shard_shape(kv_shape, KV_CACHE_AXES, sizes)[1]
     heads_local = cfg.num_heads // (sizes["tensor"] if rules.mesh_axis("heads") == "tensor" else 1)
     vocab_local = cfg.vocab_size // (sizes["tensor"] if rules.mesh_axis("vocab") == "tensor" else 1)
     slots_local = slots // mesh.data
     ctx = pages_per_seq * page_size
     # Transients of the XLA reference path, float32 unless stored otherwise.
-    decode_gather = 2 * slots_local * kv_local * ctx * cfg.head_dim * kv_item
+    decode_gather = 2 * slots_local * kv_local * ctx * cfg.head_dim * (2 if quantized else kv_item)  # dequantized: bf16
     prefill_scores = 2 * prefill_chunk * heads_local * ctx * 4  # scores and probabilities
     logits = max(slots_local, 1) * vocab_local * 4 * 2
     mlp_local = max(cfg.mlp_dim, cfg.expert_mlp_dim * cfg.num_experts_per_tok)

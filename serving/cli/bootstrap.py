@@ -23,6 +23,7 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
     from serving.engine.backend_policy import BackendPolicy
     from serving.engine.compilation_cache import enable_compilation_cache
     from serving.engine.engine import Engine
+    from serving.engine.kv_pages import page_bytes
     from serving.loading.mesh_loader import load_for_serving
     from serving.runtime.disk_tier_steps import model_identity
     from serving.runtime.engine_loop import EngineLoop
@@ -60,8 +61,8 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
 
         draft = load_draft(cfg, model, tokenizer)
         if draft is not None:  # self:int8 drafts over the served cache
-            pages = shared_pages(cfg.num_pages, model.cfg, draft.cfg)
-            log.info("the draft model's KV cache shares --num-pages %d: %d pages each", cfg.num_pages, pages)
+            pages = shared_pages(engine_cfg.num_pages, model.cfg, draft.cfg)
+            log.info("the draft model's KV cache shares --num-pages %d: %d pages each", engine_cfg.num_pages, pages)
             engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
     engine = Engine(model, engine_cfg, mesh=mesh, lockstep=lockstep_for(mesh), policy=policy, vision=vision,
                     draft=draft)
@@ -81,8 +82,9 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
                       starvation_seconds=cfg.flex_starvation_seconds,
                       lora_modules=dict(cfg.lora_modules), max_cpu_loras=cfg.max_cpu_loras)
     loop.start(warmup=warmup, warmup_decode=warmup_decode)
-    log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens)",
-             time.perf_counter() - t0, model.cfg.name, cfg.max_slots, cfg.num_pages, cfg.page_size)
+    log.info("engine ready in %.1f s (model %s, %d slots, %d pages of %d tokens, KV %s: %d bytes a page)",
+             time.perf_counter() - t0, model.cfg.name, cfg.max_slots, engine_cfg.num_pages, cfg.page_size,
+             engine.kv_cache.kv_format, page_bytes(engine.kv_cache))
     return loop, tokenizer, model.cfg.name
 
 

@@ -16,6 +16,10 @@ _SETTINGS = [
     ("max_slots", int, "concurrently decoding sequences"),
     ("page_size", int, "tokens per KV-cache page"),
     ("num_pages", int, "KV-cache pool size in pages"),
+    ("kv_cache_dtype", str, "auto | bfloat16 | int8 | fp8: the KV pages' format; int8 and fp8 (e4m3) store "
+                            "1-byte values and a float32 scale per token and KV head (auto: --kv-dtype's pages)"),
+    ("kv_cache_bytes", int, "KV-cache pool size in bytes (K, V and scale pages of every layer), instead of "
+                            "--num-pages: int8 / fp8 pages fit ~2x the tokens of bfloat16 ones"),
     ("host_kv_cache_gib", float, "host-memory KV tier under the prefix cache, in GiB: evicted and "
                                  "preempted pages are kept there and reloaded on a prefix hit (0: off)"),
     ("kv_disk_dir", str, "disk KV tier under the host tier: pages the host tier evicts, and every cached "

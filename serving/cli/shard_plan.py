@@ -23,7 +23,9 @@ def register(sub) -> None:
     sp.add_argument("--page-size", type=int, default=16)
     sp.add_argument("--prefill-chunk", type=int, default=512)
     sp.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float32")
-    sp.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    sp.add_argument("--kv-dtype", default=None,
+                    help="KV cache format: bfloat16 | float32 | int8 | fp8 (1-byte values and a float32 "
+                         "scale per token and KV head, as --kv-cache-dtype; default: --dtype)")
     sp.set_defaults(func=cmd_shard_plan)
 
 

@@ -23,6 +23,47 @@ import dataclasses
 
 from serving.config.speculative_config import SpeculativeConfig
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
+"""``--kv-cache-dtype``: auto (the pages of ``kv_dtype``, as before), bfloat16, or a quantized
+format: int8 or fp8 (float8_e4m3fn) values with a float32 scale per token and KV head
+(``kernels_pallas.kv_quant``)."""
+
+_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "fp8": 1}
+SCALE_BYTES = 4
+"""Bytes of one scale (float32) of a quantized format: one per token, KV head and layer, K and V."""
+
+
+def kv_page_bytes(model_cfg, page_size: int, kv_dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV page of every layer, K and V, scale pages included.
+
+    ``2 * layers * kv_heads * page_size * (head_dim * value_bytes + scale_bytes)``: value bytes
+    2 (bfloat16) or 4 (float32), scale bytes 0; int8 / fp8: value bytes 1, scale bytes 4.
+    For Gemma 3 270M (18 layers, 1 KV head, head_dim 256) and 16-token pages: 294,912 bytes in
+    bfloat16, 149,760 in int8 (1.97x the tokens in the same memory).
+
+    Args:
+      model_cfg: anything with ``num_layers``, ``num_kv_heads``, ``head_dim``.
+      kv_dtype: "float32" or "bfloat16" (the unquantized cache's dtype).
+      kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`.
+    """
+    fmt = kv_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    scale = SCALE_BYTES if fmt in ("int8", "fp8") else 0
+    per_token = model_cfg.num_kv_heads * (model_cfg.head_dim * _VALUE_BYTES[fmt] + scale)
+    return 2 * model_cfg.num_layers * page_size * per_token
+
+
+def pages_for_bytes(kv_cache_bytes: int, page_bytes: int) -> int:
+    """The pool size in pages (the null page 0 included) that ``kv_cache_bytes`` holds.
+
+    Raises:
+      ValueError: fewer than 2 pages fit.
+    """
+    pages = kv_cache_bytes // page_bytes
+    if pages < 2:
+        raise ValueError(f"kv_cache_bytes {kv_cache_bytes} holds {pages} pages of {page_bytes} bytes; "
+                         "at least 2 are needed (page 0 is reserved)")
+    return pages
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -39,7 +80,10 @@ class EngineConfig:
       min_decode_batch: smallest decode batch bucket in rows (None: the backend
         policy's, ``serving.engine.backend_policy``).
       kv_dtype: KV cache dtype name ("float32" or "bfloat16"); the backend
-        policy decides how it is stored.
+        policy decides how it is stored. With a quantized ``kv_cache_dtype``, the
+        dtype its pages are dequantized to.
+      kv_cache_dtype: the KV format, one of :data:`KV_CACHE_DTYPES` ("auto": pages
+        of ``kv_dtype``; "int8" / "fp8": quantized pages with scale pages).
       speculative: n-gram speculative decoding (None: off); its ``num_tokens`` (K)
         shapes the verify step, T = rows * (K + 1) tokens (``serving.engine.verify_step``).
       max_loras: LoRA adapters resident on the device at once (0: no LoRA; the stacks
@@ -55,6 +99,7 @@ class EngineConfig:
     max_prefill_seqs: int = 32
     min_decode_batch: int | None = None
     kv_dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
     max_loras: int = 0
     max_lora_rank: int = 16
@@ -69,6 +114,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be a multiple of page_size")
         if self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bfloat16":
+            object.__setattr__(self, "kv_dtype", "bfloat16")
         if self.max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
         if self.max_prefill_seqs > self.max_slots:
@@ -77,6 +126,11 @@ class EngineConfig:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
         # A pool smaller than one full context is allowed: requests that could
         # never fit are rejected at submit (RequestRejectedError).
+
+    @property
+    def kv_format(self) -> str | None:
+        """"int8" or "fp8" for a quantized KV cache, else None."""
+        return self.kv_cache_dtype if self.kv_cache_dtype in ("int8", "fp8") else None
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -89,13 +143,23 @@ class EngineConfig:
         Args:
           server: a ``serving.config.server_config.ServerConfig``.
           model_cfg: the served model's ``model.config.ModelConfig``: the context
-            window is the smaller of ``server.max_model_len`` and ``max_position``.
+            window is the smaller of ``server.max_model_len`` and ``max_position``; with
+            ``server.kv_cache_bytes`` the pool holds as many pages as fit those bytes
+            (:func:`kv_page_bytes`) instead of ``server.num_pages``.
+
+        Raises:
+          ValueError: ``kv_cache_bytes`` holds fewer than 2 pages.
         """
+        kv_dtype = server.kv_dtype or server.dtype
+        num_pages = server.num_pages
+        if server.kv_cache_bytes is not None:
+            num_pages = pages_for_bytes(server.kv_cache_bytes, kv_page_bytes(
+                model_cfg, server.page_size, kv_dtype, server.kv_cache_dtype))
         return cls(
-            max_slots=server.max_slots, page_size=server.page_size, num_pages=server.num_pages,
+            max_slots=server.max_slots, page_size=server.page_size, num_pages=num_pages,
             max_model_len=min(server.max_model_len, model_cfg.max_position),
             prefill_chunk=server.prefill_chunk, max_prefill_seqs=server.max_prefill_seqs,
-            min_decode_batch=server.min_decode_batch, kv_dtype=server.kv_dtype or server.dtype,
+            min_decode_batch=server.min_decode_batch, kv_dtype=kv_dtype, kv_cache_dtype=server.kv_cache_dtype,
             speculative=SpeculativeConfig.from_settings(
                 server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
                 server.prompt_lookup_max, server.speculative_max_batch, server.draft_model),

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from serving.config.config_files import read_config
+from serving.config.engine_config import KV_CACHE_DTYPES
 from serving.config.speculative_config import SpeculativeConfig
 
 
@@ -32,6 +33,8 @@ class ServerConfig:
     port: int = 8000
     dtype: str = "bfloat16"
     kv_dtype: str | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_bytes: int | None = None
     max_model_len: int = 8192
     max_slots: int = 32
     page_size: int = 16
@@ -132,6 +135,10 @@ class ServerConfig:
             raise ValueError(f"embed_max_batch must be a power of two, got {self.embed_max_batch}")
         if self.kv_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_dtype must be null, float32 or bfloat16, got {self.kv_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be a positive number of bytes, got {self.kv_cache_bytes!r}")
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
                             ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1),
                             ("ledger_spool_max_bytes", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),

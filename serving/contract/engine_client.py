@@ -129,6 +129,8 @@ class KvTransferParams:
       chunk_pages: pages per chunk.
       page_shape: (layers, kv_heads, page_size, head_dim) of one page.
       dtype: the KV storage dtype's name (pages are copied bit for bit).
+      kv_format: "" for unquantized pages, "int8" or "fp8" for quantized ones, whose chunks
+        carry their scale pages (float32); a decode replica of another format refuses them.
       page_hashes: the offered pages' chained hashes (``kv_cache_manager.page_hash``).
       expires_at: wall-clock seconds when the prefill side frees the pages.
     """
@@ -143,6 +145,7 @@ class KvTransferParams:
     transfer_address: str = ""
     source_url: str = ""
     expires_at: float = 0.0
+    kv_format: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

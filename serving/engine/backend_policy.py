@@ -354,6 +354,23 @@ class BackendPolicy:
                        batch_invariant=invariant, dot_rows=dot_rows, quantized_dot=self.quantized_dot,
                        int8_matmul=self.int8_matmul, bf16_matmul=self.bf16_matmul)
 
+    def kv_format(self, fmt: str | None, kv_dtype: str) -> str | None:
+        """The KV cache's quantized format ("int8", "fp8") or None (pages of ``kv_dtype``).
+
+        ``--kv-cache-dtype auto`` stays unquantized on every platform (bf16 pages, as
+        before): int8 and fp8 are chosen, never defaulted. What they buy is capacity (~2x the
+        tokens a byte); on XLA:CPU they decode at bf16's speed and move Gemma 3 270M's margins
+        (benchmarks/RESULTS.md, "Quantized KV pages"); on accelerators they are untimed.
+        The values are stored in ``storage_dtype`` of the format's dtype (fp8 as its uint8
+        bits on XLA:CPU, whose float8 scatters convert the whole cache).
+
+        Raises:
+          ValueError: an unknown format.
+        """
+        if fmt not in (None, "int8", "fp8"):
+            raise ValueError(f"unknown quantized KV format {fmt!r}")
+        return fmt
+
     def storage_dtype(self, dtype) -> jnp.dtype:
         """The array dtype holding values of logical ``dtype`` (KV cache, stacked weights)."""
         return storage_dtype(dtype, self.platform)

@@ -106,6 +106,7 @@ import numpy as np
 from flax import nnx
 
 from model.compute import Compute
+from kernels_pallas.kv_quant import SCALE_DTYPE, QuantizedPages, quantized_dtype
 from model.kv_cache import KVCache
 from model.lora import LoraInputs, slot_weights, write_slot, zero_stacks
 from serving.config.engine_config import (EngineConfig, batch_bucket, page_bucket, prefill_page_bucket,
@@ -295,9 +296,12 @@ class Engine:
         graphdef, params = nnx.split(model)
         kv_stored = self.policy.storage_dtype(jnp.dtype(cfg.kv_dtype))
         kv_shape = KVCache.shape(model.cfg, cfg.num_pages, cfg.page_size)
+        kv_format = self.policy.kv_format(cfg.kv_format, cfg.kv_dtype)
         if mesh is None:
             self.params = self.policy.store_params(params)
-            self.state = DeviceState(KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_stored),
+            q_stored = None if kv_format is None else self.policy.storage_dtype(quantized_dtype(kv_format))
+            self.state = DeviceState(KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, kv_stored, kv_format,
+                                                   q_stored),
                                      jnp.zeros((cfg.max_slots,), jnp.int32),
                                      *token_counts.zeros(cfg.max_slots, model.cfg.vocab_size))
             out_shardings = None
@@ -310,8 +314,18 @@ class Engine:
             self.params = self.policy.store_params(place_params(params, mesh, rules))
             kv_sh = kv_cache_sharding(kv_shape, mesh, rules)
             rep = replicated(mesh)
+            values_sh = kv_sh
+            kv_zeros = lambda: sharded_zeros(kv_shape, kv_stored, values_sh)  # noqa: E731
+            if kv_format is not None:  # values and scale pages, split alike (head_dim is never split)
+                from sharding.placement import kv_scale_sharding
+
+                scale_sh = kv_scale_sharding(values_sh)
+                kv_zeros = lambda: QuantizedPages(  # noqa: E731
+                    sharded_zeros(kv_shape, self.policy.storage_dtype(quantized_dtype(kv_format)), values_sh),
+                    sharded_zeros(kv_shape[:-1], SCALE_DTYPE, scale_sh), jnp.dtype(cfg.kv_dtype).name)
+                kv_sh = QuantizedPages(values_sh, scale_sh, jnp.dtype(cfg.kv_dtype).name)
             self.state = DeviceState(
-                KVCache(sharded_zeros(kv_shape, kv_stored, kv_sh), sharded_zeros(kv_shape, kv_stored, kv_sh)),
+                KVCache(kv_zeros(), kv_zeros()),
                 sharded_zeros((cfg.max_slots,), jnp.int32, rep),
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.int32, rep),
                 sharded_zeros((cfg.max_slots, model.cfg.vocab_size), jnp.bool_, rep))
@@ -499,12 +513,14 @@ class Engine:
 
     # -- whole pages (KV transfer, host tier) ----------------------------------------
 
-    def read_pages(self, page_ids: Sequence[int], chunk_pages: int) -> tuple[jax.Array, jax.Array]:
+    def read_pages(self, page_ids: Sequence[int], chunk_pages: int) -> dict[str, jax.Array]:
         """Dispatches a copy of up to ``chunk_pages`` pages of every layer (``serving.engine.kv_pages``).
 
         Returns:
-          (k, v) device arrays [layers, kv_heads, chunk_pages, page_size, head_dim] in the
-          storage dtype, not yet synced; entries past ``len(page_ids)`` hold the null page.
+          the payload {name: device array}, not yet synced: "k", "v" [layers, kv_heads,
+          chunk_pages, page_size, head_dim] in the storage dtype, and for a quantized cache
+          "k_scale", "v_scale" [layers, kv_heads, chunk_pages, page_size] float32
+          (``kv_pages.payload_names``); entries past ``len(page_ids)`` hold the null page.
 
         Raises:
           ValueError: too many pages; RuntimeError: a multi-host engine (not supported).
@@ -512,19 +528,21 @@ class Engine:
         self._single_host("reading KV pages")
         return kv_pages.read_pages(self.state.kv_cache, kv_pages.pad_page_ids(page_ids, chunk_pages))
 
-    def write_pages(self, page_ids: Sequence[int], k, v) -> None:
-        """Dispatches writing ``k``, ``v`` [layers, kv_heads, C, page_size, head_dim] (host or
-        device arrays, C >= len(page_ids); rows past ``len(page_ids)`` go to the null page)
-        into the cache's pages ``page_ids``, ordered before every later step.
+    def write_pages(self, page_ids: Sequence[int], payload) -> None:
+        """Dispatches writing a payload of C pages (host or device arrays as :meth:`read_pages`
+        returns, C >= len(page_ids); rows past ``len(page_ids)`` go to the null page) into the
+        cache's pages ``page_ids``, ordered before every later step.
 
         Raises:
-          ValueError: more pages than the chunk holds; RuntimeError: a multi-host engine.
+          ValueError: more pages than the chunk holds, or a payload of another KV format;
+          RuntimeError: a multi-host engine.
         """
         self._single_host("writing KV pages")
-        ids = kv_pages.pad_page_ids(page_ids, k.shape[2])
+        kv_pages.check_payload(self.state.kv_cache, payload)
+        ids = kv_pages.pad_page_ids(page_ids, payload["k"].shape[2])
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
-            self.state = self._write_pages(self.state, ids, k, v)
+            self.state = self._write_pages(self.state, ids, dict(payload))
 
     def _single_host(self, what: str) -> None:
         if self.lockstep is not None:

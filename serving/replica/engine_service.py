@@ -181,7 +181,7 @@ def model_info(engine: Any, model_name: str, tokenizer: Any, role: str = "both",
         model=model_name, max_model_len=engine.max_model_len, kv_capacity_tokens=engine.kv_capacity_tokens,
         page_size=cfg.page_size, num_pages=cfg.num_pages, role=role, tokenizer_id=tokenizer_id(files),
         tokenizer_files=files, max_slots=cfg.max_slots, prefix_caching=engine.kv.enable_prefix_caching,
-        kv_transport=kv_transport, labels=labels or {})
+        kv_transport=kv_transport, labels=labels or {}, kv_format=engine.kv.kv_format)
 
 
 async def start_server(service: EngineService, host: str, port: int,

@@ -104,9 +104,11 @@ class KvConnector:
         self.timeout_s = timeout_s
         self.chunk_pages = chunk_pages
         self.wake = wake
-        k = engine.kv_cache.k
+        cache = engine.kv_cache
+        k = cache.k
         self.page_shape = (k.shape[0], k.shape[1], k.shape[3], k.shape[4])
         self.dtype = np.dtype(k.dtype).name
+        self.kv_format = cache.kv_format if cache.quantized else ""  # as its prefix cache keys pages
         self._offers: dict[str, tuple[str, float]] = {}  # transfer id -> (holder, expiry)
         self._receiving: dict[str, _Receiving] = {}  # request id -> its pull
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (request id, chunks | error)
@@ -128,8 +130,8 @@ class KvConnector:
         expires = time.time() + self.timeout_s
         params = KvTransferParams(
             transfer_id=tid, transport=self.transport.kind, num_tokens=n * ps, chunk_pages=self.chunk_pages,
-            page_shape=self.page_shape, dtype=self.dtype,
-            page_hashes=tuple(prompt_page_hashes(prompt_ids[:n * ps], ps, salt)),
+            page_shape=self.page_shape, dtype=self.dtype, kv_format=self.kv_format,
+            page_hashes=tuple(prompt_page_hashes(prompt_ids[:n * ps], ps, salt, kv_format=self.kv_format)),
             transfer_address=self.transport.address, expires_at=expires)
         if n == 0:
             return params
@@ -184,12 +186,16 @@ class KvConnector:
         ps = self.kv.page_size
         if not self.kv.enable_prefix_caching:
             return "this replica's prefix cache is off: received KV pages enter it"
+        if params.kv_format != self.kv_format:
+            return (f"the prefill replica's KV pages are {params.kv_format or 'unquantized'}, this replica's "
+                    f"{self.kv_format or 'unquantized'}: serve both with the same --kv-cache-dtype")
         if tuple(params.page_shape) != self.page_shape or params.dtype != self.dtype:
             return (f"the prefill replica's KV pages are {tuple(params.page_shape)} {params.dtype}, "
                     f"this replica's {self.page_shape} {self.dtype}")
         if params.num_tokens % ps or params.num_tokens > len(prompt_ids) - 1 or params.chunk_pages < 1:
             return f"the offer covers {params.num_tokens} tokens, not whole pages of the prompt"
-        if tuple(params.page_hashes) != tuple(prompt_page_hashes(prompt_ids[:params.num_tokens], ps, salt)):
+        if tuple(params.page_hashes) != tuple(prompt_page_hashes(prompt_ids[:params.num_tokens], ps, salt,
+                                                                  kv_format=self.kv_format)):
             return "the offered pages are not this prompt's (page hashes differ)"
         return None
 
@@ -299,10 +305,10 @@ class KvConnector:
         C = rec.params.chunk_pages
         local = self.kv.page_ids(rec.holder)
         nbytes = 0
-        for c, (k, v) in zip(wanted, got):
+        for c, chunk in zip(wanted, got):
             ids = [local[i] if first <= i < len(local) else 0 for i in range(c * C, (c + 1) * C)]
-            self.engine.write_pages(ids, k, v)
-            nbytes += k.nbytes + v.nbytes
+            self.engine.write_pages(ids, chunk)
+            nbytes += sum(a.nbytes for a in chunk.values())
         return nbytes
 
     def drop(self, request_id: str) -> bool:

@@ -10,11 +10,13 @@ Two transports behind one interface, picked per replica (``--kv-transport``):
   two CPU processes on loopback (JAX 0.10), which is what CI tests.
 - ``grpc``: host staging over the engine service. The prefill side keeps the
   chunks; the decode side streams them with ``PullKv`` (one message per chunk,
-  K and V as raw bytes) and writes them from host memory. The fallback where
+  K and V, and a quantized cache's scale pages, as raw bytes) and writes them from host memory. The fallback where
   ``jax.experimental.transfer`` does not import (``auto`` picks it then).
 
-A chunk is ``(k, v)``, each ``[layers, kv_heads, chunk_pages, page_size,
-head_dim]`` in the KV storage dtype (``serving.engine.kv_pages``).
+A chunk is a page payload (``serving.engine.kv_pages``): {"k", "v"}, each ``[layers,
+kv_heads, chunk_pages, page_size, head_dim]`` in the KV storage dtype, and with a quantized
+format (``KvTransferParams.kv_format`` "int8" / "fp8") also {"k_scale", "v_scale"}, each
+``[layers, kv_heads, chunk_pages, page_size]`` float32: the scales travel with their pages.
 
 The decode side calls the prefill replica's engine service (``PullKv``, ``Health``,
 ``ReleaseKv``) at the URL the gateway knows it by, with the transport's
@@ -53,7 +55,21 @@ TRANSPORTS = ("auto", "jax", "grpc")
 PROBE_INTERVAL_S = 0.5
 """How often a pull waiting on a ``jax`` transfer checks that its source still answers."""
 
-Chunk = tuple[object, object]  # (k, v) device or host arrays
+Chunk = dict[str, object]  # a page payload: name -> device or host array
+
+SCALE_DTYPE = np.dtype(np.float32)
+
+
+def chunk_names(params: KvTransferParams) -> tuple[str, ...]:
+    """The arrays of a chunk of an offer, in their wire order."""
+    return ("k", "k_scale", "v", "v_scale") if params.kv_format else ("k", "v")
+
+
+def _chunk_specs(params: KvTransferParams) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array of a chunk of ``params``' offer."""
+    shape = _chunk_shape(params)
+    return {name: (shape[:-1], SCALE_DTYPE) if name.endswith("_scale") else (shape, np.dtype(params.dtype))
+            for name in chunk_names(params)}
 
 
 class KvTransferError(RuntimeError):
@@ -142,8 +158,9 @@ class Transport:
         self.offers.put(transfer_id, chunks)
         if self._server is not None:
             deadline = datetime.datetime.fromtimestamp(expires_at)
-            for i, (k, v) in enumerate(chunks):
-                self._server.await_pull(_uuid(transfer_id, i), [k, v], timeout=deadline)
+            for i, chunk in enumerate(chunks):
+                self._server.await_pull(_uuid(transfer_id, i), [chunk[n] for n in sorted(chunk)],
+                                        timeout=deadline)
 
     def drop(self, transfer_id: str) -> None:
         """Forgets an offer (pulled, or expired). A ``jax`` server drops an unpulled chunk
@@ -174,8 +191,10 @@ class Transport:
                   alive: Callable[[], bool]) -> list[Chunk]:
         import jax
 
-        spec = jax.ShapeDtypeStruct(_chunk_shape(params), np.dtype(params.dtype),
-                                    sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        names = sorted(chunk_names(params))  # the order the offer listed them in
+        specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+                 for shape, dtype in (_chunk_specs(params)[n] for n in names)]
         with self._lock:
             conn = self._connections.get(params.transfer_address)
             if conn is None:
@@ -184,14 +203,14 @@ class Transport:
         def pull_all():
             # A pull returns arrays whose bytes are still on the way: wait for them here, so a
             # source that dies mid-transfer fails this pull, not the engine step that reads them.
-            return jax.block_until_ready([conn.pull(_uuid(params.transfer_id, c), [spec, spec])
+            return jax.block_until_ready([conn.pull(_uuid(params.transfer_id, c), specs)
                                           for c in chunk_ids])
 
         try:
             future = pool.submit(pull_all)
             while True:
                 try:
-                    return [tuple(kv) for kv in future.result(timeout=PROBE_INTERVAL_S)]
+                    return [dict(zip(names, arrays)) for arrays in future.result(timeout=PROBE_INTERVAL_S)]
                 except concurrent.futures.TimeoutError:
                     pass
                 except Exception as e:  # noqa: BLE001 (the transfer's own errors: the peer went away)
@@ -244,17 +263,21 @@ def source_stub(url: str, security: ClientSecurity = PLAIN) -> pb_grpc.EngineSer
 
 def _pull_grpc(stub: pb_grpc.EngineServiceStub, params: KvTransferParams, chunk_ids: Sequence[int],
                deadline: float) -> list[Chunk]:
-    shape, dtype = _chunk_shape(params), np.dtype(params.dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
+    specs = _chunk_specs(params)
     try:
         stream = stub.PullKv(
             pb.PullKvRequest(transfer_id=params.transfer_id, chunks=list(chunk_ids)),
             timeout=max(0.1, deadline - time.time()))
         out = []
         for m in stream:
-            if len(m.k) != size or len(m.v) != size:
-                raise KvTransferError(f"chunk {m.index}: {len(m.k)} bytes, expected {size}")
-            out.append((np.frombuffer(m.k, dtype).reshape(shape), np.frombuffer(m.v, dtype).reshape(shape)))
+            chunk = {}
+            for name, (shape, dtype) in specs.items():
+                raw = getattr(m, name)
+                size = int(np.prod(shape)) * dtype.itemsize
+                if len(raw) != size:
+                    raise KvTransferError(f"chunk {m.index}: {len(raw)} bytes of {name}, expected {size}")
+                chunk[name] = np.frombuffer(raw, dtype).reshape(shape)
+            out.append(chunk)
     except grpc.RpcError as e:
         raise KvTransferError(f"pulling KV pages from {params.source_url} failed: "
                               f"{e.code().name}: {e.details()}") from e
@@ -269,5 +292,4 @@ def chunk_messages(chunks: list[Chunk], chunk_ids: Sequence[int]):
     for c in chunk_ids:
         if not 0 <= c < len(chunks):
             return
-        k, v = chunks[c]
-        yield pb.KvChunk(index=c, k=np.asarray(k).tobytes(), v=np.asarray(v).tobytes())
+        yield pb.KvChunk(index=c, **{name: np.asarray(a).tobytes() for name, a in chunks[c].items()})

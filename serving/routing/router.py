@@ -328,7 +328,7 @@ class Router:
         if request.lora_name is not None and digest is None:
             return ()  # not served there: nothing cached there is its
         return tuple(prompt_page_hashes(request.prompt_ids, replica.page_size,
-                                        lora_salt(request.cache_salt, digest)))
+                                        lora_salt(request.cache_salt, digest), kv_format=replica.kv_format))
 
     def adapter_pool(self, request: EngineRequest,
                      candidates: Sequence[RemoteEngine] | None) -> list[RemoteEngine] | None:
@@ -427,7 +427,8 @@ class Router:
         prefills, decodes = disaggregation.pools(self.replicas)
         pd = bool(prefills and decodes)
         lora = request.lora_name is not None  # hashed per replica (its adapter's digest)
-        hashes = (tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt))
+        hashes = (tuple(prompt_page_hashes(request.prompt_ids, ps, request.cache_salt,
+                                           kv_format=self.replicas[0].kv_format))
                   if (self.policy == "kv-aware" or pd) and not lora else ())
         if pd and not lora and not disaggregation.wants_colocated(request):
             async for ev in disaggregation.disaggregated(self, request, hashes):

@@ -64,14 +64,14 @@ def kv_transfer_to_proto(t: KvTransferParams) -> pb.KvTransfer:
     return pb.KvTransfer(transfer_id=t.transfer_id, transport=t.transport, transfer_address=t.transfer_address,
                          source_url=t.source_url, num_tokens=t.num_tokens, chunk_pages=t.chunk_pages,
                          page_shape=list(t.page_shape), dtype=t.dtype, page_hashes=list(t.page_hashes),
-                         expires_at=t.expires_at)
+                         expires_at=t.expires_at, kv_format=t.kv_format)
 
 
 def kv_transfer_from_proto(m: pb.KvTransfer) -> KvTransferParams:
     return KvTransferParams(transfer_id=m.transfer_id, transport=m.transport, num_tokens=m.num_tokens,
                             chunk_pages=m.chunk_pages, page_shape=tuple(m.page_shape), dtype=m.dtype,
                             page_hashes=tuple(m.page_hashes), transfer_address=m.transfer_address,
-                            source_url=m.source_url, expires_at=m.expires_at)
+                            source_url=m.source_url, expires_at=m.expires_at, kv_format=m.kv_format)
 
 
 def request_to_proto(r: EngineRequest) -> pb.GenerateRequest:

@@ -209,6 +209,11 @@ class RemoteEngine:
         return self.info.page_size
 
     @property
+    def kv_format(self) -> str:
+        """Its quantized KV format ("int8", "fp8"; "" unquantized): part of its page hashes."""
+        return self.info.kv_format
+
+    @property
     def role(self) -> str:
         """both | prefill | decode (``GetModelInfo``; both for replicas that predate roles)."""
         return self.info.role or "both"

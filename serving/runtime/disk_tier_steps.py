@@ -40,18 +40,6 @@ from serving.core.kv.kv_events import KvEventJournal
 
 log = logging.getLogger(__name__)
 
-PAYLOAD_NAMES = ("k", "v", "k_scale", "v_scale")
-"""Names of a host-tier entry's arrays in a page file, in the entry's order: ``k`` and ``v``
-(each ``[layers, kv_heads, page_size, head_dim]``), then a quantized format's scales (a
-further array would be named ``a4``, ...). Read back, the arrays go to the host tier in the
-file's order."""
-
-
-def payload(entry: tuple) -> dict:
-    """A host-tier entry (k, v[, more]) as the named arrays a page file holds."""
-    return {PAYLOAD_NAMES[i] if i < len(PAYLOAD_NAMES) else f"a{i}": a for i, a in enumerate(entry)}
-
-
 @dataclasses.dataclass(eq=False)
 class _Parked:
     seq: object
@@ -87,9 +75,10 @@ class DiskTier:
         self.cache = cache
         cache.spill = self.spill
 
-    def spill(self, key: bytes, entry: tuple) -> None:
-        """A page the host tier evicted: queued for the writer (called on the loop's thread)."""
-        self.store.put(key, payload(entry))
+    def spill(self, key: bytes, entry: dict) -> None:
+        """A page the host tier evicted (its payload of named arrays: ``k``, ``v`` and a quantized
+        format's ``k_scale``, ``v_scale``): queued for the writer (called on the loop's thread)."""
+        self.store.put(key, dict(entry))
 
     @property
     def num_parked(self) -> int:
@@ -145,7 +134,7 @@ class DiskTier:
                 log.exception("KV disk tier: reading a prefix failed")
                 pages = []
             for key, arrays in pages:
-                new, _ = self.cache.put(key, *arrays.values())
+                new, _ = self.cache.put(key, dict(arrays))
                 if new:
                     stored.append(key)
             self.pages_read += len(pages)
@@ -165,14 +154,13 @@ class DiskTier:
         t0 = time.perf_counter()
         n = 0
         for key, entry in self.cache.items() if self.cache is not None else ():
-            n += self.store.put(key, payload(entry))
+            n += self.store.put(key, dict(entry))
         device = [(p, key) for p, key in self.kv.cached_pages() if not self.store.contains(key)]
         for start in range(0, len(device), chunk_pages):
             part = device[start:start + chunk_pages]
-            k, v = engine.read_pages([p for p, _ in part], chunk_pages)
-            k, v = np.asarray(k), np.asarray(v)
+            arrays = {name: np.asarray(a) for name, a in engine.read_pages([p for p, _ in part], chunk_pages).items()}
             for i, (_, key) in enumerate(part):
-                n += self.store.put(key, payload((k[:, :, i].copy(), v[:, :, i].copy())))
+                n += self.store.put(key, {name: a[:, :, i].copy() for name, a in arrays.items()})
         ok = self.store.flush(timeout)
         log.info("KV disk tier: %d pages saved in %.1f s%s", n, time.perf_counter() - t0,
                  "" if ok else " (writes still pending at the timeout)")

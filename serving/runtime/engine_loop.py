@@ -207,7 +207,8 @@ class EngineLoop:
         self.max_waiting_tokens = max_waiting_tokens or max_waiting * cfg.max_model_len
         self.kv_events = KvEventJournal()  # the prefix cache's page hashes, for routers
         self.host_kv = HostKVCache(host_kv_cache_bytes) if host_kv_cache_bytes > 0 and enable_prefix_caching else None
-        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events, self.host_kv)
+        self.kv = KVCacheManager(cfg.num_pages, cfg.page_size, enable_prefix_caching, self.kv_events, self.host_kv,
+                                 kv_format=cfg.kv_format or "")
         self.host_tier = None if self.host_kv is None else HostTier(engine, self.kv, self.host_kv, self.kv_events)
         self.disk_kv = self.disk_tier = None
         if kv_disk_dir is not None:
@@ -215,7 +216,7 @@ class EngineLoop:
                 raise ValueError("the disk KV tier sits under the host tier: it needs host_kv_cache_bytes > 0 "
                                  "and prefix caching")
             self.disk_kv = DiskKVStore(kv_disk_dir, kv_disk_max_bytes, kv_disk_model_id or model_identity(
-                engine.model_cfg), cfg.kv_dtype)
+                engine.model_cfg), engine.state.kv_cache.kv_format)
             self.disk_tier = DiskTier(self.disk_kv, self.kv, self.kv_events, wake=self.wake)
             self.disk_tier.attach(self.host_kv)
         self.scheduler = Scheduler(

@@ -54,15 +54,15 @@ class HostTier:
                  chunk_pages: int = DEFAULT_CHUNK_PAGES) -> None:
         self.engine, self.kv, self.cache, self.events = engine, kv, cache, events
         self.chunk_pages = chunk_pages
-        self._reads: list[tuple[tuple[bytes, ...], object, object]] = []  # (keys, k, v device arrays)
+        self._reads: list[tuple[tuple[bytes, ...], dict]] = []  # (keys, payload of device arrays)
         self.pages_saved = 0
         self.pages_loaded = 0
 
     def warmup(self) -> None:
         """Compiles the read and write programs (a chunk of the null page 0 read and written
         back), so no first host- or disk-tier hit waits for a compile."""
-        k, v = self.engine.read_pages((), self.chunk_pages)
-        self.engine.write_pages((), np.asarray(k), np.asarray(v))
+        payload = self.engine.read_pages((), self.chunk_pages)
+        self.engine.write_pages((), {name: np.asarray(a) for name, a in payload.items()})
 
     def save_evicted(self) -> None:
         """Dispatches reads of the pages evicted since the last call (their old contents:
@@ -73,8 +73,8 @@ class HostTier:
         pages = [p for p, _ in evicted]
         keys = [key for _, key in evicted]
         for i, ids in enumerate(chunks(pages, self.chunk_pages)):
-            k, v = self.engine.read_pages(ids, self.chunk_pages)
-            self._reads.append((tuple(keys[i * self.chunk_pages:i * self.chunk_pages + len(ids)]), k, v))
+            payload = self.engine.read_pages(ids, self.chunk_pages)
+            self._reads.append((tuple(keys[i * self.chunk_pages:i * self.chunk_pages + len(ids)]), payload))
 
     def before_dispatch(self) -> None:
         """Right before a turn's steps: reads what was evicted meanwhile, then writes every
@@ -92,20 +92,19 @@ class HostTier:
             entries = [self.cache.get(key) for _, key in part]
             if any(e is None for e in entries):
                 raise RuntimeError("a host-tier page was dropped before it was loaded")
-            k = _stack([e[0] for e in entries], C)
-            v = _stack([e[1] for e in entries], C)
-            self.engine.write_pages([p for p, _ in part], k, v)
+            payload = {name: _stack([e[name] for e in entries], C) for name in entries[0]}
+            self.engine.write_pages([p for p, _ in part], payload)
             self.pages_loaded += len(part)
 
     def after_dispatch(self) -> None:
         """After a turn's steps are dispatched: the pending reads' pages into the host cache."""
         reads, self._reads = self._reads, []
         stored, removed = [], []
-        for keys, k, v in reads:
-            k, v = np.asarray(k), np.asarray(v)
+        for keys, payload in reads:
+            payload = {name: np.asarray(a) for name, a in payload.items()}
             for i, key in enumerate(keys):
-                new, evicted = self.cache.put(key, np.ascontiguousarray(k[:, :, i]),
-                                              np.ascontiguousarray(v[:, :, i]))
+                new, evicted = self.cache.put(key, {name: np.ascontiguousarray(a[:, :, i])
+                                                    for name, a in payload.items()})
                 if new:
                     stored.append(key)
                     self.pages_saved += 1
@@ -117,7 +116,7 @@ class HostTier:
 
 
 def _stack(pages: list[np.ndarray], chunk_pages: int) -> np.ndarray:
-    """[layers, kv_heads, chunk_pages, page_size, head_dim]: the pages, then zeros."""
+    """[layers, kv_heads, chunk_pages, ...]: the pages (each [layers, kv_heads, ...]), then zeros."""
     first = pages[0]
     out = np.zeros(first.shape[:2] + (chunk_pages,) + first.shape[2:], first.dtype)
     for i, p in enumerate(pages):

@@ -35,6 +35,7 @@ class FakeReplica:
         self.kv_index = ReplicaKvIndex()
         self.kv_index.reset(0)
         self.page_size = info.page_size
+        self.kv_format = info.kv_format
         self.role = info.role or "both"
         self.kv_transport = info.kv_transport
         self.fail_before_first = False

@@ -17,7 +17,10 @@ tokens of page i, salt)``, so a key names a page's tokens *and everything
 before them*. A new request looks up its longest cached prefix
 (:meth:`lookup_prefix`, no references taken) and acquires those pages when it
 is allocated (:meth:`allocate_pages`). The salt (a tenant id) scopes sharing,
-so one tenant cannot probe another's prompts through cache timing.
+so one tenant cannot probe another's prompts through cache timing. A quantized
+KV cache's format ("int8", "fp8") starts the chain (``page_hash``'s ``kv_format``),
+so its pages never share a key with another format's (a router's, a host or disk
+tier's); unquantized pages hash as they always did.
 
 Forking (``n`` choices of one prompt): :meth:`fork` makes a new request
 start from another's computed prefix. The child takes references on the
@@ -82,12 +85,15 @@ ImageSpans = Sequence[tuple[int, int, str]]
 the image whose pixels hash to ``digest``."""
 
 
-def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None, extra: str = "") -> bytes:
+def page_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None, extra: str = "",
+              kv_format: str = "") -> bytes:
     """Chained key of one full page: H(parent key, the page's token ids, salt[, extra]); 16 bytes.
     ``extra``: the digests of the images whose tokens the page holds (:func:`page_extra`);
-    a page without image tokens hashes as it always did."""
+    a page without image tokens hashes as it always did. ``kv_format``: a quantized KV
+    format ("int8", "fp8"), hashed into the first page's key (the root) and so into every
+    key of the chain; "" (unquantized pages) hashes as it always did."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
+    h.update(parent or (b"root|kv:" + kv_format.encode() if kv_format else b"root"))
     h.update((salt or "").encode())
     h.update(b"|")
     h.update(",".join(map(str, tokens)).encode())
@@ -115,13 +121,14 @@ def page_extra(images: ImageSpans, page: int, page_size: int) -> str:
 
 
 def prompt_page_hashes(token_ids: Sequence[int], page_size: int, salt: str | None,
-                       images: ImageSpans = ()) -> list[bytes]:
+                       images: ImageSpans = (), kv_format: str = "") -> list[bytes]:
     """The chained keys of the full pages of ``token_ids`` (what a router looks up in
-    a replica's KV events); ``len(token_ids) // page_size`` of them."""
+    a replica's KV events); ``len(token_ids) // page_size`` of them. ``kv_format``: the
+    replica's quantized KV format ("" for unquantized pages; :func:`page_hash`)."""
     keys, key = [], None
     for i in range(len(token_ids) // page_size):
         key = page_hash(key, token_ids[i * page_size:(i + 1) * page_size], salt,
-                        page_extra(images, i, page_size))
+                        page_extra(images, i, page_size), kv_format)
         keys.append(key)
     return keys
 
@@ -183,13 +190,15 @@ class KVCacheManager:
         cache (``serving.core.kv.kv_events``, for routers); None: nothing is published.
       host: the host tier under the prefix cache (anything with ``contains(key) ->
         bool``; see the module docstring); None: evicted pages are dropped.
+      kv_format: the device cache's quantized KV format ("int8", "fp8"; "" unquantized),
+        part of every page's key (:func:`page_hash`).
 
     Raises:
       ValueError: num_pages < 2 or page_size < 1.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 events: KvEventJournal | None = None, host=None):
+                 events: KvEventJournal | None = None, host=None, kv_format: str = ""):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -197,6 +206,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.kv_format = kv_format
         self.events = events
         self.host = host if enable_prefix_caching else None
         self._to_save: dict[bytes, int] = {}  # key -> evicted page, to copy to the host tier
@@ -261,7 +271,7 @@ class KVCacheManager:
         ps = self.page_size
         pages, keys, host_keys, key = [], [], [], None
         for i in range(min(max_tokens, len(token_ids)) // ps):
-            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt, page_extra(images, i, ps))
+            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt, page_extra(images, i, ps), self.kv_format)
             page = None if host_keys else self._page_of.get(key)
             if page is not None:
                 pages.append(page)
@@ -497,7 +507,7 @@ class KVCacheManager:
         key = held.keys[-1] if held.keys else None
         stored = []
         for i in range(len(held.keys), full):
-            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt, page_extra(images, i, ps))
+            key = page_hash(key, token_ids[i * ps:(i + 1) * ps], salt, page_extra(images, i, ps), self.kv_format)
             held.keys.append(key)
             p = held.pages[i]
             if key in self._page_of or p in self._hash_of:

@@ -139,9 +139,9 @@ def test_a_page_bigger_than_the_bound_is_dropped(tmp_path):
 def test_host_tier_evictions_spill_to_the_disk_store(tmp_path):
     s = store(tmp_path, writer=False)
     page_bytes = sum(a.nbytes for a in arrays(0).values()) - arrays(0)["k_scale"].nbytes
-    host = HostKVCache(2 * page_bytes, spill=lambda k, entry: s.put(k, dict(zip("kv", entry))))
+    host = HostKVCache(2 * page_bytes, spill=lambda k, entry: s.put(k, dict(entry)))
     for i in range(3):
         a = arrays(i)
-        host.put(key(i), a["k"], a["v"])
+        host.put(key(i), {"k": a["k"], "v": a["v"]})
     assert host.keys() == [key(1), key(2)] and s.keys() == [key(0)]
     np.testing.assert_array_equal(s.read(key(0))["k"], arrays(0)["k"])

@@ -21,9 +21,10 @@ def test_pages_read_back_bit_for_bit_and_land_where_written(jax_cache):
     rng = np.random.default_rng(0)
     k = rng.integers(0, 2**15, (shape[0], shape[1], 4, shape[3], shape[4])).astype(engine.kv_cache.k.dtype)
     v = (k[::-1] + 1).astype(k.dtype)
-    engine.write_pages([3, 9, 5], k, v)  # the 4th row goes to the null page
-    rk, rv = engine.read_pages([9, 5, 3], 4)
-    rk, rv = np.asarray(rk), np.asarray(rv)
+    engine.write_pages([3, 9, 5], {"k": k, "v": v})  # the 4th row goes to the null page
+    out = engine.read_pages([9, 5, 3], 4)
+    assert list(out) == ["k", "v"]
+    rk, rv = np.asarray(out["k"]), np.asarray(out["v"])
     assert rk.shape == k.shape and rk.dtype == k.dtype
     np.testing.assert_array_equal(rk[:, :, :3], k[:, :, [1, 2, 0]])
     np.testing.assert_array_equal(rv[:, :, :3], v[:, :, [1, 2, 0]])

@@ -27,8 +27,8 @@ CFG = EngineConfig(max_slots=4, num_pages=64, max_model_len=256, page_size=8, pr
 CHUNK = 4  # pages per chunk: a 60-token prompt's 7 full pages take 2 chunks
 
 
-def make_loop(kind: str, timeout_s: float = 30.0) -> EngineLoop:
-    loop = EngineLoop(Engine(Gemma3(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), CFG))
+def make_loop(kind: str, timeout_s: float = 30.0, cfg: EngineConfig = CFG) -> EngineLoop:
+    loop = EngineLoop(Engine(Gemma3(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), cfg))
     loop.connector = KvConnector(loop.engine, loop.kv, Transport(kind), timeout_s=timeout_s,
                                  chunk_pages=CHUNK, wake=loop.wake)
     loop.start(warmup=False)
@@ -146,7 +146,8 @@ def test_an_offer_for_another_prompt_or_shape_is_refused(pair):
         offer = pev[-1].kv_transfer
         errors = []
         for bad_ids, bad in ((ids[:5] + [9] + ids[6:], offer), (ids, dataclasses.replace(offer, dtype="float32")),
-                             (ids, dataclasses.replace(offer, num_tokens=offer.num_tokens + 3))):
+                             (ids, dataclasses.replace(offer, num_tokens=offer.num_tokens + 3)),
+                             (ids, dataclasses.replace(offer, kv_format="int8", dtype="int8"))):
             with pytest.raises(RequestRejectedError) as e:
                 decode.submit(EngineRequest("d", bad_ids, sampling(), kv_transfer=bad))
             errors.append(str(e.value))
@@ -155,3 +156,73 @@ def test_an_offer_for_another_prompt_or_shape_is_refused(pair):
 
     errors = asyncio.run(main())
     assert "page hashes differ" in errors[0] and "float32" in errors[1] and "whole pages" in errors[2]
+    assert "KV pages are int8, this replica's unquantized: serve both with the same --kv-cache-dtype" in errors[3]
+
+
+def test_quantized_chunks_carry_their_scale_pages_over_grpc():
+    """An int8 offer's chunks: values and float32 scale pages go over PullKv and come back bit for
+    bit; a message missing its scales is refused."""
+    import numpy as np
+
+    from serving.contract.engine_client import KvTransferParams
+    from serving.replica.kv_transport import _pull_grpc, chunk_messages
+    from serving.rpc import engine_pb2 as pb
+
+    rng = np.random.default_rng(0)
+    params = KvTransferParams(transfer_id="ab" * 6, transport="grpc", num_tokens=16, chunk_pages=2,
+                              page_shape=(3, 1, 8, 4), dtype="int8", kv_format="int8")
+    chunks = [{"k": rng.integers(-127, 128, (3, 1, 2, 8, 4)).astype(np.int8),
+               "k_scale": rng.random((3, 1, 2, 8)).astype(np.float32),
+               "v": rng.integers(-127, 128, (3, 1, 2, 8, 4)).astype(np.int8),
+               "v_scale": rng.random((3, 1, 2, 8)).astype(np.float32)} for _ in range(2)]
+
+    class Stub:
+        def __init__(self, messages):
+            self.messages = messages
+
+        def PullKv(self, request, timeout):
+            return self.messages(request.chunks)
+
+    got = _pull_grpc(Stub(lambda ids: chunk_messages(chunks, ids)), params, [1, 0], deadline=1e12)
+    assert [sorted(c) for c in got] == [["k", "k_scale", "v", "v_scale"]] * 2
+    for c, want in zip(got, (chunks[1], chunks[0])):
+        for name in want:
+            assert c[name].dtype == want[name].dtype
+            np.testing.assert_array_equal(c[name], want[name])
+    no_scales = lambda ids: [pb.KvChunk(index=0, k=chunks[0]["k"].tobytes(), v=chunks[0]["v"].tobytes())]
+    with pytest.raises(Exception, match="0 bytes of k_scale"):
+        _pull_grpc(Stub(no_scales), params, [0], deadline=1e12)
+
+
+def test_int8_pages_and_their_scales_move_over_jax_transfer(jax_cache, tiny_tokenizer):
+    """Two int8 replicas (``--kv-cache-dtype int8``) over the jax transport: the offer says its
+    format, the decode side pulls values and scale pages of every chunk and decodes what its own
+    co-located run decodes; the pulled pages equal the prefill side's bit for bit."""
+    import numpy as np
+
+    cfg = dataclasses.replace(CFG, kv_cache_dtype="int8")
+    prefill, decode = make_loop("jax", cfg=cfg), make_loop("jax", cfg=cfg)
+    ids = prompt(60, offset=3)
+
+    async def main():
+        server, url = await serve(prefill, tiny_tokenizer)
+        try:
+            got, events, offer = await disaggregated(prefill, decode, url, "pd8", ids, sampling())
+            return got, events, offer
+        finally:
+            await server.stop(None)
+
+    try:
+        got, events, offer = asyncio.run(main())
+        assert offer.kv_format == "int8" and offer.dtype == "int8" and events[-1].error is None
+        assert events[-1].kv_transfer_bytes == 2 * CHUNK * 8 * TINY.num_layers * TINY.num_kv_heads * (
+            TINY.head_dim + 4) * 2  # 2 chunks of K and V: int8 values and float32 scales
+        mine = decode.engine.read_pages(decode.kv.lookup_prefix(ids, None, 56).page_ids, 8)
+        theirs = prefill.engine.read_pages(prefill.kv.lookup_prefix(ids, None, 56).page_ids, 8)
+        for name in ("k", "k_scale", "v", "v_scale"):
+            np.testing.assert_array_equal(np.asarray(mine[name])[:, :, :7], np.asarray(theirs[name])[:, :, :7])
+        want, _ = asyncio.run(collect(prefill, EngineRequest("co8", ids, sampling())))
+        assert got == want and len(got) == 12
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -178,7 +178,7 @@ def test_kv_pulls_call_the_prefill_replica_with_the_transports_credentials(certs
     port = PortSecurity.from_files(certs.server_cert, certs.server_key, certs.ca, certs.token)
     prefill = StandIn()
     k = np.arange(2 * 1 * 2 * 4 * 8, dtype=np.float32).reshape(2, 1, 2, 4, 8)  # [L, H, chunk_pages, ps, D]
-    prefill.connector.transport.offer("0123456789ab", [(k, -k)], time.time() + 60)
+    prefill.connector.transport.offer("0123456789ab", [{"k": k, "v": -k}], time.time() + 60)
     params = KvTransferParams(transfer_id="0123456789ab", transport="grpc", num_tokens=8, chunk_pages=2,
                               page_shape=(2, 1, 4, 8), dtype="float32")
     good = Transport("grpc", security=ClientSecurity.from_files(certs.ca, certs.client_cert, certs.client_key,
@@ -187,13 +187,13 @@ def test_kv_pulls_call_the_prefill_replica_with_the_transports_credentials(certs
 
     def body(p):
         src = dataclasses.replace(params, source_url=f"grpcs://127.0.0.1:{p}")
-        ((gk, gv),) = good.pull(src, [0], time.time() + 30, alive=lambda: True)
+        (chunk,) = good.pull(src, [0], time.time() + 30, alive=lambda: True)
         assert good.source_stub(src.source_url).Health(pb.HealthRequest(), timeout=5).ready
         assert good.source_stub(src.source_url).ReleaseKv(pb.ReleaseKvRequest(transfer_id=src.transfer_id),
                                                           timeout=5).released
         with pytest.raises(KvTransferError, match="UNAUTHENTICATED"):
             tokenless.pull(src, [0], time.time() + 30, alive=lambda: True)
-        return gk, gv
+        return chunk["k"], chunk["v"]
 
     gk, gv = on_port(port, body, engine=prefill)
     np.testing.assert_array_equal(gk, k)

@@ -11,8 +11,8 @@ from serving.core.kv.kv_cache_manager import KVCacheManager, prompt_page_hashes
 from serving.core.kv.kv_events import KvEventJournal
 
 
-def page(fill: float, shape=(2, 1, 4, 8)) -> tuple[np.ndarray, np.ndarray]:
-    return np.full(shape, fill, np.float32), np.full(shape, -fill, np.float32)
+def page(fill: float, shape=(2, 1, 4, 8)) -> dict[str, np.ndarray]:
+    return {"k": np.full(shape, fill, np.float32), "v": np.full(shape, -fill, np.float32)}
 
 
 PAGE_BYTES = 2 * 2 * 1 * 4 * 8 * 4  # k and v of page()
@@ -24,9 +24,9 @@ PAGE_BYTES = 2 * 2 * 1 * 4 * 8 * 4  # k and v of page()
 def test_lru_evicts_least_recently_used_within_capacity():
     c = HostKVCache(3 * PAGE_BYTES)
     for i in range(3):
-        assert c.put(bytes([i]), *page(i)) == (True, [])
-    assert c.get(b"\x00")[0][0, 0, 0, 0] == 0  # touch 0: 1 is now least recently used
-    stored, evicted = c.put(b"\x03", *page(3))
+        assert c.put(bytes([i]), page(i)) == (True, [])
+    assert c.get(b"\x00")["k"][0, 0, 0, 0] == 0  # touch 0: 1 is now least recently used
+    stored, evicted = c.put(b"\x03", page(3))
     assert stored and evicted == [b"\x01"]
     assert c.keys() == [b"\x02", b"\x00", b"\x03"]
     assert c.usage_bytes == 3 * PAGE_BYTES and c.capacity_bytes == 3 * PAGE_BYTES
@@ -36,11 +36,11 @@ def test_lru_evicts_least_recently_used_within_capacity():
 
 def test_put_of_a_held_key_only_touches_and_too_big_is_not_stored():
     c = HostKVCache(2 * PAGE_BYTES)
-    c.put(b"a", *page(1))
-    c.put(b"b", *page(2))
-    assert c.put(b"a", *page(9)) == (False, [])  # same key, same content: kept, now newest
-    assert c.keys() == [b"b", b"a"] and c.get(b"a")[0][0, 0, 0, 0] == 1
-    assert c.put(b"big", *page(1, shape=(2, 1, 4, 64))) == (False, [])
+    c.put(b"a", page(1))
+    c.put(b"b", page(2))
+    assert c.put(b"a", page(9)) == (False, [])  # same key, same content: kept, now newest
+    assert c.keys() == [b"b", b"a"] and c.get(b"a")["k"][0, 0, 0, 0] == 1
+    assert c.put(b"big", page(1, shape=(2, 1, 4, 64))) == (False, [])
     assert len(c) == 2 and c.stores == 2
     assert "a" not in c and b"a" in c and c.contains(b"b")
     with pytest.raises(ValueError):
@@ -49,7 +49,7 @@ def test_put_of_a_held_key_only_touches_and_too_big_is_not_stored():
 
 def test_zero_capacity_holds_nothing():
     c = HostKVCache(0)
-    assert c.put(b"a", *page(1)) == (False, []) and len(c) == 0
+    assert c.put(b"a", page(1)) == (False, []) and len(c) == 0
 
 
 # -- KVCacheManager with a host tier --------------------------------------------------------
@@ -91,7 +91,7 @@ def test_a_key_the_host_already_holds_is_not_saved_again():
     a = tokens(12)
     fill(kv, "a", a)
     for k in prompt_page_hashes(a, 4, None):
-        host.put(k, *page(0))
+        host.put(k, page(0))
     assert kv.allocate_pages("b", 20)
     assert kv.take_evicted() == []
 
@@ -111,7 +111,7 @@ def test_lookup_continues_into_the_host_tier_and_allocate_records_loads():
     keys = prompt_page_hashes(ids, 4, None)
     fill(kv, "a", ids[:8])  # pages 0-1 on device
     for k in keys[2:4]:  # pages 2-3 in the host tier only
-        host.put(k, *page(1))
+        host.put(k, page(1))
     hit = kv.lookup_prefix(ids, None, max_tokens=16)
     assert hit.keys == tuple(keys[:2]) and hit.host_keys == tuple(keys[2:4])
     assert len(hit.page_ids) == 2 and hit.num_tokens == 16
@@ -132,8 +132,8 @@ def test_host_hit_stops_at_the_first_key_in_neither_tier_and_respects_max_tokens
     kv = manager(num_pages=8, host=host)
     ids = tokens(20)
     keys = prompt_page_hashes(ids, 4, None)
-    host.put(keys[0], *page(0))
-    host.put(keys[2], *page(0))  # key 1 missing: 2 is unreachable
+    host.put(keys[0], page(0))
+    host.put(keys[2], page(0))  # key 1 missing: 2 is unreachable
     hit = kv.lookup_prefix(ids, None, max_tokens=19)
     assert hit.page_ids == () and hit.host_keys == (keys[0],) and hit.num_tokens == 4
     assert kv.lookup_prefix(ids, None, max_tokens=3).num_tokens == 0
@@ -144,9 +144,9 @@ def test_a_host_hit_that_left_the_host_tier_is_stale():
     kv = manager(host=host)
     ids = tokens(9)
     keys = prompt_page_hashes(ids, 4, None)
-    host.put(keys[0], *page(0))
+    host.put(keys[0], page(0))
     hit = kv.lookup_prefix(ids, None, max_tokens=8)
-    host.put(b"other", *page(0))  # evicts keys[0]
+    host.put(b"other", page(0))  # evicts keys[0]
     with pytest.raises(ValueError, match="stale"):
         kv.allocate_pages("r", 9, prefix=hit)
     kv.check_invariants()
@@ -157,7 +157,7 @@ def test_a_host_hit_that_does_not_fit_takes_nothing():
     kv = manager(num_pages=4, host=host)  # 3 usable pages
     ids = tokens(16)
     for k in prompt_page_hashes(ids, 4, None)[:3]:
-        host.put(k, *page(0))
+        host.put(k, page(0))
     hit = kv.lookup_prefix(ids, None, max_tokens=15)
     assert len(hit.host_keys) == 3
     assert not kv.allocate_pages("r", 16, prefix=hit)  # 4 pages needed
@@ -200,7 +200,7 @@ def test_evicted_prefix_reloads_from_the_host_tier_with_identical_output(jax_cac
         assert first[-1].cached_tokens == 0 and first[-1].host_cached_tokens == 0
         pages = lp.kv.lookup_prefix(a, None, 40).page_ids
         assert len(pages) == 5
-        k0, v0 = (np.asarray(x)[:, :, :5] for x in lp.engine.read_pages(pages, 16))
+        k0, v0 = (np.asarray(x)[:, :, :5] for x in lp.engine.read_pages(pages, 16).values())
         # 90 + 4 tokens need all 12 pages: every cached page of a is evicted.
         asyncio.run(collect(lp, request(prompt(90, 3), max_tokens=4, ignore_eos=True)))  # (the loop is idle)
         assert lp.kv.lookup_prefix(a, None, 40).page_ids == ()
@@ -208,7 +208,7 @@ def test_evicted_prefix_reloads_from_the_host_tier_with_identical_output(jax_cac
         n = len(plans)
         again_ids, again = asyncio.run(collect(lp, request(a, **sampled)))
         reloaded = lp.kv.lookup_prefix(a, None, 40).page_ids
-        k1, v1 = (np.asarray(x)[:, :, :5] for x in lp.engine.read_pages(reloaded, 16))
+        k1, v1 = (np.asarray(x)[:, :, :5] for x in lp.engine.read_pages(reloaded, 16).values())
     finally:
         lp.stop()
     np.testing.assert_array_equal(k1, k0)  # bit for bit, in other pages
