@@ -405,7 +405,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
     return ffi::Error::Success();
   }
   shared->isa = isa;
-  const int64_t unit = p.w_kn ? 64 : 16;
+  const int64_t unit = 64;  // columns; the amx path takes 64 a pass
   const int64_t units = (p.n + unit - 1) / unit;
   const int64_t per = std::max<int64_t>(1, units / (8 * threads));
   shared->chunk = per * unit;

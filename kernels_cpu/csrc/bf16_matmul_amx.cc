@@ -45,11 +45,12 @@ struct alignas(64) TileConfig {
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
 
-// Tiles: 0 = A, 1 = B, 2..5 = the result tiles of up to kGroups groups of 16 x rows.
+// Tiles: 0 and 6 = A, 1 = B, 2..5 = the result tiles of up to kGroups groups of 16 x rows (or,
+// with one group, of 4 blocks of 16 weight rows).
 AMX_TARGET void Configure() {
   TileConfig c;
   c.palette = 1;
-  for (int t = 0; t < 2 + kGroups; ++t) {
+  for (int t = 0; t < 7; ++t) {
     c.rows[t] = kTile;
     c.colsb[t] = 64;
   }
@@ -83,8 +84,48 @@ AMX_TARGET inline void Accumulate(int g) {
   }
 }
 
+// [N, K] with at most 16 rows of x: 64 output columns a pass (4 result tiles, the weight tiles
+// loaded into tiles 0 and 6 in turn), so 4 blocks of weight rows stream at once. Each result
+// element is summed as in NkColumns (the same tiles of k in the same order).
+AMX_TARGET void NkColumnsOneGroup(const AmxProblem& p, int64_t n0, int64_t n1) {
+  constexpr int64_t kWide = 4 * kTile;
+  std::vector<uint16_t> block;
+  alignas(64) float result[kTile * kTile];
+  for (int64_t n = n0; n < n1; n += kWide) {
+    const int64_t cols = std::min<int64_t>(kWide, n1 - n);  // n1 <= N; chunks are 64 columns
+    const uint16_t* a = p.w + n * p.k;
+    int64_t lda = p.k;
+    if (p.k % kPair != 0 || cols < kWide) {
+      block.assign(kWide * p.kp, 0);
+      for (int64_t i = 0; i < cols; ++i) std::memcpy(block.data() + i * p.kp, p.w + (n + i) * p.k, p.k * 2);
+      a = block.data();
+      lda = p.kp;
+    }
+    const int64_t stride = lda * 2, step = kTile * lda;
+    ZeroResults();
+    for (int64_t k = 0; k < p.kp; k += kPair) {
+      _tile_loadd(1, p.xb + (k / 2) * kPair, 64);
+      _tile_loadd(0, a + k, stride);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(6, a + step + k, stride);
+      _tile_dpbf16ps(3, 6, 1);
+      _tile_loadd(0, a + 2 * step + k, stride);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(6, a + 3 * step + k, stride);
+      _tile_dpbf16ps(5, 6, 1);
+    }
+    for (int64_t t = 0; t < 4 && t * kTile < cols; ++t) {
+      StoreResult(int(t), result);  // result[i][j]: column n + 16 t + i, row j
+      const int64_t c = std::min<int64_t>(kTile, cols - t * kTile);
+      for (int64_t j = 0; j < p.m; ++j)
+        for (int64_t i = 0; i < c; ++i) p.out[j * p.n + n + t * kTile + i] = result[i * kTile + j];
+    }
+  }
+}
+
 // [N, K]: output columns n0..n1 (n0 a multiple of 16).
 AMX_TARGET void NkColumns(const AmxProblem& p, int64_t n0, int64_t n1) {
+  if (p.m <= kTile) return NkColumnsOneGroup(p, n0, n1);
   const int64_t groups = (p.m + kTile - 1) / kTile;
   const bool direct = p.k % kPair == 0;
   std::vector<uint16_t> block;  // a weight block padded with zeros (K not a multiple of 32, or N's tail)
