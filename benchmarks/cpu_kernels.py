@@ -20,8 +20,11 @@ values and scales / time).
 
 bfloat16 weights (issue 42; a second table): "bf16" (XLA's bf16 dot, as above) against
 "bf16-kernel" (``kernels_cpu.Bf16Matmul`` through ``Compute.bf16_matmul``) and
-"bf16-kernel-avx2" (its AVX2 path, forced), with the bf16 weight bytes each reads per second
-and the kernel's share of the read ceiling.
+"bf16-kernel-avx2" (its AVX2 path, forced), "bf16-kernel-avx512" and "bf16-kernel-amx" (those
+paths forced; "bf16-kernel" takes amx for the head where it runs), and "bf16-served" (XLA's bf16
+dot with the batch-invariant row padding of the default bf16 server: at least 4 rows a tile of
+16), with the bf16 weight bytes each reads per second and the first kernel's share of the read
+ceiling; "kernel / xla" is over "bf16-served" when it is measured, else over "bf16".
 
 The bandwidth probe copies a 512 MiB float32 array with NumPy, on one thread and on two
 threads (each copying half), and prints bytes moved per second (read + write) and bytes read
@@ -50,9 +53,11 @@ import kernels_cpu
 from benchmarks.quantized_dot import D, nbytes, weights
 from benchmarks.roofline import median_time
 from model.compute import Compute
+from serving.engine.backend_policy import CPU_INVARIANT_DOT_ROWS
 
-VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "bf16-kernel", "bf16-kernel-avx2")
-BF16_VARIANTS = ("bf16", "bf16-kernel", "bf16-kernel-avx2")
+VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "bf16-kernel", "bf16-kernel-avx2",
+            "bf16-served", "bf16-kernel-avx512", "bf16-kernel-amx")
+BF16_VARIANTS = ("bf16", "bf16-kernel", "bf16-kernel-avx2", "bf16-served", "bf16-kernel-avx512", "bf16-kernel-amx")
 WORKLOADS = ("head", "layer", "layers")
 F = 2048
 
@@ -82,8 +87,10 @@ def copy_bandwidth(threads: int, mib: int = 512, iters: int = 5) -> float:
 
 def _compute(variant: str) -> Compute:
     if variant.startswith("bf16-kernel"):
-        isa = "avx2" if variant.endswith("avx2") else "auto"
+        isa = variant.removeprefix("bf16-kernel").removeprefix("-") or "auto"
         return Compute(pad_single_row=True, bf16_matmul=kernels_cpu.Bf16Matmul(isa=isa))
+    if variant == "bf16-served":
+        return Compute(pad_single_row=True, dot_rows=CPU_INVARIANT_DOT_ROWS)
     matmul = {"kernel": kernels_cpu.Int8Matmul(), "kernel-1t": kernels_cpu.Int8Matmul(),
               "kernel-avx2": kernels_cpu.Int8Matmul(isa="avx2")}.get(variant)
     return Compute(pad_single_row=True, quantized_dot="int8x2", int8_matmul=matmul)
@@ -153,7 +160,8 @@ def main(argv=None) -> int:
     if not kernels_cpu.available():
         print(f"the CPU kernels are unavailable: {kernels_cpu.load_error()}")
         return 1
-    variants = [v for v in args.variants if not v.endswith("avx2") or "avx2" in kernels_cpu.isas()]
+    variants = [v for v in args.variants
+                if not v.endswith(("avx2", "amx", "avx512")) or v.rsplit("-", 1)[1] in kernels_cpu.isas()]
     bf16_variants = [v for v in variants if v in BF16_VARIANTS]
     variants = [v for v in variants if v not in BF16_VARIANTS[1:]]
     print(f"load average at start: {os.getloadavg()[0]:.2f}; jax {jax.__version__}; kernel paths "
@@ -196,7 +204,8 @@ def main(argv=None) -> int:
 
 def _bf16_table(args, ws, variants, read_ceiling, rng) -> None:
     """The bf16 kernel's table: ms per call, speed-up over XLA's bf16 dot, weight GB/s."""
-    kernels = [v for v in variants if v != "bf16"]
+    kernels = [v for v in variants if v.startswith("bf16-kernel")] or variants[-1:]
+    base = "bf16-served" if "bf16-served" in variants else "bf16"
     print("\n| workload | rows | " + " | ".join(f"{v} ms" for v in variants) + " | kernel / xla | "
           + " | ".join(f"{v} GB/s" for v in variants) + " | kernel % of read |")
     print("|---" * (4 + 2 * len(variants)) + "|")
@@ -206,7 +215,7 @@ def _bf16_table(args, ws, variants, read_ceiling, rng) -> None:
         for rows in args.rows:
             x = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
             ms = {v: 1e3 * _time(fns[v], x, ws[workload]["bf16"], v, args.iters) for v in variants}
-            speed = f"{ms['bf16'] / ms[kernels[0]]:.2f}x" if "bf16" in ms else "-"
+            speed = f"{ms[base] / ms[kernels[0]]:.2f}x" if base in ms else "-"
             gbs = {v: wbytes / (ms[v] / 1e3) / 1e9 for v in variants}
             print(f"| {workload} | {rows} | " + " | ".join(f"{ms[v]:.2f}" for v in variants) + f" | {speed} | "
                   + " | ".join(f"{gbs[v]:.1f}" for v in variants)

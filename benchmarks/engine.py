@@ -158,6 +158,24 @@ def time_decode(engine, slots: int, context: int, steps: int, repeats: int) -> f
     return statistics.median(times)
 
 
+def time_decode_interleaved(engines: dict, slots: int, context: int, steps: int, repeats: int) -> dict:
+    """Seconds per decode step of each engine (median of repeats), the engines' timed runs
+    alternated (A, B, A, B, ...) so a shared machine's load falls on every variant alike."""
+    rows = {name: decode_rows(eng, slots, context) for name, eng in engines.items()}
+    for name, eng in engines.items():
+        jax.block_until_ready(eng.decode(rows[name]))  # compile (or cache hit) and warm up
+        jax.block_until_ready(eng.decode(rows[name]))
+    times = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = eng.decode(rows[name])
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def time_prefill(engine, tokens: int, repeats: int) -> float:
     """Seconds for one prefill step of a ``tokens``-token prompt at position 0 (median)."""
     from serving.core.sched.step_plan import PrefillRow
@@ -198,8 +216,9 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
     print("\ndecode (one token per slot per step)")
     for C in args.context:
         for B in args.slots:
+            interleaved = time_decode_interleaved(engines, B, C, args.steps, args.repeats)
             for dt, eng in engines.items():
-                t = time_decode(eng, B, C, args.steps, args.repeats)
+                t = interleaved[dt]
                 kv_dt, w_dt = variant_parts(dt.split("/")[0])
                 cost = step_cost(cfg, w_dt, kv_dt, queries=[(C - 1, 1)] * B, logits_rows=B)
                 print(f"  slots {B:3} context {C:5} {dt:13}: {t * 1e3:8.1f} ms/step, "

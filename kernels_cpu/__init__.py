@@ -1,6 +1,7 @@
 """Matmul kernels of our own for XLA:CPU, called from jitted code through XLA's typed FFI.
 
-``csrc/`` holds the C++ (built by ``pip install`` with CMake into ``_kernels.so``,
+``csrc/`` holds the C++ (``bf16_matmul_amx.cc``: the bf16 kernel's AMX tiles; built by ``pip
+install`` with CMake into ``_kernels.so``,
 ``CMakeLists.txt``; an editable install does not rebuild it by itself: run ``pip install -e .``
 again after editing ``csrc/``), ``library.py`` finds and loads it and registers its FFI
 targets, ``int8_matmul.py`` and ``bf16_matmul.py`` are the JAX entries. Where no compiler was found at install time the

@@ -16,8 +16,15 @@ by the kernel and by XLA's dot may differ in the last bits: a caller that wants 
 must not switch between them by row count (:class:`Bf16Matmul`'s ``max_rows``).
 
 Instruction sets and threads: as ``kernels_cpu.int8_matmul`` (``isa`` "auto", "avx2",
-"avx512" (AVX512F/BW; no AVX512_BF16 needed) or "scalar"; ``$XLASERVE_CPU_KERNELS_ISA``;
-``$XLASERVE_CPU_KERNELS_THREADS``; ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS``).
+"avx512" (AVX512F/BW; no AVX512_BF16 needed), "scalar" or "amx"; ``$XLASERVE_CPU_KERNELS_ISA``;
+``$XLASERVE_CPU_KERNELS_THREADS``; ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS``). "amx"
+(``csrc/bf16_matmul_amx.cc``) runs a bfloat16 x on Intel AMX tiles (TDPBF16PS: pairs of exact
+products added in the hardware's fixed order, tiles of 32 k ascending; a float32 x takes the
+avx512 path); "auto" takes it for a [N, K] weight where the CPU has AMX-BF16 and Linux lends the
+tiles (``kernels_cpu.isas()`` lists "amx"); a [K, N] weight is repacked into tile pairs on every
+call, so "amx" is there only on request. On the 2-core Sapphire Rapids VM it measured bitwise
+equal to XLA's bf16 dot on the shapes of the tests (XLA's dot runs on AMX there too) and faster
+than it on the Gemma head at 4-64 rows (benchmarks/RESULTS.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -80,10 +87,22 @@ class Bf16Matmul:
       max_rows: products of more rows run XLA's dot (``reference_bf16_matmul``; None: the
         kernel always). The two differ in rounding, so a row's bits then depend on its
         batch's size: leave it None where batch invariance is wanted.
+      contracts: the weight layouts the kernel serves (0: [K, N], 1: [N, K]); and
+      min_columns: the fewest output columns N it serves. :meth:`serves` says which products
+        are the kernel's: a choice by the weight's shape alone, so each matmul of a model is
+        always computed one way whatever the row count (the backend policy serves only the
+        output head this way: ``(1,)`` and a vocabulary's columns).
     """
 
     isa: str = "auto"
     max_rows: int | None = None
+    contracts: tuple[int, ...] = (0, 1)
+    min_columns: int = 0
+
+    def serves(self, contract: int, columns: int) -> bool:
+        """Whether a product with a weight of layout ``contract`` and ``columns`` output
+        columns is the kernel's (else the caller computes it as it would without the kernel)."""
+        return contract in self.contracts and columns >= self.min_columns
 
     def __call__(self, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
         if self.max_rows is not None and x.shape[0] > self.max_rows:

@@ -9,7 +9,8 @@ result never depends on its batch. With per-row quantized activations and per-ch
 scales around it, it is the int32 core of ``model.quantization``'s "int8" and "int8x2" dots.
 
 Instruction sets (``isa``): "auto" (the best this CPU runs: avx512 with AVX512_VNNI, else
-avx2, else scalar), "avx2", "avx512" or "scalar"; ``$XLASERVE_CPU_KERNELS_ISA`` sets what
+avx2, else scalar), "avx2", "avx512" or "scalar" ("amx", a path of the bf16 kernel only, means
+"auto" here); ``$XLASERVE_CPU_KERNELS_ISA`` sets what
 "auto" means in this process (tests force the AVX2 path on an AVX-512 CPU with it or with
 the argument). Threads: the output columns are split over XLA's intra-op pool (at most the
 cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
@@ -28,9 +29,9 @@ import numpy as np
 
 from kernels_cpu.library import INT8_MATMUL_TARGET, available, load_error
 
-ISAS = ("auto", "avx2", "avx512", "scalar")
+ISAS = ("auto", "avx2", "avx512", "scalar", "amx")
 ISA_ENV = "XLASERVE_CPU_KERNELS_ISA"
-ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "scalar": 3}
+ISA_CODES = {"auto": 0, "avx2": 1, "avx512": 2, "scalar": 3, "amx": 4}
 """The kernels' ``isa`` attribute values (shared by every kernel of ``csrc/``)."""
 
 

@@ -97,9 +97,10 @@ class Compute:
         static argument); None: XLA's dot.
       bf16_matmul: how :meth:`dot` computes a bfloat16 product of a 2-D ``[rows, K]`` by a
         2-D weight (``"tk,kn->tn"`` / ``"tk,nk->tn"`` forms): ``(a: [M, K] bfloat16, b:
-        bfloat16 [K, N] or [N, K], contract axis of b) -> [M, N] float32`` (a kernel the
-        backend policy chose, e.g. ``kernels_cpu.Bf16Matmul``; it must keep a row's result
-        independent of the row count, as it replaces the ``dot_rows`` padding); None: XLA's dot.
+        bfloat16 [K, N] or [N, K], contract axis of b) -> [M, N] float32`` for the products its
+        ``serves(contract, N)`` accepts (a kernel the backend policy chose, e.g.
+        ``kernels_cpu.Bf16Matmul``; it must keep a row's result independent of the row count, as
+        it replaces the ``dot_rows`` padding); the others, and None: XLA's dot.
     """
 
     pad_single_row: bool = False
@@ -158,7 +159,8 @@ class Compute:
         a, b = a.astype(dtype), b.astype(dtype)
         if self.bf16_matmul is not None and a.dtype == jnp.bfloat16:
             contract = matrix_contract_axis(eq)
-            if contract is not None and a.ndim == 2 and b.ndim == 2:
+            if (contract is not None and a.ndim == 2 and b.ndim == 2
+                    and self.bf16_matmul.serves(contract, b.shape[1 - contract])):
                 return self.bf16_matmul(a, b, contract)
         rows = a.shape[0]
         padded = rows

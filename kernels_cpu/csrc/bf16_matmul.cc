@@ -10,7 +10,9 @@
 // With bfloat16 x (what model.compute.Compute.dot passes) each product is exact, so the result
 // is the exact sum rounded at each addition: XLA's bf16 dot with preferred_element_type=f32
 // computes the same sum in another order (the tests' tolerance is float32 summation error).
-// No vdpbf16ps: it would round a float32 x to bfloat16 and flushes denormals.
+// No vdpbf16ps: it would round a float32 x to bfloat16 and flushes denormals (and on the 2-core
+// Sapphire Rapids VM it ran at a quarter of the fused multiply-adds' rate). The amx path
+// (bf16_matmul_amx.cc, a bfloat16 x only) sums pairs of exact products on AMX tiles instead.
 //
 // Batch invariance: each output element is summed in one fixed order, whatever M, the row
 // block, the column block or the thread split: row r of an M-row call equals a 1-row call bit
@@ -18,10 +20,13 @@
 //   [N, K]: avx512: 16 lane sums over k (k = lane mod 16, ascending), then a fixed shuffle tree;
 //           avx2:   8 lane sums over k (k = lane mod 8), then a fixed tree;
 //           scalar: k ascending.
-//   [K, N]: every path: k ascending (one lane per output column).
+//   [K, N]: every path but amx: k ascending (one lane per output column);
+//   amx, both layouts: tiles of 32 k ascending, 16 pairs a tile in the hardware's fixed order.
 //
-// Paths, chosen at run time (attribute `isa`: 0 auto, 1 avx2, 2 avx512, 3 scalar), as the int8
-// kernel's: avx512 (AVX512F/BW), avx2 (AVX2 + FMA), scalar (any CPU, no fused multiply-add).
+// Paths, chosen at run time (attribute `isa`: 0 auto, 1 avx2, 2 avx512, 3 scalar, 4 amx), as the
+// int8 kernel's: amx (AMX-BF16 with the tiles lent by Linux, a bfloat16 x; "auto" takes it for
+// a [N, K] weight where it runs; a float32 x takes avx512), avx512 (AVX512F/BW), avx2 (AVX2 +
+// FMA), scalar (any CPU, no fused multiply-add).
 // Threads: as the int8 kernel, output columns in chunks over XLA's intra-op pool, products under
 // $XLASERVE_CPU_KERNELS_PARALLEL_MACS (default 2**25) on the calling thread.
 
@@ -39,13 +44,19 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_matmul_amx.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+// Every loop over a register block (rows, columns, vectors) fully unrolled: GCC 12 otherwise
+// keeps the accumulator arrays addressable and stores all of them to the stack on every k
+// step. Unrolling does not reorder any floating-point sum.
+#define XS_UNROLL _Pragma("GCC unroll 16")
+
 namespace {
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3, kAmx = 4 };
 
 constexpr int64_t kPrefetchBytes = 4096;  // [N, K]: bytes ahead of the weight loads
 constexpr int64_t kPrefetchRows = 16;     // [K, N]: weight rows ahead
@@ -56,6 +67,7 @@ struct Problem {
   float* out;
   int64_t m, n, k, kp;
   bool w_kn;
+  const xlaserve_amx::AmxProblem* amx;  // the amx path's problem (x packed for the tiles)
 };
 
 inline float Bf16ToF32(uint16_t b) {
@@ -108,26 +120,26 @@ AVX512_TARGET inline __m128 Sum4x512(const __m512 v[4]) {
 template <int MB, int NB>
 AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
   __m512 acc[MB][4];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  XS_UNROLL for (int i = 0; i < MB; ++i)
+    XS_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < p.k; k += 16) {
     const int64_t left = p.k - k;
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) {
+    XS_UNROLL for (int j = 0; j < NB; ++j) {
       const uint16_t* wr = p.w + (n + j) * p.k + k;
       _mm_prefetch(reinterpret_cast<const char*>(wr) + kPrefetchBytes, _MM_HINT_T0);
       wv[j] = Widen512(_mm256_maskz_loadu_epi16(mask, wr));
     }
-    for (int i = 0; i < MB; ++i) {
+    XS_UNROLL for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_loadu_ps(p.x + (m0 + i) * p.kp + k);  // zeros past k
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      XS_UNROLL for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   alignas(16) float sums[4];
-  for (int i = 0; i < MB; ++i) {
+  XS_UNROLL for (int i = 0; i < MB; ++i) {
     _mm_store_ps(sums, Sum4x512(acc[i]));
-    for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j];
+    XS_UNROLL for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j];
   }
 }
 
@@ -136,13 +148,13 @@ template <int MB>
 AVX512_TARGET void Avx512KnBlock(const Problem& p, int64_t m0, int64_t n0) {
   const int64_t cols = std::min<int64_t>(64, p.n - n0);
   __mmask16 mask[4];
-  for (int v = 0; v < 4; ++v) {
+  XS_UNROLL for (int v = 0; v < 4; ++v) {
     const int64_t c = std::clamp<int64_t>(cols - 16 * v, 0, 16);
     mask[v] = c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << c) - 1);
   }
   __m512 acc[MB][4];
-  for (int r = 0; r < MB; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  XS_UNROLL for (int r = 0; r < MB; ++r)
+    XS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < p.k; ++k) {
     const uint16_t* wr = p.w + k * p.n + n0;
     if (k + kPrefetchRows < p.k) {
@@ -150,14 +162,14 @@ AVX512_TARGET void Avx512KnBlock(const Problem& p, int64_t m0, int64_t n0) {
       _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * p.n + 32), _MM_HINT_T0);
     }
     __m512 wv[4];
-    for (int v = 0; v < 4; ++v) wv[v] = Widen512(_mm256_maskz_loadu_epi16(mask[v], wr + 16 * v));
-    for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int v = 0; v < 4; ++v) wv[v] = Widen512(_mm256_maskz_loadu_epi16(mask[v], wr + 16 * v));
+    XS_UNROLL for (int r = 0; r < MB; ++r) {
       const __m512 xb = _mm512_set1_ps(p.x[(m0 + r) * p.kp + k]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+      XS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < MB; ++r)
-    for (int v = 0; v < 4; ++v)
+  XS_UNROLL for (int r = 0; r < MB; ++r)
+    XS_UNROLL for (int v = 0; v < 4; ++v)
       _mm512_mask_storeu_ps(p.out + (m0 + r) * p.n + n0 + 16 * v, mask[v], acc[r][v]);
 }
 
@@ -190,24 +202,24 @@ AVX2_TARGET inline __m128 Sum4x256(const __m256 v[4]) {
 template <int MB, int NB>
 AVX2_TARGET void Avx2NkBlock(const Problem& p, int64_t m0, int64_t n) {
   __m256 acc[MB][4];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  XS_UNROLL for (int i = 0; i < MB; ++i)
+    XS_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < p.k; k += 8) {
     __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) {
+    XS_UNROLL for (int j = 0; j < NB; ++j) {
       const uint16_t* wr = p.w + (n + j) * p.k + k;
       _mm_prefetch(reinterpret_cast<const char*>(wr) + kPrefetchBytes, _MM_HINT_T0);
       wv[j] = Widen256(Load8(wr, p.k - k));
     }
-    for (int i = 0; i < MB; ++i) {
+    XS_UNROLL for (int i = 0; i < MB; ++i) {
       const __m256 xv = _mm256_loadu_ps(p.x + (m0 + i) * p.kp + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      XS_UNROLL for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   alignas(16) float sums[4];
-  for (int i = 0; i < MB; ++i) {
+  XS_UNROLL for (int i = 0; i < MB; ++i) {
     _mm_store_ps(sums, Sum4x256(acc[i]));
-    for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j];
+    XS_UNROLL for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j];
   }
 }
 
@@ -216,20 +228,20 @@ template <int MB>
 AVX2_TARGET void Avx2KnBlock(const Problem& p, int64_t m0, int64_t n0) {
   const int64_t cols = std::min<int64_t>(32, p.n - n0);
   __m256 acc[MB][4];
-  for (int r = 0; r < MB; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  XS_UNROLL for (int r = 0; r < MB; ++r)
+    XS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < p.k; ++k) {
     const uint16_t* wr = p.w + k * p.n + n0;
     if (k + kPrefetchRows < p.k) _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * p.n), _MM_HINT_T0);
     __m256 wv[4];
-    for (int v = 0; v < 4; ++v) wv[v] = Widen256(Load8(wr + 8 * v, cols - 8 * v));
-    for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int v = 0; v < 4; ++v) wv[v] = Widen256(Load8(wr + 8 * v, cols - 8 * v));
+    XS_UNROLL for (int r = 0; r < MB; ++r) {
       const __m256 xb = _mm256_set1_ps(p.x[(m0 + r) * p.kp + k]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wv[v], acc[r][v]);
+      XS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wv[v], acc[r][v]);
     }
   }
   alignas(32) float lanes[8];
-  for (int r = 0; r < MB; ++r)
+  XS_UNROLL for (int r = 0; r < MB; ++r)
     for (int v = 0; v < 4 && 8 * v < cols; ++v) {
       _mm256_store_ps(lanes, acc[r][v]);
       std::memcpy(p.out + (m0 + r) * p.n + n0 + 8 * v, lanes, std::min<int64_t>(8, cols - 8 * v) * 4);
@@ -259,6 +271,7 @@ void AllRows(const Problem& p, int64_t col) {
 }
 
 void Columns(const Problem& p, Isa isa, int64_t n0, int64_t n1) {
+  if (isa == kAmx) return xlaserve_amx::AmxColumns(*p.amx, n0, n1);
   if (isa == kScalar) return ScalarColumns(p, n0, n1);
   if (p.w_kn) {
     const int64_t step = isa == kAvx512 ? 64 : 32;
@@ -285,6 +298,8 @@ bool Supports(Isa isa) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kScalar:
       return true;
+    case kAmx:
+      return xlaserve_amx::AmxAvailable();
     default:
       return false;
   }
@@ -308,6 +323,8 @@ struct Shared {
   Problem p;
   Isa isa;
   std::vector<float> x;  // keeps p.x alive for late tasks' (empty) loop
+  std::vector<uint16_t> xt;  // the amx path's packed x
+  xlaserve_amx::AmxProblem amx;
   int64_t chunk, chunks;
   std::atomic<int64_t> next{0}, done{0};
   void Work() {
@@ -337,27 +354,47 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   if ((p.w_kn ? wd[0] : wd[1]) != p.k || od[0] != p.m || od[1] != p.n)
     return ffi::Error::InvalidArgument("bf16_matmul: shapes do not agree");
   Isa isa = static_cast<Isa>(isa_attr);
-  if (isa == kAuto) isa = Supports(kAvx512) ? kAvx512 : Supports(kAvx2) ? kAvx2 : kScalar;
+  if (isa == kAuto)  // amx for [N, K] only: a [K, N] weight is repacked per call (slower at few rows)
+    isa = Supports(kAmx) && !p.w_kn && xt == ffi::DataType::BF16 ? kAmx
+          : Supports(kAvx512)                                    ? kAvx512
+          : Supports(kAvx2)                                      ? kAvx2
+                                                                 : kScalar;
   if (!Supports(isa)) return ffi::Error::InvalidArgument("bf16_matmul: this CPU lacks the requested isa");
+  if (isa == kAmx && xt != ffi::DataType::BF16) isa = kAvx512;  // the tiles take bfloat16 x only
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {
     std::fill(p.out, p.out + p.m * p.n, 0.0f);
     return ffi::Error::Success();
   }
 
-  // x as float32 (exact from bfloat16), rows padded with zeros to a whole vector.
-  p.kp = (p.k + 15) / 16 * 16;
-  shared->x.assign(p.m * p.kp, 0.0f);
-  for (int64_t m = 0; m < p.m; ++m) {
-    float* dst = shared->x.data() + m * p.kp;
-    if (xt == ffi::DataType::F32) {
-      std::memcpy(dst, static_cast<const float*>(x.untyped_data()) + m * p.k, p.k * 4);
-    } else {
-      const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data()) + m * p.k;
-      for (int64_t k = 0; k < p.k; ++k) dst[k] = Bf16ToF32(src[k]);
-    }
+  if (isa == kAmx) {
+    xlaserve_amx::AmxProblem& a = shared->amx;
+    a.w = p.w;
+    a.out = p.out;
+    a.m = p.m;
+    a.n = p.n;
+    a.k = p.k;
+    a.w_kn = p.w_kn;
+    xlaserve_amx::AmxPack(a, static_cast<const uint16_t*>(x.untyped_data()), shared->xt);
+    p.amx = &a;
+    p.kp = a.kp;
+  } else {
+    p.amx = nullptr;
   }
-  p.x = shared->x.data();
+  if (isa != kAmx) {  // x as float32 (exact from bfloat16), rows padded with zeros to a whole vector
+    p.kp = (p.k + 15) / 16 * 16;
+    shared->x.assign(p.m * p.kp, 0.0f);
+    for (int64_t m = 0; m < p.m; ++m) {
+      float* dst = shared->x.data() + m * p.kp;
+      if (xt == ffi::DataType::F32) {
+        std::memcpy(dst, static_cast<const float*>(x.untyped_data()) + m * p.k, p.k * 4);
+      } else {
+        const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data()) + m * p.k;
+        for (int64_t k = 0; k < p.k; ++k) dst[k] = Bf16ToF32(src[k]);
+      }
+    }
+    p.x = shared->x.data();
+  }
 
   const int64_t macs = p.m * p.n * p.k;
   const int64_t min_macs = EnvInt("XLASERVE_CPU_KERNELS_PARALLEL_MACS", int64_t(1) << 25);
@@ -368,7 +405,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
     return ffi::Error::Success();
   }
   shared->isa = isa;
-  const int64_t unit = p.w_kn ? 64 : 16;
+  const int64_t unit = 64;  // columns; the amx path takes 64 a pass
   const int64_t units = (p.n + unit - 1) / unit;
   const int64_t per = std::max<int64_t>(1, units / (8 * threads));
   shared->chunk = per * unit;

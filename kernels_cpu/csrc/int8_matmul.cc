@@ -32,9 +32,15 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_matmul_amx.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+// Every loop over a register block (rows, columns, vectors) fully unrolled: GCC 12 otherwise
+// keeps the accumulator arrays addressable and stores all of them to the stack on every k
+// step. Unrolling does not reorder any floating-point sum.
+#define XS_UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
@@ -97,30 +103,30 @@ template <int MB, int NB>
 AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[MB][4], wsum[4];
-  for (int j = 0; j < 4; ++j) {
+  XS_UNROLL for (int j = 0; j < 4; ++j) {
     wsum[j] = _mm512_setzero_si512();
-    for (int i = 0; i < MB; ++i) acc[i][j] = _mm512_setzero_si512();
+    XS_UNROLL for (int i = 0; i < MB; ++i) acc[i][j] = _mm512_setzero_si512();
   }
   for (int64_t k = 0; k < p.k; k += 64) {
     const int64_t left = p.k - k;
     const __mmask64 mask = left >= 64 ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) {
+    XS_UNROLL for (int j = 0; j < NB; ++j) {
       // Hardware prefetch alone left the head's product at ~2/3 of the speed (measured).
       _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + j) * p.k + k + kPrefetchBytes), _MM_HINT_T0);
       wv[j] = _mm512_maskz_loadu_epi8(mask, p.w + (n + j) * p.k + k);
       wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
     }
-    for (int i = 0; i < MB; ++i) {
+    XS_UNROLL for (int i = 0; i < MB; ++i) {
       const __m512i xv = _mm512_loadu_si512(p.xa + (m0 + i) * p.kp + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
+      XS_UNROLL for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
     }
   }
   alignas(16) int32_t bias[4], sums[4];
   _mm_store_si128(reinterpret_cast<__m128i*>(bias), _mm_slli_epi32(Sum4x512(wsum), 7));  // 128 * sum_k w
-  for (int i = 0; i < MB; ++i) {
+  XS_UNROLL for (int i = 0; i < MB; ++i) {
     _mm_store_si128(reinterpret_cast<__m128i*>(sums), Sum4x512(acc[i]));
-    for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j] - bias[j];
+    XS_UNROLL for (int j = 0; j < NB; ++j) p.out[(m0 + i) * p.n + n + j] = sums[j] - bias[j];
   }
 }
 
@@ -129,7 +135,7 @@ AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
 AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t n0, __mmask64 mask,
                                            __m512i g[4]) {
   __m512i r[4];
-  for (int j = 0; j < 4; ++j) {
+  XS_UNROLL for (int j = 0; j < 4; ++j) {
     if (k + j + kPrefetchRows < p.k)
       _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + j + kPrefetchRows) * p.n + n0), _MM_HINT_T0);
     r[j] = (k + j < p.k) ? _mm512_maskz_loadu_epi8(mask, p.w + (k + j) * p.n + n0)
@@ -149,30 +155,30 @@ AVX512_TARGET void Avx512KnBlock(const Problem& p, int64_t m0, int64_t n0) {
   const __mmask64 mask = cols >= 64 ? ~__mmask64(0) : ((__mmask64(1) << cols) - 1);
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[MB][4], wsum[4];
-  for (int i = 0; i < 4; ++i) {
+  XS_UNROLL for (int i = 0; i < 4; ++i) {
     wsum[i] = _mm512_setzero_si512();
-    for (int r = 0; r < MB; ++r) acc[r][i] = _mm512_setzero_si512();
+    XS_UNROLL for (int r = 0; r < MB; ++r) acc[r][i] = _mm512_setzero_si512();
   }
   for (int64_t k = 0; k < p.k; k += 4) {
     __m512i g[4];
     Avx512Interleave(p, k, n0, mask, g);
-    for (int i = 0; i < 4; ++i) wsum[i] = _mm512_dpbusd_epi32(wsum[i], ones, g[i]);
-    for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int i = 0; i < 4; ++i) wsum[i] = _mm512_dpbusd_epi32(wsum[i], ones, g[i]);
+    XS_UNROLL for (int r = 0; r < MB; ++r) {
       int32_t x4;
       std::memcpy(&x4, p.xa + (m0 + r) * p.kp + k, 4);
       const __m512i xb = _mm512_set1_epi32(x4);
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xb, g[i]);
+      XS_UNROLL for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xb, g[i]);
     }
   }
   alignas(64) int32_t lanes[4][16];
-  for (int r = 0; r < MB; ++r) {
-    for (int i = 0; i < 4; ++i) {
+  XS_UNROLL for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int i = 0; i < 4; ++i) {
       const __m512i bias = _mm512_slli_epi32(wsum[i], 7);  // 128 * sum_k w
       _mm512_store_si512(lanes[i], _mm512_sub_epi32(acc[r][i], bias));
     }
     int32_t* o = p.out + (m0 + r) * p.n + n0;
-    for (int i = 0; i < 4; ++i)
-      for (int e = 0; e < 16; ++e) {
+    XS_UNROLL for (int i = 0; i < 4; ++i)
+      XS_UNROLL for (int e = 0; e < 16; ++e) {
         const int64_t c = 16 * (e / 4) + 4 * i + e % 4;
         if (c < cols) o[c] = lanes[i][e];
       }
@@ -200,18 +206,18 @@ template <int MB>
 AVX2_TARGET void Avx2NkBlock(const Problem& p, int64_t m0, int64_t n) {
   const int8_t* wr = p.w + n * p.k;
   __m256i acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
+  XS_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
   const int64_t kv = p.k - p.k % 32;
   for (int64_t k = 0; k < kv; k += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchBytes), _MM_HINT_T0);
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
-    for (int i = 0; i < MB; ++i) {
+    XS_UNROLL for (int i = 0; i < MB; ++i) {
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xa + (m0 + i) * p.kp + k));
       const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xs + (m0 + i) * p.kp + k));
       acc[i] = Avx2Dot4(acc[i], xa, xs, wv);
     }
   }
-  for (int i = 0; i < MB; ++i) {
+  XS_UNROLL for (int i = 0; i < MB; ++i) {
     int32_t s = Sum256(acc[i]);
     const int8_t* xr = p.x + (m0 + i) * p.k;
     for (int64_t k = kv; k < p.k; ++k) s += int32_t(xr[k]) * wr[k];
@@ -222,7 +228,7 @@ AVX2_TARGET void Avx2NkBlock(const Problem& p, int64_t m0, int64_t n) {
 // As Avx512Interleave for 32 columns: vector i, lane e <-> column n0 + 16 * (e / 4) + 4 * i + e % 4.
 AVX2_TARGET inline void Avx2Interleave(const Problem& p, int64_t k, int64_t n0, int64_t cols, __m256i g[4]) {
   __m256i r[4];
-  for (int j = 0; j < 4; ++j) {
+  XS_UNROLL for (int j = 0; j < 4; ++j) {
     if (k + j + kPrefetchRows < p.k)
       _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + j + kPrefetchRows) * p.n + n0), _MM_HINT_T0);
     if (k + j >= p.k) {
@@ -247,25 +253,25 @@ template <int MB>
 AVX2_TARGET void Avx2KnBlock(const Problem& p, int64_t m0, int64_t n0) {
   const int64_t cols = std::min<int64_t>(32, p.n - n0);
   __m256i acc[MB][4];
-  for (int r = 0; r < MB; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
+  XS_UNROLL for (int r = 0; r < MB; ++r)
+    XS_UNROLL for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
   for (int64_t k = 0; k < p.k; k += 4) {
     __m256i g[4];
     Avx2Interleave(p, k, n0, cols, g);
-    for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int r = 0; r < MB; ++r) {
       int32_t a4, s4;
       std::memcpy(&a4, p.xa + (m0 + r) * p.kp + k, 4);
       std::memcpy(&s4, p.xs + (m0 + r) * p.kp + k, 4);
       const __m256i xa = _mm256_set1_epi32(a4), xs = _mm256_set1_epi32(s4);
-      for (int i = 0; i < 4; ++i) acc[r][i] = Avx2Dot4(acc[r][i], xa, xs, g[i]);
+      XS_UNROLL for (int i = 0; i < 4; ++i) acc[r][i] = Avx2Dot4(acc[r][i], xa, xs, g[i]);
     }
   }
   alignas(32) int32_t lanes[4][8];
-  for (int r = 0; r < MB; ++r) {
-    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[i]), acc[r][i]);
+  XS_UNROLL for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[i]), acc[r][i]);
     int32_t* o = p.out + (m0 + r) * p.n + n0;
-    for (int i = 0; i < 4; ++i)
-      for (int e = 0; e < 8; ++e) {
+    XS_UNROLL for (int i = 0; i < 4; ++i)
+      XS_UNROLL for (int e = 0; e < 8; ++e) {
         const int64_t c = 16 * (e / 4) + 4 * i + e % 4;
         if (c < cols) o[c] = lanes[i][e];
       }
@@ -377,6 +383,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
     return ffi::Error::InvalidArgument("int8_matmul: shapes do not agree");
   if (p.k > 65536) return ffi::Error::InvalidArgument("int8_matmul: K over 65536 could overflow int32");
   Isa isa = static_cast<Isa>(isa_attr);
+  if (isa == 4) isa = kAuto;  // "amx", a path of the bf16 kernel only: the best of this one's
   if (isa == kAuto) isa = Supports(kAvx512) ? kAvx512 : Supports(kAvx2) ? kAvx2 : kScalar;
   if (!Supports(isa)) return ffi::Error::InvalidArgument("int8_matmul: this CPU lacks the requested isa");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
@@ -440,7 +447,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveInt8Matmul, Int8MatmulImpl,
                                   .Attr<int64_t>("w_kn")
                                   .Attr<int64_t>("isa"));
 
-// The instruction sets this CPU runs (bit 1: avx2, bit 2: avx512), for the Python side.
+// The instruction sets this CPU runs (bit 1: avx2, bit 2: avx512 with VNNI, bit 3: amx, the bf16
+// kernel's tiles), for the Python side.
 extern "C" int xlaserve_cpu_kernels_isas() {
-  return (Supports(kAvx2) ? 2 : 0) | (Supports(kAvx512) ? 4 : 0);
+  return (Supports(kAvx2) ? 2 : 0) | (Supports(kAvx512) ? 4 : 0) | (xlaserve_amx::AmxAvailable() ? 8 : 0);
 }

@@ -42,8 +42,11 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
                  cfg.cpu_kernels, f"up to {rows} int8 rows, XLA's dot above" if rows else "at every row count")
     if policy.bf16_matmul is not None and str(cfg.dtype) == "bfloat16":
         rows = getattr(policy.bf16_matmul, "max_rows", None)
+        head = getattr(policy.bf16_matmul, "contracts", (0, 1)) == (1,)
         log.info("bf16 dots: xlaserve's CPU kernel (kernels_cpu, --cpu-kernels %s), %s", cfg.cpu_kernels,
-                 f"up to {rows} rows, XLA's dot above" if rows else "at every row count")
+                 f"up to {rows} rows, XLA's dot above" if rows
+                 else "the output head's at every row count, XLA's for the others" if head
+                 else "at every row count")
     vision = None
     if getattr(model.cfg, "architecture", None) == "gemma3" and cfg.checkpoint is None:
         from serving.loading.model_registry import load_vision

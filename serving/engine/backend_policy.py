@@ -45,7 +45,13 @@ piece what it needs:
                                   batch invariance is off (head 1.5-
                                   1.7x, layer 1.6-3x at 1-4 rows, 0.7x
                                   at 8); with batch invariance (the
-                                  bf16 default) XLA's dot; "on": the
+                                  bf16 default) the output head's dot
+                                  ([V, D] weight, >= 32768 columns) in
+                                  the kernel's AMX path at every row
+                                  count where the library runs it
+                                  (no row padding; 1.2-1.5x XLA's dot
+                                  at 4-64 rows), the rest XLA's dot;
+                                  "on": the
                                   kernel at every row count (decode
                                   1.3-1.9x at 1-4 slots, even at 8;
                                   64-token prefill 0.35x); "off":
@@ -123,6 +129,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_KERNELS = ("auto", "on", "off")
 CPU_KERNEL_MAX_ROWS = 4
 CPU_BF16_KERNEL_MAX_ROWS = 4
+CPU_BF16_HEAD_MIN_COLUMNS = 32768
 CPU_ARGMAX_BLOCK = 2048
 CPU_MOE_CAPACITY_MAX_ROWS = 128
 CPU_INVARIANT_DOT_ROWS = DotRows(min_rows=4, tile=16)
@@ -290,17 +297,31 @@ class BackendPolicy:
         CPU has AVX-512 (``benchmarks.cpu_kernels`` measured it 1.5-1.7x XLA's dot on the head
         and 1.6-3x on a layer matrix at 1-4 rows, 0.7x at 8; benchmarks/RESULTS.md,
         2026-12-06), but only without batch invariance: the kernel and XLA's dot round
-        differently, so switching by row count would make a row's bits depend on its batch
-        (with batch invariance, the default for bfloat16, "auto" keeps XLA's dot). "on": the
-        kernel at every row count (batch-invariant on its own). "off": None. Where the library
-        is missing "auto" and "on" log one warning and give None.
+        differently, so switching by row count would make a row's bits depend on its batch.
+        With batch invariance (the default for bfloat16) "auto" serves the output head only,
+        at every row count, where the CPU has AMX and the library runs its "amx" path: the
+        dots with a [N, K] weight of at least ``CPU_BF16_HEAD_MIN_COLUMNS`` columns (a tied
+        vocabulary head; chosen by shape, so that matmul is always the kernel's and the
+        others always XLA's, each batch-invariant); the AMX path needs no row padding and
+        measured 1.2-1.5x XLA's dot on Gemma's head at 4-64 rows (benchmarks/RESULTS.md,
+        2026-12-07); without AMX it keeps XLA's dot (the AVX-512 path is slower from 16 rows).
+        "on": the kernel at every row count for every 2-D dot (batch-invariant on its own).
+        "off": None. Where the library is missing "auto" and "on" log one warning and give None.
         """
-        if setting == "off" or (setting == "auto" and (batch_invariant or not cpu.avx512)):
+        if setting == "off" or (setting == "auto" and not cpu.avx512):
+            return None
+        if setting == "auto" and batch_invariant and not cpu.amx:
             return None
         kernels_cpu = _kernels_library(setting)
         if kernels_cpu is None:
             return None
-        return kernels_cpu.Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS if setting == "auto" else None)
+        if setting == "on":
+            return kernels_cpu.Bf16Matmul()
+        if batch_invariant:
+            if "amx" not in kernels_cpu.isas():  # no AMX tiles lent to this process
+                return None
+            return kernels_cpu.Bf16Matmul(isa="amx", contracts=(1,), min_columns=CPU_BF16_HEAD_MIN_COLUMNS)
+        return kernels_cpu.Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS)
 
     @classmethod
     def detect(cls, mesh=None, **kwargs) -> "BackendPolicy":

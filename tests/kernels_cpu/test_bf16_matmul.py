@@ -1,6 +1,7 @@
 """The weight-only bf16 kernel (``kernels_cpu.bf16_matmul``) against XLA: every row count
 1..64, odd shapes, both weight layouts, every instruction-set path this CPU runs (AVX2 forced
-on an AVX-512 CPU), threads, batch invariance bit for bit, inside jitted code, ``Compute.dot``.
+on an AVX-512 CPU; AMX tiles where Linux lends them), threads, batch invariance bit for bit,
+inside jitted code, ``Compute.dot`` and the products it gives the kernel (``Bf16Matmul.serves``).
 
 The reference is the same math in float32 (bf16 inputs widened exactly, XLA's float32 dot at
 HIGHEST precision), so the only difference is the order of the float32 additions: both are
@@ -22,7 +23,7 @@ from model.compute import Compute
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 pytestmark = pytest.mark.skipif(not kernels_cpu.available() and not HAS_COMPILER,
                                 reason="no C++ compiler: the kernels were not built")
-PATHS = [isa for isa in ("avx512", "avx2", "scalar") if isa in kernels_cpu.isas() or not kernels_cpu.isas()]
+PATHS = [isa for isa in ("avx512", "avx2", "scalar", "amx") if isa in kernels_cpu.isas() or not kernels_cpu.isas()]
 LAYOUTS = {0: "[K, N]", 1: "[N, K]"}
 
 
@@ -138,3 +139,28 @@ def test_max_rows_and_errors():
         bf16_matmul(x, w, 0)
     with pytest.raises(ValueError, match="isa must be"):
         bf16_matmul(x, w, 1, "sse")
+
+
+def test_compute_dot_gives_the_kernel_only_the_products_it_serves():
+    """A kernel that serves [N, K] weights of at least 300 columns (the backend policy's head-only
+    kernel): ``Compute.dot`` sends it the head's product at every row count, unpadded, and
+    computes the layer's and a narrower head's with XLA's dot and the ``dot_rows`` padding."""
+    from kernels_pallas.dot_rows import DotRows
+
+    head_only = Bf16Matmul(contracts=(1,), min_columns=300)
+    assert head_only.serves(1, 300) and not head_only.serves(1, 299) and not head_only.serves(0, 5000)
+    compute = Compute(pad_single_row=True, dot_rows=DotRows(min_rows=4, tile=16), bf16_matmul=head_only)
+    rng = np.random.default_rng(7)
+    head, narrow, layer = _weight(rng, 64, 300, 1), _weight(rng, 64, 299, 1), _weight(rng, 64, 64, 0)
+
+    def step(x, head, narrow, layer):
+        h = compute.dot("td,df->tf", x, layer, jnp.bfloat16)
+        return compute.dot("sd,vd->sv", h, head, jnp.bfloat16), compute.dot("sd,vd->sv", h, narrow, jnp.bfloat16), h
+
+    for rows in (1, 3):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        text = jax.jit(step).lower(x, head, narrow, layer).as_text()
+        assert text.count("xlaserve_bf16_matmul") == 1, rows
+        assert "4x64xbf16" in text  # the layer's XLA dot padded to 4 rows
+        got, _, h = jax.jit(step)(x, head, narrow, layer)
+        assert_close(got, h.astype(jnp.bfloat16), head, 1)

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 
 from model.gemma3 import Gemma3
 from serving.config.engine_config import EngineConfig
+from serving.config.server_config import ServerConfig
+from serving.engine.backend_policy import BackendPolicy
 from serving.engine.engine import Engine
 from serving.runtime.engine_loop import EngineLoop
 
@@ -23,11 +25,14 @@ SERVER_ARGS = ["--max-slots", "8", "--num-pages", "768", "--max-model-len", "204
 
 
 def make_loop(gemma_params, dtype, **overrides) -> EngineLoop:
-    """As the server builds it: the KV cache in the serving dtype (overrides: EngineConfig fields)."""
+    """As the server builds it: the KV cache in the serving dtype, the backend policy of the
+    server's default ``--cpu-kernels auto`` (in bfloat16 on an AMX CPU: the output head in
+    ``kernels_cpu``'s kernel); overrides: EngineConfig fields."""
     import dataclasses
 
     cfg, params = gemma_params
     engine_cfg = dataclasses.replace(CFG, kv_dtype=jnp.dtype(dtype).name, **overrides)
-    loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=dtype), engine_cfg))
+    policy = BackendPolicy.detect(cpu_kernels=ServerConfig().cpu_kernels)
+    loop = EngineLoop(Engine(Gemma3(cfg, params=params, dtype=dtype), engine_cfg, policy=policy))
     loop.start(warmup=False)
     return loop

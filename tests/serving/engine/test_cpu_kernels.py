@@ -21,13 +21,19 @@ from model.gemma3 import Gemma3
 from serving.config.engine_config import EngineConfig
 from serving.config.server_config import ServerConfig
 from serving.core.sched.step_plan import DecodeRow, PrefillRow, SamplingSettings
-from serving.engine.backend_policy import CPU_BF16_KERNEL_MAX_ROWS, CPU_KERNEL_MAX_ROWS, BackendPolicy
+from serving.engine.backend_policy import (
+    CPU_BF16_HEAD_MIN_COLUMNS,
+    CPU_BF16_KERNEL_MAX_ROWS,
+    CPU_KERNEL_MAX_ROWS,
+    BackendPolicy,
+)
 from serving.engine.cpu_features import CpuFeatures
 from serving.engine.engine import Engine
 from tests.support.tiny_engine import TINY
 
 AVX2 = CpuFeatures.from_flags({"AVX2": True})
 SPR = CpuFeatures.from_flags({"AVX512F": True, "AVX512_SPR": True, "AVX512VNNI": True})
+ZEN4 = CpuFeatures.from_flags({"AVX512F": True, "AVX512BF16": True, "AVX512VNNI": True})  # no AMX
 needs_kernels = pytest.mark.skipif(not kernels_cpu.available(), reason="the CPU kernels were not built")
 
 
@@ -119,12 +125,18 @@ def test_engine_decodes_the_same_through_the_kernels():
 
 
 @needs_kernels
-def test_policy_picks_the_bf16_kernel_by_setting_and_invariance():
+def test_policy_picks_the_bf16_kernel_by_setting_and_invariance(monkeypatch):
     def pick(setting, cpu=SPR, invariant=None):
         return BackendPolicy.for_platform("cpu", cpu=cpu, cpu_kernels=setting,
                                           batch_invariant=invariant).bf16_matmul
 
-    assert pick("auto") is None  # bf16 serving is batch-invariant by default: XLA's dot
+    # bf16 serving is batch-invariant by default: the output head's dot in the AMX path where
+    # the library runs it (at every row count, chosen by the weight's shape), else XLA's dot
+    head = Bf16Matmul(isa="amx", contracts=(1,), min_columns=CPU_BF16_HEAD_MIN_COLUMNS)
+    monkeypatch.setattr(kernels_cpu, "isas", lambda: ("avx2", "avx512", "amx", "scalar"))
+    assert pick("auto") == head and pick("auto", ZEN4) is None and pick("auto", AVX2) is None
+    monkeypatch.setattr(kernels_cpu, "isas", lambda: ("avx2", "avx512", "scalar"))  # tiles not lent
+    assert pick("auto") is None
     assert pick("auto", invariant=False) == Bf16Matmul(max_rows=CPU_BF16_KERNEL_MAX_ROWS)
     assert pick("auto", AVX2, invariant=False) is None
     assert pick("on") == Bf16Matmul() and pick("on", AVX2) == Bf16Matmul()
@@ -143,22 +155,29 @@ class _CountedBf16(Bf16Matmul):
 
 
 @needs_kernels
-def test_engine_decodes_bf16_through_the_kernel():
-    """A tiny random bfloat16 Gemma 3 with every 2-D matmul in the bf16 kernel: prefill and a
-    1-row decode step give XLA's tokens and log probabilities within float32 summation
-    error (the kernel sums in another order), and the 1-row step's row equals each row of a
-    3-row step from the same cache bitwise (batch invariance)."""
+@pytest.mark.parametrize("served", ["every", "head"])
+def test_engine_decodes_bf16_through_the_kernel(served):
+    """A tiny random bfloat16 Gemma 3 with every 2-D matmul in the bf16 kernel ("every", as
+    ``--cpu-kernels on``), or only its output head's ("head", as the batch-invariant "auto" on an
+    AMX CPU; the AMX path where Linux lends the tiles, the tiny vocabulary let through):
+    prefill and a 1-row decode step give XLA's tokens and log probabilities within float32
+    summation error (the kernel sums in another order), and the 1-row step's row equals each
+    row of a 3-row step from the same cache bitwise (batch invariance)."""
     model = Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     xla = BackendPolicy.for_platform("cpu", cpu_kernels="off")
     assert xla.batch_invariant and xla.bf16_matmul is None
     _TRACED.clear()
-    kernel = Engine(model, CFG, policy=dataclasses.replace(xla, bf16_matmul=_CountedBf16()))
+    counted = _CountedBf16() if served == "every" else _CountedBf16(
+        isa="amx" if "amx" in kernels_cpu.isas() else "auto", contracts=(1,))
+    kernel = Engine(model, CFG, policy=dataclasses.replace(xla, bf16_matmul=counted))
     plain = Engine(model, CFG, policy=xla)
 
     prompt = tuple([2] + [(7 * i) % 400 + 100 for i in range(12)])
     prefill = [PrefillRow("a", 0, 0, prompt, (1,), True, LOGPROBS)]
     first, want = _out(kernel.prefill(prefill)), _out(plain.prefill(prefill))
     assert _TRACED, "the engine's steps did not call the kernel"
+    if served == "head":
+        assert {w for _, w in _TRACED} == {(TINY.vocab_size, TINY.hidden_size)}, _TRACED
     np.testing.assert_array_equal(first[0], want[0])
     np.testing.assert_allclose(first[1], want[1], atol=2e-2)
 

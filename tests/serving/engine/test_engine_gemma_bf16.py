@@ -1,6 +1,8 @@
 """The engine on the real Gemma 3 270M in bfloat16 (the backend policy's batch-invariant
-reductions; golden continuations, batch invariance across programs, preemption) and in float32
-with the Pallas decode kernel (interpret mode). The float32 loop's tests: test_engine_gemma.py."""
+reductions, with the server's default ``--cpu-kernels auto``: on an AMX CPU the output head in
+the kernels_cpu AMX kernel; golden continuations, batch invariance across programs,
+preemption) and in float32 with the Pallas decode kernel (interpret mode). The float32 loop's
+tests: test_engine_gemma.py."""
 
 from __future__ import annotations
 
