@@ -11,6 +11,7 @@ import asyncio
 import base64
 import dataclasses
 import io
+import threading
 import time
 
 import httpx
@@ -51,6 +52,9 @@ class VisionTokenizer(FakeTokenizer):
 @dataclasses.dataclass(eq=False)
 class VisionEngine(FakeEngine):
     vision: VisionSpec = SPEC
+
+
+GATE_TIMEOUT_S = 30
 
 
 def _flat_png_url(w: int, h: int) -> str:
@@ -100,33 +104,34 @@ async def test_a_rate_limited_key_gets_429_before_any_decode(setup):
         assert len(decodes) == 1  # refused before its image was decoded
 
 
-async def test_health_answers_while_large_images_decode(setup):
+async def test_health_answers_while_large_images_decode(setup, monkeypatch):
+    """Four requests' image decodes are held in flight (each waits on a gate) while ``/health`` is
+    asked: it answers, so no decode holds the event loop; released, every request is answered
+    and metered. On the event loop, a held decode would stall the loop until its gate timed out
+    (then the test fails on that timeout)."""
     services, client, decodes = setup
-    url = _flat_png_url(5000, 4000)  # 20 Mpx: ~0.5 s of decoding each
-    gaps = []
+    counting = image_input.decode_image  # the fixture's recording wrapper
+    gate, started, timed_out, threads = threading.Event(), threading.Semaphore(0), [], set()
+
+    def held(*args, **kwargs):
+        threads.add(threading.get_ident())
+        started.release()
+        if not gate.wait(GATE_TIMEOUT_S):
+            timed_out.append(True)
+        return counting(*args, **kwargs)
+
+    monkeypatch.setattr(image_input, "decode_image", held)
+    url = _flat_png_url(640, 480)
     async with client:
-        done = asyncio.Event()
-
-        async def poll():
-            last = time.monotonic()
-            while not done.is_set():
-                assert (await client.get("/health")).status_code == 200
-                await asyncio.sleep(0.005)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        poller = asyncio.create_task(poll())
-        results = await asyncio.gather(*(client.post("/v1/chat/completions", json=_chat(url)) for _ in range(4)))
-        done.set()
-        await poller
+        requests = asyncio.gather(*(client.post("/v1/chat/completions", json=_chat(url)) for _ in range(4)))
+        assert await asyncio.to_thread(started.acquire, True, GATE_TIMEOUT_S), "no decode started"
+        health = await client.get("/health")
+        gate.set()
+        results = await requests
+    assert health.status_code == 200 and not timed_out
+    assert threading.main_thread().ident not in threads
     assert [r.status_code for r in results] == [200] * 4
     assert len(decodes) == 4
-    # Half the shortest decode, and at least 100 ms (quiet, the gaps measured 25-30 ms; a loaded
-    # 2-core machine running other tests' threads stretches them): on the event loop, each
-    # decode would stall /health for all of its own time.
-    bound = max(0.1, min(decodes) / 2)
-    assert max(gaps) < bound, f"longest /health gap {max(gaps) * 1000:.0f} ms (bound {bound * 1000:.0f} ms)"
     rows = services.ledger.rows()
     assert [r["status"] for r in rows] == ["ok"] * 4
 
