@@ -53,19 +53,18 @@ def test_engine_benchmark_runs_on_the_tiny_shape(tmp_path):
     from benchmarks import engine
 
     out = tmp_path / "engine.json"
-    engine.main(["--shape", "tiny", "--dtype", "float32", "bfloat16", "--slots", "3", "--context", "40",
+    engine.main(["--shape", "tiny", "--dtype", "bfloat16", "--slots", "3", "--context", "40",
                  "--prefill", "16", "--steps", "1", "--repeats", "1", "--json", str(out)])
     report = json.loads(out.read_text())
-    assert {(r["slots"], r["dtype"]) for r in report["decode"]} == {(3, "float32"), (3, "bfloat16")}
-    assert [r["bucket"] for r in report["prefill"]] == [16, 16]
+    assert {(r["slots"], r["dtype"]) for r in report["decode"]} == {(3, "bfloat16")}
+    assert [r["bucket"] for r in report["prefill"]] == [16]
     for row in report["decode"] + report["prefill"]:
         assert row["tokens_per_s"] > 0 and row["bandwidth_fraction"] > 0 and row["compute_fraction"] > 0
     for row in report["decode"]:  # where the step's time goes (benchmarks.step_parts)
         parts = row["parts"]
         assert parts["step_s"] == row["seconds"] and parts["attention_s"] > 0 and parts["head_s"] > 0
         assert parts["rest_s"] == pytest.approx(parts["step_s"] - parts["attention_s"] - parts["head_s"])
-    assert report["limits"]["bandwidth_gbs"] > 0 and set(report["limits"]["matmul_gflops"]) == {
-        "float32", "bfloat16"}
+    assert report["limits"]["bandwidth_gbs"] > 0 and set(report["limits"]["matmul_gflops"]) == {"bfloat16"}
 
 
 def test_engine_benchmark_builds_engines_by_cpu_kernel_setting():

@@ -39,7 +39,9 @@ def short_golden(golden):
 @pytest.fixture(scope="module")
 def quality(gemma_params, short_golden, gemma_tokenizer):
     prose = [gemma_tokenizer.encode(t, add_bos=True) for t in prose_texts()]
-    return {fmt: measure(gemma_params, short_golden, prose, fmt) for fmt in ("bfloat16",) + FORMATS}
+    # bf16 KV's free-running ids are not compared with anything here (the benchmark prints them)
+    return {fmt: measure(gemma_params, short_golden, prose, fmt, greedy=fmt != "bfloat16")
+            for fmt in ("bfloat16",) + FORMATS}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -62,8 +64,7 @@ def test_greedy_ids_follow_the_goldens_until_a_near_tie(quality, short_golden, f
     golden = short_golden
     n = len(golden["prompts"])
     same, lead = greedy_agreement(q, golden)
-    print(f"{fmt}: greedy ids equal the goldens in {same}/{n} prompts, {lead}/{24 * n} leading ids "
-          f"(bf16 KV: {greedy_agreement(quality['bfloat16'], golden)})")
+    print(f"{fmt}: greedy ids equal the goldens in {same}/{n} prompts, {lead}/{24 * n} leading ids")
     assert n == 7
     for ids, margins, p in zip(q.greedy, q.margins, golden["prompts"]):
         assert len(ids) == 24

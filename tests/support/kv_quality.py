@@ -56,8 +56,10 @@ class KvQuality:
         return math.exp(self.nll / self.tokens)
 
 
-def measure(gemma_params, golden: dict, prose_ids: list[list[int]], kv_cache_dtype: str) -> KvQuality:
-    """Builds the format's engine, measures it, stops it."""
+def measure(gemma_params, golden: dict, prose_ids: list[list[int]], kv_cache_dtype: str,
+            greedy: bool = True) -> KvQuality:
+    """Builds the format's engine, measures it, stops it (``greedy`` False: no free-running
+    ids, ``KvQuality.greedy`` empty)."""
     from model.gemma3 import Gemma3
     from serving.engine.engine import Engine
     from serving.runtime.engine_loop import EngineLoop
@@ -77,7 +79,7 @@ def measure(gemma_params, golden: dict, prose_ids: list[list[int]], kv_cache_dty
 
     try:
         forced = [events for _, events in asyncio.run(score())]
-        free = generate(loop, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts])
+        free = generate(loop, [request(p["ids"], max_tokens=24, ignore_eos=True) for p in prompts]) if greedy else []
     finally:
         loop.stop()
     margins = []
