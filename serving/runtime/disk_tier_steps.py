@@ -98,7 +98,8 @@ class DiskTier:
         hit = self.kv.lookup_prefix(tokens, r.salt, len(tokens) - 1, r.images)
         have = len(hit.page_ids) + len(hit.host_keys)
         keys = []
-        for key in prompt_page_hashes(tokens[:len(tokens) - 1], self.kv.page_size, r.salt, r.images)[have:]:
+        for key in prompt_page_hashes(tokens[:len(tokens) - 1], self.kv.page_size, r.salt, r.images,
+                                      self.kv.kv_format)[have:]:
             if key in self.cache:  # (in host memory already: found there)
                 continue
             if not self.store.contains(key):

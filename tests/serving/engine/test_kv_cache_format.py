@@ -86,6 +86,33 @@ def test_int8_pages_through_the_loop_and_the_host_tier(jax_cache):
     assert np.abs(np.asarray(after["k_scale"])[:, :, :5]).min() > 0  # real scales, not the null page's
 
 
+def test_int8_pages_and_their_scales_cross_a_restart_through_the_disk_tier(jax_cache, tmp_path):
+    """int8 pages written to disk when a loop stops (values and scale pages, files labelled int8)
+    are read back by a new loop over the same engine and directory: the same sampled tokens, the
+    prompt's 40 full-page tokens from disk."""
+    import asyncio
+
+    from tests.support.engine_helpers import collect, request
+    from tests.support.tiny_engine import prompt
+
+    engine = tiny_loop("int8").engine
+    a = prompt(41, 5)
+    sampled = dict(max_tokens=6, ignore_eos=True, temperature=1.0, seed=7)
+
+    def run_once():
+        lp = EngineLoop(engine, host_kv_cache_bytes=1 << 20, kv_disk_dir=str(tmp_path), kv_disk_max_bytes=1 << 26)
+        lp.start(warmup=False)
+        try:
+            return lp, asyncio.run(collect(lp, request(a, **sampled)))
+        finally:
+            lp.stop()  # every cached page to disk
+
+    first, (want, _) = run_once()
+    assert first.disk_kv.kv_format == "int8" and first.disk_kv.stores >= 5
+    again, (got, events) = run_once()
+    assert got == want and events[-1].disk_cached_tokens == 40 and again.disk_kv.corrupt_files == 0
+
+
 def test_the_format_is_part_of_the_prefix_cache_key():
     ids = list(range(40))
     plain = prompt_page_hashes(ids, 8, None)
