@@ -389,22 +389,6 @@ class Ledger:
         for _, fut in ops:
             fut.set_result(None)
 
-    def _divert(self, error: BaseException, n: int) -> bool:
-        """Whether `n` writes that failed with `error` go to the spool: the database is
-        unreachable, or its storage is full (told apart: logged as such, counted)."""
-        if is_disk_full(error):
-            if not self.database_full:
-                log.error("the ledger database's storage is full (%s); spooling row writes to %s until "
-                          "it takes them", _first_line(error), self.spool.path)
-            self.database_full = True
-            self.database_full_writes += n
-            return True
-        if is_unreachable(error):
-            log.warning("the ledger database is unreachable (%s); spooling row writes to %s until "
-                        "it is back", _first_line(error), self.spool.path)
-            return True
-        return False
-
     def _spool(self, ops) -> None:
         for record, _ in ops:
             self._attach(record)
