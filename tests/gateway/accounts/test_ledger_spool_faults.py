@@ -7,34 +7,18 @@ No database process and no gateway: the spool file and a SQLite ledger in ``tmp_
 
 from __future__ import annotations
 
-import contextlib
-import resource
-import signal
-
 import pytest
 
 from serving.gateway.accounts.database import open_database
 from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.accounts.ledger_spool import SPOOL_FILE, LedgerSpool
 from serving.gateway.services.metrics import GatewayMetrics
+from tests.support.file_size_limit import file_size_limit
 
 
 def _open(i: int, pad: int = 0) -> dict:
     return {"op": "open", "row": dict(request_id=f"r{i}", model="m" + "x" * pad, priority="normal",
                                       stream=False, status="running", created_at=1.7e9 + i, day="2023-11-14")}
-
-
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """RLIMIT_FSIZE at `nbytes` for this process (writes past it fail with EFBIG, not SIGXFSZ)."""
-    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def _lines(path) -> int:
@@ -46,7 +30,7 @@ def test_an_append_cut_short_by_efbig_is_rolled_back_and_the_counts_follow_the_f
     spool.append([_open(1)])
     path = tmp_path / SPOOL_FILE
     size = path.stat().st_size
-    with _file_size_limit(size + 100), pytest.raises(OSError):
+    with file_size_limit(size + 100), pytest.raises(OSError):
         spool.append([_open(2, pad=2_000)])  # partly written, then EFBIG
     assert path.stat().st_size == size
     spool.append([_open(3)])

@@ -8,10 +8,6 @@ ledger telling a full database from an unreachable one; the spool's start-up che
 
 from __future__ import annotations
 
-import contextlib
-import resource
-import signal
-
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -19,21 +15,9 @@ import sqlalchemy as sa
 from serving.gateway.accounts.api_keys import Quotas
 from serving.gateway.accounts.database import files as files_table
 from tests.gateway.batch.test_batches import MODEL, batch_in, chat_line, client, gateway, jsonl, read_lines, until
+from tests.support.file_size_limit import file_size_limit
 
 pytestmark = pytest.mark.anyio
-
-
-@contextlib.contextmanager
-def file_size_limit(nbytes: int):
-    """RLIMIT_FSIZE at `nbytes` for this process (writes past it fail with EFBIG, not SIGXFSZ)."""
-    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def _http(app, key: str) -> httpx.AsyncClient:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import resource
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 from serving.core.kv import disk_kv_store
 from serving.core.kv.disk_kv_store import DiskKVStore, encode_page
 from serving.core.kv.host_kv_cache import HostKVCache
+from tests.support.file_size_limit import file_size_limit
 
 MODEL, FORMAT = "tiny:abc|float32", "bfloat16"
 
@@ -102,13 +102,8 @@ def test_torn_corrupt_and_foreign_files_are_ignored_and_counted(tmp_path):
 
 def test_the_disk_full_drops_pages_and_counts_them(tmp_path, monkeypatch):
     s = store(tmp_path, writer=False)
-    # A file-size limit below one page: the write fails with EFBIG (Python ignores SIGXFSZ).
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES // 2, hard))
-    try:
+    with file_size_limit(FILE_BYTES // 2):  # below one page: the write fails with EFBIG
         assert s.put(key(0), arrays(0))
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert s.dropped_pages == 1 and key(0) not in s and os.listdir(tmp_path) == []
 
     real_open = open
