@@ -13,7 +13,7 @@ from serving.gateway.accounts.database import open_database
 from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.accounts.ledger_spool import SPOOL_FILE, LedgerSpool
 from serving.gateway.services.metrics import GatewayMetrics
-from tests.support.file_size_limit import file_size_limit
+from tests.support.disk_full import file_size_limit
 
 
 def _open(i: int, pad: int = 0) -> dict:

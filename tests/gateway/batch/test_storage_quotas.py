@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from serving.gateway.accounts.api_keys import Quotas
 from serving.gateway.accounts.database import files as files_table
 from tests.gateway.batch.test_batches import MODEL, batch_in, chat_line, client, gateway, jsonl, read_lines, until
-from tests.support.file_size_limit import file_size_limit
+from tests.support.disk_full import file_size_limit
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,6 @@ corrupt and foreign files, the disk full (no JAX, no engine)."""
 
 from __future__ import annotations
 
-import errno
 import os
 
 import ml_dtypes
@@ -13,7 +12,7 @@ import pytest
 from serving.core.kv import disk_kv_store
 from serving.core.kv.disk_kv_store import DiskKVStore, encode_page
 from serving.core.kv.host_kv_cache import HostKVCache
-from tests.support.file_size_limit import file_size_limit
+from tests.support.disk_full import file_size_limit, no_space_on_write
 
 MODEL, FORMAT = "tiny:abc|float32", "bfloat16"
 
@@ -106,14 +105,7 @@ def test_the_disk_full_drops_pages_and_counts_them(tmp_path, monkeypatch):
         assert s.put(key(0), arrays(0))
     assert s.dropped_pages == 1 and key(0) not in s and os.listdir(tmp_path) == []
 
-    real_open = open
-
-    def full(path, mode="r", *a, **kw):
-        if "w" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(path, mode, *a, **kw)
-
-    monkeypatch.setattr(disk_kv_store, "open", full, raising=False)
+    no_space_on_write(monkeypatch, disk_kv_store)
     w = store(tmp_path)  # through the writer thread
     for i in range(3):
         w.put(key(i), arrays(i))

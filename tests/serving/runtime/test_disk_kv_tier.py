@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import os
 
 import pytest
 
 from serving.core.kv import disk_kv_store
 from serving.core.kv.kv_cache_manager import prompt_page_hashes
+from tests.support.disk_full import no_space_on_write
 from tests.support.engine_helpers import collect, request
 from tests.support.tiny_engine import prompt
 
@@ -136,14 +136,7 @@ def test_host_evictions_spill_to_disk_and_the_disk_full_fails_no_request(engine,
         lp.stop()
     assert got == want and ev[-1].cached_tokens == ev[-1].disk_cached_tokens == 40
 
-    real_open = open
-
-    def full(path, mode="r", *a, **kw):
-        if "w" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(path, mode, *a, **kw)
-
-    monkeypatch.setattr(disk_kv_store, "open", full, raising=False)
+    no_space_on_write(monkeypatch, disk_kv_store)
     d = tmp_path / "full"
     lp = disk_loop(engine, d, host_bytes=host_bytes)
     try:

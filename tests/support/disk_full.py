@@ -1,8 +1,10 @@
-"""A file-size limit for this process, standing in for a full disk in tests."""
+"""A full disk for tests: a file-size limit on this process, or ENOSPC on every write a module opens."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import errno
 import resource
 import signal
 
@@ -19,3 +21,15 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def no_space_on_write(monkeypatch, module) -> None:
+    """``open`` in ``module`` raises ``OSError(ENOSPC)`` for any mode that writes (reads still
+    work), until ``monkeypatch`` is undone."""
+
+    def full(path, mode="r", *a, **kw):
+        if "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(module, "open", full, raising=False)
