@@ -135,7 +135,8 @@ class Gemma3(nnx.Module):
         compute: Compute = REFERENCE,
         image_embeds: jax.Array | None = None,
         lora: LoraInputs | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+        hidden_states: bool = False,
+    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
         """Runs the decoder over a step's tokens.
 
         Args:
@@ -151,9 +152,12 @@ class Gemma3(nnx.Module):
             ignored. Needs ``md.image_spans``.
           lora: the resident LoRA adapters' stacks and each token's slot (``model.lora``;
             None: the base model).
+          hidden_states: also return every token's final-norm hidden state, which
+            :meth:`head` turns into that token's logits (a prefill that scores its prompt).
 
         Returns:
-          (logits [S, vocab] float32, updated kv_cache).
+          (logits [S, vocab] float32, updated kv_cache), with ``hidden_states`` a third
+          element: [T, hidden] in the compute dtype.
 
         Raises:
           ValueError: a bidirectional model (``cfg.causal`` False), which only encodes;
@@ -174,12 +178,19 @@ class Gemma3(nnx.Module):
                 raise ValueError("image_embeds needs the attention metadata's image_spans")
             image_rows = (md.image_spans[:, 1] > md.image_spans[:, 0], image_embeds)
         x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, image_rows, lora)
-        x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
-        logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
-        if cfg.final_logit_softcap is not None:
-            c = cfg.final_logit_softcap
-            logits = c * jnp.tanh(logits / c)
+        logits = self.head(rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute), compute)
+        if hidden_states:
+            return logits, KVCache(k_cache, v_cache), rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute)
         return logits, KVCache(k_cache, v_cache)
+
+    def head(self, x: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
+        """The LM head (the tied embedding, then the final soft cap where the config has one):
+        final-norm hidden states x [S, hidden] -> logits [S, vocab] float32."""
+        logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), self.dtype)
+        if self.cfg.final_logit_softcap is not None:
+            c = self.cfg.final_logit_softcap
+            logits = c * jnp.tanh(logits / c)
+        return logits
 
     def encode(self, tokens: jax.Array, lengths: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
         """The final-norm hidden states of a padded batch, without the LM head (embedding models).

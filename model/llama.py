@@ -139,17 +139,20 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, logits_indices: jax.Array,
-                 compute: Compute = REFERENCE, lora: LoraInputs | None = None) -> tuple[jax.Array, KVCache]:
+                 compute: Compute = REFERENCE, lora: LoraInputs | None = None,
+                 hidden_states: bool = False) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
         """Same contract as ``model.gemma3.Gemma3.__call__``.
 
         Args:
           tokens: [T] int32; positions: [T] int32; kv_cache: all layers' pages;
           md: attention metadata; logits_indices: [S] int32; compute: platform-dependent
           choices (static; see ``model.compute``); lora: the resident LoRA adapters' stacks
-          and each token's slot (``model.lora``; None: the base model; dense models only).
+          and each token's slot (``model.lora``; None: the base model; dense models only);
+          hidden_states: also return every token's final-norm hidden state (for :meth:`head`).
 
         Returns:
-          (logits [S, vocab] f32, updated kv_cache).
+          (logits [S, vocab] f32, updated kv_cache), with ``hidden_states`` a third element:
+          [T, hidden] in the compute dtype.
 
         Raises:
           ValueError: a bidirectional model (``cfg.causal`` False), which only encodes;
@@ -165,12 +168,17 @@ class Llama(nnx.Module):
             return o, (k_cache, v_cache)
 
         x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, lora)
-        x = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute)
-        if cfg.tie_embeddings:
-            logits = compute.dot("sd,vd->sv", x, weight(self, "embed"), dtype)
-        else:
-            logits = compute.dot("sd,dv->sv", x, weight(self, "lm_head"), dtype)
+        logits = self.head(rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute), compute)
+        if hidden_states:
+            return logits, KVCache(k_cache, v_cache), rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute)
         return logits, KVCache(k_cache, v_cache)
+
+    def head(self, x: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
+        """The LM head (the tied embedding or ``lm_head``): final-norm hidden states
+        x [S, hidden] -> logits [S, vocab] float32."""
+        if self.cfg.tie_embeddings:
+            return compute.dot("sd,vd->sv", x, weight(self, "embed"), self.dtype)
+        return compute.dot("sd,dv->sv", x, weight(self, "lm_head"), self.dtype)
 
     def encode(self, tokens: jax.Array, lengths: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
         """Same contract as ``model.gemma3.Gemma3.encode``: [B, S] tokens, [B] lengths ->

@@ -7,13 +7,16 @@ with the scheduler. The step contract (the current form of the one drawn in
 the project's architecture notes)::
 
     prefill_step(params, state: DeviceState, batch: PrefillBatch) -> (state, StepOutput [S])
-    prefill_logprobs_step(params, state, batch: PromptLogprobsBatch)
+    prefill_step(params, state, batch: PromptLogprobsBatch)
                                                     -> (state, (StepOutput [S], PromptLogprobs [T]))
     decode_step(params, state: DeviceState, batch: DecodeBatch)   -> (state, StepOutput [B])
-        each of these three as two programs (below): the forward, returning the rows'
+        each of these as two programs (below): the forward, returning the rows'
         logits [R, V] f32 in place of the StepOutput, then
         sample_step(slot_tokens, counts, seen, logits, positions, sampling, slot_ids)
                                                     -> (slot_tokens, StepOutput [R])
+        and a prompt-logprobs prefill as three: the plain prefill forward, whose
+        final-norm hidden states [T, D] of every token it also returns, the sampler, and
+        score_step(params, hidden, next_ids)        -> PromptLogprobs [T]
     verify_step(params, state, batch: VerifyBatch)  -> (state, VerifyOutput)   speculative decoding:
                       rows of [last token, drafts] sampled at every token (serving.engine.verify_step)
 
@@ -33,7 +36,13 @@ sampler (``sample_step``: logits -> tokens, log probabilities, ``slot_tokens``).
 shapes are only (R, slots, V), so one compiled sampler serves every prefill and decode bucket
 of that row count, where a fused step compiled it again in each (the sampler was about half of
 a step's compile on CPU, tiny models and Gemma 3 270M alike: benchmarks/RESULTS.md, 2026-12-06);
-the logits it reads are in memory either way (the sampler reads them several times).
+the logits it reads are in memory either way (the sampler reads them several times). Prompt
+log probabilities (echo, ``prompt_logprobs``) split the same way: the prefill forward always
+returns every token's final-norm hidden state ([T, D], a small output beside the KV writes),
+and the scoring program (``score_step``: the LM head at all T tokens, then
+``serving.engine.sample.logprobs.prompt_logprobs``) has only the shapes (T, D, V), so one
+program per token bucket serves every page-table width and row bucket, where a fused
+prompt-logprobs forward compiled the whole model again for each (T, P, S).
     PrefillBatch, DecodeBatch: serving.engine.step_batch (shapes and buckets there and in
                   serving.config.engine_config)
 
@@ -180,38 +189,38 @@ def _lora(stacks, token_slots) -> LoraInputs | None:
     return None if stacks is None else LoraInputs(stacks, token_slots)
 
 
-def _prefill_common(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
-                    all_logits: bool, lora_stacks=None):
+def _prefill_step(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
+                  lora_stacks=None):
+    """The prefill forward: (state, batch) -> (state, (the rows' logits [S, V] f32, every
+    token's final-norm hidden state [T, D], the input of :func:`score_step`))."""
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
-    indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
     kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
     lora = _lora(lora_stacks, batch.token_lora_slots)
     extra = {} if lora is None else {"lora": lora}
     if batch.image_embeds is not None:
         extra["image_embeds"] = batch.image_embeds
-    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute, **extra)
-    row_logits = logits[batch.logits_indices] if all_logits else logits
+    row_logits, kv_cache, hidden = model(batch.tokens, batch.positions, kv_cache, md, batch.logits_indices,
+                                         compute=compute, hidden_states=True, **extra)
     starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
     counts, seen = token_counts.count_prefill(
         state.output_counts, state.prompt_seen, batch.tokens, batch.positions, batch.token_rows,
         batch.real_tokens, batch.slot_ids, batch.prompt_lens, batch.real_rows & (starts == 0))
-    return DeviceState(kv_cache, state.slot_tokens, counts, seen), row_logits, logits
+    return DeviceState(kv_cache, state.slot_tokens, counts, seen), (row_logits, hidden)
 
 
-def _prefill_step(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
-                  lora_stacks=None):
-    """The prefill forward: (state, batch) -> (state, the rows' logits [S, V] f32)."""
-    state, row_logits, _ = _prefill_common(graphdef, compute, params, state, batch, False, lora_stacks)
-    return state, row_logits
+def score_step(graphdef, compute: Compute, params, hidden: jax.Array, next_ids: jax.Array):
+    """The prompt-logprobs program: the LM head at every token of a prefill step, then each
+    token's successor scored.
 
+    Args:
+      hidden: [T, D] the prefill forward's final-norm hidden states (compute dtype).
+      next_ids: [T] int32 each token's successor in its prompt (``PrefillBatch.next_ids``).
 
-def _prefill_logprobs_step(graphdef, compute: Compute, params, state: DeviceState,
-                           batch: PromptLogprobsBatch, lora_stacks=None):
-    """A prefill forward that also scores every token's successor (logits at all T tokens):
-    (state, batch) -> (state, (the rows' logits [S, V] f32, PromptLogprobs [T]))."""
-    state, row_logits, logits = _prefill_common(graphdef, compute, params, state, batch, True, lora_stacks)
-    return state, (row_logits, prompt_logprobs(logits, batch.next_ids))
+    Returns:
+      PromptLogprobs [T] (``serving.engine.sample.logprobs.prompt_logprobs``).
+    """
+    return prompt_logprobs(nnx.merge(graphdef, params).head(hidden, compute), next_ids)
 
 
 def _decode_step(graphdef, compute: Compute, params, state: DeviceState, batch: DecodeBatch,
@@ -365,8 +374,9 @@ class Engine:
             log.info("int8 weights for steps of up to %d token rows, %s above",
                      self.policy.int8_max_rows, jnp.dtype(model.dtype).name)
         self.draft = self._draft_model(model, qmodel, draft)
-        self._treedefs = {kind: verify_treedef() if kind == "verify" else batch_treedef(kind)
-                          for kind in self._steps}
+        self._treedefs = {kind: batch_treedef(kind) for kind in ("prefill", "prefill_logprobs", "decode")}
+        if "verify" in self._steps:
+            self._treedefs["verify"] = verify_treedef()
         self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
@@ -399,8 +409,9 @@ class Engine:
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
         steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute)),
-            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute)),
             "decode": jit(functools.partial(_decode_step, graphdef, compute)),
+            "score": jax.jit(functools.partial(score_step, graphdef, compute),
+                             out_shardings=None if out_shardings is None else out_shardings[1]),
         }
         if self.cfg.speculative is not None:
             steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
@@ -452,7 +463,7 @@ class Engine:
         batch = cls.from_rows(rows, self.cfg, mask, pack)
         out = self.run(batch)
         if self.draft is not None:
-            self.draft.prefill(batch)
+            self.draft.prefill(batch.as_prefill())
         return out
 
     def decode(self, rows: Sequence[DecodeRow], token_mask: np.ndarray | None = None) -> StepOutput:
@@ -581,9 +592,15 @@ class Engine:
         with ctx:
             if batch.kind == "verify":
                 self.state, out = steps[batch.kind](params, self.state, batch, drafts, draft_probs)
-            else:
-                self.state, logits = steps[batch.kind](params, self.state, batch, self.lora_stacks)
+            elif batch.kind == "decode":
+                self.state, logits = steps["decode"](params, self.state, batch, self.lora_stacks)
                 out = self._sample_rows(batch, logits)
+            else:  # a prefill, and a prompt-logprobs one through the same forward program
+                self.state, (logits, hidden) = steps["prefill"](params, self.state, batch.as_prefill(),
+                                                                self.lora_stacks)
+                out = self._sample_rows(batch, logits)
+                if batch.kind == "prefill_logprobs":
+                    out = (out, steps["score"](params, hidden, batch.next_ids))
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
             # persistent-cache hit); dispatch of later calls is asynchronous.
@@ -593,17 +610,13 @@ class Engine:
         return out
 
     def _sample_rows(self, batch: PrefillBatch | DecodeBatch, logits):
-        """Dispatches the sampler program on a forward's logits (``logits`` of the
-        prompt-logprobs variant: (row logits, PromptLogprobs)); returns the step's output."""
-        scored = None
-        if isinstance(logits, tuple):
-            logits, scored = logits
+        """Dispatches the sampler program on a forward's rows' logits; returns the step's output."""
         positions = batch.lengths if batch.kind == "decode" else batch.kv_lens
         st = self.state
         slot_tokens, out = self._sample(st.slot_tokens, st.output_counts, st.prompt_seen, logits, positions,
                                         batch.sampling, batch.slot_ids)
         self.state = dataclasses.replace(st, slot_tokens=slot_tokens)
-        return out if scored is None else (out, scored)
+        return out
 
     def warmup(self, decode: bool = True) -> None:
         """Compiles (or loads from the persistent cache) the common programs up front:

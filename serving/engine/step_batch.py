@@ -156,6 +156,13 @@ class PrefillBatch:
         """(kind, T, P, S): which compiled program runs this batch."""
         return (self.kind, self.tokens.shape[0], self.page_table.shape[1], self.page_table.shape[0])
 
+    def as_prefill(self) -> "PrefillBatch":
+        """This batch as a plain :class:`PrefillBatch` (the same arrays): the pytree the prefill
+        forward program takes, whichever kind the batch is."""
+        if type(self) is PrefillBatch:
+            return self
+        return PrefillBatch(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PrefillBatch)})
+
     def attention_metadata(self, page_size: int) -> AttentionMetadata:
         """The model's attention metadata (traced; inside the step)."""
         seq, real = self.token_rows, self.real_tokens
@@ -192,10 +199,11 @@ class PrefillBatch:
 class PromptLogprobsBatch(PrefillBatch):
     """A prefill step that also scores every prompt token (echo / ``prompt_logprobs``).
 
-    The same fields as :class:`PrefillBatch`; its own jitted step computes the
-    logits at all T tokens (``[T, V]`` float32: 256 MiB for Gemma 3 at T = 256)
-    and returns the log probability of each token's ``next_ids`` successor.
-    The engine runs a prefill as this kind when a row has prompt tokens to score
+    The same fields as :class:`PrefillBatch`. The engine runs it through the plain prefill
+    forward (:meth:`PrefillBatch.as_prefill`), then its scoring program on the forward's
+    hidden states: the logits at all T tokens (``[T, V]`` float32: 256 MiB for Gemma 3 at
+    T = 256) and the log probability of each token's ``next_ids`` successor. The engine runs
+    a prefill as this kind when a row has prompt tokens to score
     (``PrefillRow.wants_prompt_logprobs``).
     """
 
