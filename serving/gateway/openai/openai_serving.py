@@ -50,7 +50,7 @@ from serving.gateway.http.errors import (
 )
 from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
-from serving.gateway.media.image_input import check_image_count
+from serving.gateway.media.image_input import check_image_count, fetch_tls_context
 from serving.gateway.media.decode_workers import DecodeWorkers
 from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
 from serving.gateway.media.pixel_budget import PixelBudget
@@ -157,6 +157,8 @@ class OpenAIServing:
         self.images = DecodeWorkers()
         # Decoded image pixels in flight, all requests together: two of the largest images allowed.
         self.pixel_budget = PixelBudget(2 * self.limits.media.max_image_pixels)
+        if self.limits.media.allowed_media_domains:  # built now, not on the event loop at the first fetch
+            fetch_tls_context()
         self.streams = ChoiceStreams(self.services, self.limits)
 
     def follow_adapters(self) -> None:
