@@ -70,6 +70,7 @@ class ServerConfig:
     max_image_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 40_000_000
     max_images_per_request: int = 8
+    max_tenant_image_pixels: int | None = None  # None: 4 x max_image_pixels
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 10.0
     served_model_name: str | None = None
@@ -142,7 +143,7 @@ class ServerConfig:
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
                             ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1),
                             ("ledger_spool_max_bytes", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
-                            ("max_images_per_request", 1), ("limit_concurrency", 1)):
+                            ("max_images_per_request", 1), ("max_tenant_image_pixels", 1), ("limit_concurrency", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
         if not self.header_timeout > 0:

@@ -56,6 +56,9 @@ class MediaLimits:
       allowed_media_domains: hosts whose ``http(s)`` image URLs are fetched (exact names or
         ``*.example.com``); empty: remote URLs are refused.
       fetch_timeout_s: seconds a remote fetch may take in all.
+      max_tenant_image_pixels: pixels one tenant may have waiting for a decode or decoding,
+        all its requests together (``serving.gateway.media.tenant_decodes``; beyond it: 429);
+        None: four images of ``max_image_pixels``.
     """
 
     max_image_bytes: int = 10 * 1024 * 1024
@@ -63,6 +66,13 @@ class MediaLimits:
     max_images: int = 8
     allowed_media_domains: tuple[str, ...] = ()
     fetch_timeout_s: float = 10.0
+    max_tenant_image_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tenant_image_pixels is None:
+            object.__setattr__(self, "max_tenant_image_pixels", 4 * self.max_image_pixels)
+        elif self.max_tenant_image_pixels < 1:
+            raise ValueError(f"max_tenant_image_pixels must be positive, got {self.max_tenant_image_pixels!r}")
 
 
 @dataclasses.dataclass(frozen=True)
