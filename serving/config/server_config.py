@@ -71,6 +71,7 @@ class ServerConfig:
     max_image_pixels: int = 40_000_000
     max_images_per_request: int = 8
     max_tenant_image_pixels: int | None = None  # None: 4 x max_image_pixels
+    tenant_image_pixel_rate: float = 20_000_000  # 0: no bound
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 10.0
     served_model_name: str | None = None
@@ -146,6 +147,8 @@ class ServerConfig:
                             ("max_images_per_request", 1), ("max_tenant_image_pixels", 1), ("limit_concurrency", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if self.tenant_image_pixel_rate < 0:
+            raise ValueError(f"tenant_image_pixel_rate must be >= 0 pixels a second, got {self.tenant_image_pixel_rate!r}")
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout!r}")
         if self.flex_max_waiting < 0 or self.flex_starvation_preemptions < 0:

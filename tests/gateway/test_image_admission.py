@@ -242,3 +242,39 @@ async def test_a_tenants_decodes_wait_behind_its_own_not_another_tenants(tmp_pat
     assert a3.json()["error"]["code"] == "image_decodes_queued" and a3.headers["Retry-After"] == "1"
     assert [r.status_code for r in results] == [200, 200, 200]
     assert started == [(64, 64), (48, 48), (64, 64)] and lanes.pixels("acme") == lanes.pixels("other") == 0
+
+
+async def test_a_tenants_decoded_pixels_per_second_are_bounded():
+    """Each tenant's bucket: a burst, then the rate; another tenant's bucket is its own; a
+    request gone while it waits gets its pixels back (a fake clock: no waiting)."""
+    from serving.gateway.media.tenant_decodes import TenantDecodeLanes
+
+    now, slept, cancel = [0.0], [], []
+
+    async def sleep(seconds):
+        if cancel:
+            raise asyncio.CancelledError
+        slept.append(seconds)
+        now[0] += seconds
+
+    lanes = TenantDecodeLanes(max_tenant_pixels=10**9, pixel_rate=100, pixel_burst=300, clock=lambda: now[0],
+                              sleep=sleep)
+
+    async def decode(tenant, pixels):
+        async with lanes.hold(tenant, pixels):
+            pass
+
+    await decode("a", 200)  # within the burst
+    await decode("a", 200)  # 100 left: waits a second for the other 100
+    await decode("b", 300)  # b's own burst
+    assert slept == [1.0]
+    cancel.append(True)
+    with pytest.raises(asyncio.CancelledError):
+        await decode("a", 100)  # gone while it waited: its 100 go back
+    cancel.clear()
+    await decode("a", 100)  # the bucket is empty (not 100 in debt): one second
+    now[0] += 60  # a minute later: the burst again, and no more
+    await decode("a", 300)
+    await decode("a", 50)
+    assert slept == [1.0, 1.0, 0.5]
+    assert lanes.pixels("a") == 0

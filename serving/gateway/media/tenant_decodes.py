@@ -13,7 +13,16 @@ the event loop. :class:`TenantDecodeLanes` puts a per-tenant bound in front of b
 * a tenant's pixels waiting or decoding are bounded by ``max_tenant_pixels``: an image that
   would pass it is refused at once with 429 (``image_decodes_queued``) rather than queued
   (memory for its encoded bytes, and a client told to back off). A tenant with nothing in
-  its lane always gets one image in, however large.
+  its lane always gets one image in, however large;
+* a tenant's decoded pixels per second are bounded by ``pixel_rate`` (a token bucket of
+  ``pixel_burst`` pixels, refilled at ``pixel_rate`` a second, charged each image's width x
+  height before its decode; an image the bucket cannot pay waits in the lane, on the event
+  loop, until it can). Decoding costs CPU in proportion to pixels (about 14 ns a pixel for a
+  PNG, decode and resize, on one Sapphire Rapids core), so this bounds the share of the cores
+  a tenant's images take over time, which the concurrency bound alone does not: one thread
+  decoding bombs back to back is a whole core, taken from the engine and the event loop on a
+  machine of few cores (benchmarks/hostile_tenant.py). A tenant's bucket outlives its lane,
+  so waiting for the lane to empty buys no new burst.
 
 Tenants are the keys' tenants (``Principal.tenant``); unauthenticated callers share one lane.
 """
@@ -23,12 +32,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Awaitable, Callable
 
 from serving.gateway.http.errors import OpenAIError
 
 DEFAULT_TENANT_DECODES = 1
 """Decodes one tenant runs at once by default: one decode thread (of ``DEFAULT_DECODE_THREADS``)."""
+
+DEFAULT_TENANT_PIXEL_RATE = 20_000_000
+"""Pixels a second one tenant's images may decode, by default: about a quarter of a core."""
 
 IMAGE_DECODES_QUEUED = "image_decodes_queued"
 """The 429's ``code`` when a tenant's lane is full."""
@@ -40,6 +53,12 @@ class _Lane:
     pixels: int = 0  # waiting or decoding
 
 
+@dataclasses.dataclass
+class _Bucket:
+    tokens: float  # pixels; below zero while decodes that were charged wait for their turn
+    at: float  # the clock's seconds when `tokens` was last brought up to date
+
+
 class TenantDecodeLanes:
     """Per-tenant decode concurrency and queued pixels (see the module docstring; asyncio,
     one event loop).
@@ -47,17 +66,32 @@ class TenantDecodeLanes:
     Args:
       per_tenant: decodes one tenant runs at once (>= 1).
       max_tenant_pixels: pixels (width x height) one tenant may have waiting or decoding (>= 1).
+      pixel_rate: pixels a second one tenant's images may decode (> 0; None: no bound).
+      pixel_burst: the bucket's size in pixels (>= 1): what a tenant that sent nothing for a
+        while may decode at once.
+      clock: seconds, monotonic (tests pass their own).
+      sleep: ``await sleep(seconds)`` (tests pass their own).
 
     Raises:
-      ValueError: either below 1.
+      ValueError: a bound out of its range.
     """
 
-    def __init__(self, per_tenant: int = DEFAULT_TENANT_DECODES, *, max_tenant_pixels: int) -> None:
-        if per_tenant < 1 or max_tenant_pixels < 1:
-            raise ValueError(f"per-tenant decodes and pixels must be >= 1, got {per_tenant} and {max_tenant_pixels}")
+    def __init__(self, per_tenant: int = DEFAULT_TENANT_DECODES, *, max_tenant_pixels: int,
+                 pixel_rate: float | None = DEFAULT_TENANT_PIXEL_RATE, pixel_burst: int = 1,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        if per_tenant < 1 or max_tenant_pixels < 1 or pixel_burst < 1:
+            raise ValueError(f"per-tenant decodes, pixels and pixel burst must be >= 1, got {per_tenant}, "
+                             f"{max_tenant_pixels} and {pixel_burst}")
+        if pixel_rate is not None and not pixel_rate > 0:
+            raise ValueError(f"the per-tenant pixel rate must be > 0 pixels a second, got {pixel_rate!r}")
         self.per_tenant = int(per_tenant)
         self.max_tenant_pixels = int(max_tenant_pixels)
+        self.pixel_rate = None if pixel_rate is None else float(pixel_rate)
+        self.pixel_burst = int(pixel_burst)
+        self._clock, self._sleep = clock, sleep
         self._lanes: dict[str, _Lane] = {}
+        self._buckets: dict[str, _Bucket] = {}
 
     def pixels(self, tenant: str) -> int:
         """Pixels `tenant` has waiting or decoding now."""
@@ -86,8 +120,30 @@ class TenantDecodeLanes:
         lane.pixels += n
         try:
             async with lane.running:
+                wait = self._charge(tenant, n)
+                if wait > 0:
+                    try:
+                        await self._sleep(wait)
+                    except BaseException:  # gone before its decode: the pixels go back
+                        self._buckets[tenant].tokens += n
+                        raise
                 yield
         finally:
             lane.pixels -= n
             if lane.pixels == 0:
                 del self._lanes[tenant]
+
+    def _charge(self, tenant: str, n: int) -> float:
+        """Takes `n` pixels from `tenant`'s bucket; the seconds until the bucket has paid for them."""
+        if self.pixel_rate is None:
+            return 0.0
+        now = self._clock()
+        if len(self._buckets) > 4096:  # forget the tenants whose buckets have refilled
+            self._buckets = {t: b for t, b in self._buckets.items()
+                             if b.tokens + (now - b.at) * self.pixel_rate < self.pixel_burst}
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = _Bucket(float(self.pixel_burst), now)
+        bucket.tokens = min(float(self.pixel_burst), bucket.tokens + (now - bucket.at) * self.pixel_rate) - n
+        bucket.at = now
+        return max(0.0, -bucket.tokens / self.pixel_rate)

@@ -160,8 +160,12 @@ class OpenAIServing:
         # Decoded image pixels in flight, all requests together: two of the largest images allowed.
         self.pixel_budget = PixelBudget(2 * self.limits.media.max_image_pixels)
         # Each tenant's decodes in a lane of its own: its images wait behind its own, it holds
-        # at most one decode thread, and its pixels in flight are bounded (tenant_decodes.py).
-        self.decode_lanes = TenantDecodeLanes(max_tenant_pixels=self.limits.media.max_tenant_image_pixels)
+        # at most one decode thread, its pixels in flight and per second are bounded
+        # (tenant_decodes.py).
+        media = self.limits.media
+        self.decode_lanes = TenantDecodeLanes(max_tenant_pixels=media.max_tenant_image_pixels,
+                                              pixel_rate=media.tenant_image_pixel_rate,
+                                              pixel_burst=2 * media.max_image_pixels)
         if self.limits.media.allowed_media_domains:  # built now, not on the event loop at the first fetch
             fetch_tls_context()
         self.streams = ChoiceStreams(self.services, self.limits)
