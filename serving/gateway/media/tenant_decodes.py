@@ -100,8 +100,9 @@ class TenantDecodeLanes:
 
     @contextlib.asynccontextmanager
     async def hold(self, tenant: str, pixels: int, param: str = "messages") -> AsyncIterator[None]:
-        """Waits for a place in `tenant`'s lane and holds it for the body of the ``async with``
-        (the image's decode); `pixels` count against the tenant's bound from the call on.
+        """Waits for a place in `tenant`'s lane, then for its bucket to pay for `pixels` (at
+        ``pixel_rate``), and holds the place for the body of the ``async with`` (the image's
+        decode); `pixels` count against the tenant's ``max_tenant_pixels`` from the call on.
 
         Raises:
           OpenAIError: 429 (``image_decodes_queued``, naming `param`) when the tenant's pixels
