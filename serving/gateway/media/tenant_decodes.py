@@ -40,9 +40,6 @@ from serving.gateway.http.errors import OpenAIError
 DEFAULT_TENANT_DECODES = 1
 """Decodes one tenant runs at once by default: one decode thread (of ``DEFAULT_DECODE_THREADS``)."""
 
-DEFAULT_TENANT_PIXEL_RATE = 20_000_000
-"""Pixels a second one tenant's images may decode, by default: about a quarter of a core."""
-
 IMAGE_DECODES_QUEUED = "image_decodes_queued"
 """The 429's ``code`` when a tenant's lane is full."""
 
@@ -66,7 +63,9 @@ class TenantDecodeLanes:
     Args:
       per_tenant: decodes one tenant runs at once (>= 1).
       max_tenant_pixels: pixels (width x height) one tenant may have waiting or decoding (>= 1).
-      pixel_rate: pixels a second one tenant's images may decode (> 0; None: no bound).
+      pixel_rate: pixels a second one tenant's images may decode (> 0; None: no bound; the
+        gateway's default, ``MediaLimits.tenant_image_pixel_rate``, is 20 M: about a quarter
+        of a core).
       pixel_burst: the bucket's size in pixels (>= 1): what a tenant that sent nothing for a
         while may decode at once.
       clock: seconds, monotonic (tests pass their own).
@@ -77,7 +76,7 @@ class TenantDecodeLanes:
     """
 
     def __init__(self, per_tenant: int = DEFAULT_TENANT_DECODES, *, max_tenant_pixels: int,
-                 pixel_rate: float | None = DEFAULT_TENANT_PIXEL_RATE, pixel_burst: int = 1,
+                 pixel_rate: float | None = None, pixel_burst: int = 1,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if per_tenant < 1 or max_tenant_pixels < 1 or pixel_burst < 1:
