@@ -18,6 +18,10 @@ once:
   (``xlaserve tenants set --max-files 4 --max-file-bytes 2000000``), ``--uploaders`` at a time;
 * ``--idle`` idle connections that send nothing (reopened when the header timeout closes them).
 
+The gateway runs with the server's defaults for images: each tenant's decodes one at a time,
+at most 4 x 40 Mpx waiting or decoding, 20 M pixels a second after a burst of 80 M
+(``serving/gateway/media/tenant_decodes.py``).
+
 The attacker's client is a process of its own at nice ``--attacker-nice`` (10): on a machine of
 few cores its own CPU (building the bomb bodies and the uploads) would otherwise come out of the
 gateway's, which a remote attacker's does not.

@@ -113,6 +113,12 @@ def register(sub) -> None:
                        help="image inputs of more pixels get 400 (default 40,000,000)")
     serve.add_argument("--max-images-per-request", type=int, default=None,
                        help="more image parts in one request get 400 (default 8)")
+    serve.add_argument("--max-tenant-image-pixels", type=int, default=None,
+                       help="image pixels one tenant may have waiting for a decode or decoding, all its "
+                       "requests together; an image past it gets 429 (default 4 x --max-image-pixels)")
+    serve.add_argument("--tenant-image-pixel-rate", type=float, default=None,
+                       help="image pixels a second one tenant's decodes may take; its further images wait "
+                       "(a burst of 2 x --max-image-pixels; default 20,000,000; 0: no bound)")
     serve.add_argument("--max-file-bytes", type=int, default=None,
                        help="larger uploads to POST /v1/files get 413, counted as they stream in; this "
                        "route is held to it instead of --max-request-bytes (default 100 MiB)")
@@ -226,7 +232,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   "tool_call_parser", "reasoning_parser",
                                   "max_file_bytes", "batch_concurrency", "batch_lease_seconds",
                                   "flex_max_waiting", "flex_max_kv_usage", "max_image_bytes",
-                                  "max_image_pixels", "max_images_per_request"))
+                                  "max_image_pixels", "max_images_per_request", "max_tenant_image_pixels",
+                                  "tenant_image_pixel_rate"))
     if args.allowed_media_domains is not None:
         overrides["allowed_media_domains"] = tuple(
             d.strip() for d in args.allowed_media_domains.split(",") if d.strip())
@@ -307,7 +314,9 @@ def _run_gateway(args, cfg, services, models, loop) -> int:
         media = MediaLimits(max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels,
                             max_images=cfg.max_images_per_request,
                             allowed_media_domains=tuple(cfg.allowed_media_domains),
-                            fetch_timeout_s=cfg.media_fetch_timeout)
+                            fetch_timeout_s=cfg.media_fetch_timeout,
+                            max_tenant_image_pixels=cfg.max_tenant_image_pixels,
+                            tenant_image_pixel_rate=cfg.tenant_image_pixel_rate or None)
         limits = GatewayLimits(max_request_bytes=cfg.max_request_bytes, max_prompt_chars=cfg.max_prompt_chars,
                                stream_write_timeout=cfg.stream_write_timeout, max_file_bytes=cfg.max_file_bytes,
                                media=media)

@@ -70,6 +70,8 @@ class ServerConfig:
     max_image_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 40_000_000
     max_images_per_request: int = 8
+    max_tenant_image_pixels: int | None = None  # None: 4 x max_image_pixels
+    tenant_image_pixel_rate: float = 20_000_000  # 0: no bound
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 10.0
     served_model_name: str | None = None
@@ -142,9 +144,11 @@ class ServerConfig:
         for name, least in (("max_request_bytes", 1), ("max_prompt_chars", 1), ("stream_buffer_events", 2),
                             ("default_chat_max_tokens", 1), ("max_file_bytes", 1), ("batch_concurrency", 1),
                             ("ledger_spool_max_bytes", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
-                            ("max_images_per_request", 1), ("limit_concurrency", 1)):
+                            ("max_images_per_request", 1), ("max_tenant_image_pixels", 1), ("limit_concurrency", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)!r}")
+        if self.tenant_image_pixel_rate < 0:
+            raise ValueError(f"tenant_image_pixel_rate must be >= 0 pixels a second, got {self.tenant_image_pixel_rate!r}")
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout!r}")
         if self.flex_max_waiting < 0 or self.flex_starvation_preemptions < 0:

@@ -186,3 +186,95 @@ async def test_images_decode_in_threads_of_their_own_at_a_lower_priority():
         workers.close()
     assert prio == min(base + 3, 19) and name.startswith("xlaserve-image") and tid == tid2
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's is as it was
+
+
+async def test_a_tenants_decodes_wait_behind_its_own_not_another_tenants(tmp_path, monkeypatch):
+    """Tenant A's first image decode is held (a gate); its second request waits in A's lane, its
+    third would pass A's pixels in flight and gets 429 at once; tenant B's image decodes
+    meanwhile (on the other decode thread, which A's second may not take); released, all the
+    rest are answered."""
+    from serving.gateway.http.limits import GatewayLimits, MediaLimits
+
+    services = GatewayServices.open_server(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}",
+                                           ledger_spool_dir=str(tmp_path / "spool"))
+    limits = GatewayLimits(media=MediaLimits(max_tenant_image_pixels=2 * 64 * 64))
+    app = create_app({MODEL: ServedModel(MODEL, VisionEngine(text="ok"), VisionTokenizer(), 4096, created=1)},
+                     services, limits)
+    lanes = app.state.serving.decode_lanes
+    real, gate, started = image_input.decode_image, threading.Event(), []
+
+    def held(data, *args, **kwargs):
+        started.append(Image.open(io.BytesIO(data)).size)
+        gate.wait(GATE_TIMEOUT_S)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(image_input, "decode_image", held)
+    keys = services.authenticator.key_store
+    a = {"Authorization": f"Bearer {keys.create_key('acme')[0]}"}
+    b = {"Authorization": f"Bearer {keys.create_key('other')[0]}"}
+
+    async def until(cond):
+        for _ in range(GATE_TIMEOUT_S * 100):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver", timeout=60)
+    try:
+        async with client:
+            post = lambda url, h: asyncio.create_task(  # noqa: E731
+                client.post("/v1/chat/completions", json=_chat(url), headers=h))
+            a1 = post(_flat_png_url(64, 64), a)
+            await until(lambda: started == [(64, 64)])
+            a2 = post(_flat_png_url(64, 64), a)
+            await until(lambda: lanes.pixels("acme") == 2 * 64 * 64)
+            a3 = await client.post("/v1/chat/completions", json=_chat(_flat_png_url(64, 64)), headers=a)
+            b1 = post(_flat_png_url(48, 48), b)
+            await until(lambda: len(started) == 2)
+            assert started == [(64, 64), (48, 48)]  # B's decode started; A's second still waits
+            gate.set()
+            results = await asyncio.gather(a1, a2, b1)
+    finally:
+        gate.set()
+        services.close()
+    assert_openai_error(a3, 429)
+    assert a3.json()["error"]["code"] == "image_decodes_queued" and a3.headers["Retry-After"] == "1"
+    assert [r.status_code for r in results] == [200, 200, 200]
+    assert started == [(64, 64), (48, 48), (64, 64)] and lanes.pixels("acme") == lanes.pixels("other") == 0
+
+
+async def test_a_tenants_decoded_pixels_per_second_are_bounded():
+    """Each tenant's bucket: a burst, then the rate; another tenant's bucket is its own; a
+    request gone while it waits gets its pixels back (a fake clock: no waiting)."""
+    from serving.gateway.media.tenant_decodes import TenantDecodeLanes
+
+    now, slept, cancel = [0.0], [], []
+
+    async def sleep(seconds):
+        if cancel:
+            raise asyncio.CancelledError
+        slept.append(seconds)
+        now[0] += seconds
+
+    lanes = TenantDecodeLanes(max_tenant_pixels=10**9, pixel_rate=100, pixel_burst=300, clock=lambda: now[0],
+                              sleep=sleep)
+
+    async def decode(tenant, pixels):
+        async with lanes.hold(tenant, pixels):
+            pass
+
+    await decode("a", 200)  # within the burst
+    await decode("a", 200)  # 100 left: waits a second for the other 100
+    await decode("b", 300)  # b's own burst
+    assert slept == [1.0]
+    cancel.append(True)
+    with pytest.raises(asyncio.CancelledError):
+        await decode("a", 100)  # gone while it waited: its 100 go back
+    cancel.clear()
+    await decode("a", 100)  # the bucket is empty (not 100 in debt): one second
+    now[0] += 60  # a minute later: the burst again, and no more
+    await decode("a", 300)
+    await decode("a", 50)
+    assert slept == [1.0, 1.0, 0.5]
+    assert lanes.pixels("a") == 0

@@ -1,8 +1,9 @@
 """Remote image fetches under attack: a server trickling bytes fails at the fetch's total
 deadline, a host resolving to a loopback, private, link-local or IPv4-mapped internal address
 is refused before any connection, and the fetch connects to the address that was checked (the
-name goes as ``Host`` and TLS server name). httpx's MockTransport and a fake resolver: no
-network, no JAX."""
+name goes as ``Host`` and TLS server name); fetches share one TLS context (building one per
+fetch stalled the event loop). httpx's MockTransport, a fake resolver and a loopback server:
+no network, no JAX."""
 
 from __future__ import annotations
 
@@ -74,3 +75,44 @@ async def test_the_fetch_connects_to_the_checked_address():
             await load_image("https://a.cdn.test:8443/x.png?v=1", LIMITS, "p", client,
                              resolve=_resolver("2606:2800:220:1::1"))
     assert seen == [("2606:2800:220:1::1", 8443, "a.cdn.test:8443", "a.cdn.test")]
+
+
+async def test_fetches_share_one_tls_context(monkeypatch):
+    # Building a TLS context parses the whole CA bundle (tens of ms, on the event loop): once
+    # per process, not once per fetch, or a tenant's fetches stall every other tenant's streams.
+    import ssl
+
+    from serving.gateway.media import image_input
+
+    async def serve_png(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (len(PNG), PNG))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve_png, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setattr(image_input, "is_public_address", lambda address: True)  # the server is on loopback
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    limits = MediaLimits(allowed_media_domains=("img.test",), fetch_timeout_s=5)
+    async with server:
+        for _ in range(3):
+            image = await load_image(f"http://img.test:{port}/x.png", limits, "p", resolve=_resolver("127.0.0.1"))
+            assert image.size == (2, 3)
+    assert len(built) <= 1
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (2, 3), (1, 2, 3)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+PNG = _png()

@@ -56,6 +56,12 @@ class MediaLimits:
       allowed_media_domains: hosts whose ``http(s)`` image URLs are fetched (exact names or
         ``*.example.com``); empty: remote URLs are refused.
       fetch_timeout_s: seconds a remote fetch may take in all.
+      max_tenant_image_pixels: pixels one tenant may have waiting for a decode or decoding,
+        all its requests together (``serving.gateway.media.tenant_decodes``; beyond it: 429);
+        None: four images of ``max_image_pixels``.
+      tenant_image_pixel_rate: pixels a second one tenant's images may decode (a token bucket
+        of two images of ``max_image_pixels``; ``serving.gateway.media.tenant_decodes``);
+        None: no bound.
     """
 
     max_image_bytes: int = 10 * 1024 * 1024
@@ -63,6 +69,16 @@ class MediaLimits:
     max_images: int = 8
     allowed_media_domains: tuple[str, ...] = ()
     fetch_timeout_s: float = 10.0
+    max_tenant_image_pixels: int | None = None
+    tenant_image_pixel_rate: float | None = 20_000_000
+
+    def __post_init__(self) -> None:
+        if self.tenant_image_pixel_rate is not None and not self.tenant_image_pixel_rate > 0:
+            raise ValueError(f"tenant_image_pixel_rate must be positive, got {self.tenant_image_pixel_rate!r}")
+        if self.max_tenant_image_pixels is None:
+            object.__setattr__(self, "max_tenant_image_pixels", 4 * self.max_image_pixels)
+        elif self.max_tenant_image_pixels < 1:
+            raise ValueError(f"max_tenant_image_pixels must be positive, got {self.max_tenant_image_pixels!r}")
 
 
 @dataclasses.dataclass(frozen=True)

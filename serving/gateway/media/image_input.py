@@ -27,10 +27,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import io
 import ipaddress
 import re
 import socket
+import ssl
 import urllib.parse
 from typing import Awaitable, Callable
 
@@ -41,8 +43,8 @@ from PIL import Image, UnidentifiedImageError
 from serving.gateway.http.errors import OpenAIError
 from serving.gateway.http.limits import MediaLimits
 
-__all__ = ["MEDIA_TYPES", "MediaLimits", "check_image_count", "decode_image", "image_bytes", "image_pixels",
-           "load_image"]
+__all__ = ["MEDIA_TYPES", "MediaLimits", "check_image_count", "decode_image", "fetch_tls_context", "image_bytes",
+           "image_pixels", "load_image"]
 
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
                "image/gif": "GIF", "image/bmp": "BMP"}
@@ -129,6 +131,21 @@ async def resolve_host(host: str, port: int) -> list[str]:
     """The addresses ``host`` resolves to, through the event loop's resolver (a worker thread)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+@functools.cache
+def fetch_tls_context() -> ssl.SSLContext:
+    """The TLS context of every remote image fetch (httpx's default: certifi's CA bundle, or
+    ``SSL_CERT_FILE``/``SSL_CERT_DIR``), built once per process.
+
+    Building one loads and parses the whole CA bundle: tens of milliseconds of CPU. Built per
+    fetch (what a fresh ``httpx.AsyncClient`` does), it ran on the event loop for every remote
+    image, so a tenant sending fetches stalled every other tenant's streams that long each time.
+    The gateway builds it at start (``OpenAIServing``) when remote images are allowed.
+    """
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
 def is_public_address(address: str) -> bool:
@@ -229,7 +246,8 @@ async def _fetch(url: str, parsed: urllib.parse.SplitResult, limits: MediaLimits
     pinned = urllib.parse.urlunsplit((parsed.scheme, netloc, parsed.path or "/", parsed.query, ""))
     host_header = host + (f":{parsed.port}" if parsed.port else "")
     own = client is None
-    client = client or httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False)
+    client = client or httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False,
+                                         verify=fetch_tls_context())
     try:
         async with client.stream("GET", pinned, headers={"Host": host_header}, timeout=limits.fetch_timeout_s,
                                  extensions={"sni_hostname": host}) as resp:

@@ -16,7 +16,7 @@ image's encoder output (``serving.contract.engine_client.ImageInput``).
 from __future__ import annotations
 
 import contextlib
-from typing import Awaitable, Callable, Sequence
+from typing import AsyncContextManager, Awaitable, Callable, Sequence
 
 from serving.contract.engine_client import ImageInput, VisionSpec
 from serving.gateway.http.errors import OpenAIError
@@ -30,22 +30,29 @@ __all__ = ["expand_image_placeholders", "load_images", "prompt_images"]
 
 
 async def load_images(parts: Sequence[tuple[str, str]], spec: VisionSpec, limits: MediaLimits,
-                      run: Callable[..., Awaitable], client=None, budget: PixelBudget | None = None
-                      ) -> list[tuple[object, str]]:
+                      run: Callable[..., Awaitable], client=None, budget: PixelBudget | None = None,
+                      lane: Callable[[int, str], AsyncContextManager] | None = None) -> list[tuple[object, str]]:
     """(pixels [3, S, S] float32, digest) of each ``(param, url)`` image part, in order.
 
     Nothing but waiting runs on the event loop: base64 decoding, the header check, decoding,
-    preprocessing and the digest run through ``run`` (the gateway's bounded worker threads),
-    and each decode first holds its image's pixels of ``budget`` (None: unbounded).
+    preprocessing and the digest run through ``run`` (the gateway's bounded worker threads).
+    Each decode first takes a place in the caller's tenant's lane (``lane(pixels, param)``:
+    ``TenantDecodeLanes.hold`` bound to the tenant; None: no lane), then holds its image's
+    pixels of ``budget`` (None: unbounded).
 
     Raises:
-      OpenAIError: 400 naming the part (``serving.gateway.media.image_input``).
+      OpenAIError: 400 naming the part (``serving.gateway.media.image_input``); 429 from
+        ``lane`` when the tenant has too many pixels in flight (``tenant_decodes.py``).
     """
     out = []
     for param, url in parts:
         data, media_type = await image_bytes(url, limits, param, client, run)
         pixels = await run(image_input.image_pixels, data, media_type, limits, param)
-        async with (budget.hold(pixels) if budget is not None else contextlib.nullcontext()):
+        async with contextlib.AsyncExitStack() as held:
+            if lane is not None:
+                await held.enter_async_context(lane(pixels, param))
+            if budget is not None:
+                await held.enter_async_context(budget.hold(pixels))
             out.append(await run(_decoded, data, media_type, limits, param, spec.image_size))
     return out
 

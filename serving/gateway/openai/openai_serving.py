@@ -23,6 +23,7 @@ request is cancelled and it is metered as cancelled ("client not reading").
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -50,10 +51,11 @@ from serving.gateway.http.errors import (
 )
 from serving.gateway.http.limits import GatewayLimits
 from serving.gateway.http.request_scope import RATE_LIMIT_HEADERS_SCOPE_KEY, request_id_of
-from serving.gateway.media.image_input import check_image_count
+from serving.gateway.media.image_input import check_image_count, fetch_tls_context
 from serving.gateway.media.decode_workers import DecodeWorkers
 from serving.gateway.media.image_prompt import expand_image_placeholders, load_images, prompt_images
 from serving.gateway.media.pixel_budget import PixelBudget
+from serving.gateway.media.tenant_decodes import TenantDecodeLanes
 from serving.gateway.openai.chat_plan import ChatPlan, chat_plan
 from serving.gateway.openai.chat_run import ChatRun
 from serving.gateway.openai.choice_logprobs import ChatChoiceRenderer, CompletionChoiceRenderer
@@ -157,6 +159,15 @@ class OpenAIServing:
         self.images = DecodeWorkers()
         # Decoded image pixels in flight, all requests together: two of the largest images allowed.
         self.pixel_budget = PixelBudget(2 * self.limits.media.max_image_pixels)
+        # Each tenant's decodes in a lane of its own: its images wait behind its own, it holds
+        # at most one decode thread, its pixels in flight and per second are bounded
+        # (tenant_decodes.py).
+        media = self.limits.media
+        self.decode_lanes = TenantDecodeLanes(max_tenant_pixels=media.max_tenant_image_pixels,
+                                              pixel_rate=media.tenant_image_pixel_rate,
+                                              pixel_burst=2 * media.max_image_pixels)
+        if self.limits.media.allowed_media_domains:  # built now, not on the event loop at the first fetch
+            fetch_tls_context()
         self.streams = ChoiceStreams(self.services, self.limits)
 
     def follow_adapters(self) -> None:
@@ -273,7 +284,7 @@ class OpenAIServing:
                      served: ServedModel, id_prefix: str, prompt_ids: list[list[int]], req,
                      max_tokens: int, per_prompt: int, param: str, texts: list[str],
                      structured_output: StructuredOutput | None = None,
-                     images: tuple | Callable[[], Awaitable[tuple]] = (),
+                     images: tuple | Callable[[str], Awaitable[tuple]] = (),
                      ) -> tuple[MeteredGeneration, list[Slot]]:
         """Context check (per prompt), the service tier (allow-list, flex shedding),
         rate limits and metering (once, for all completions), input policy, then
@@ -327,7 +338,7 @@ class OpenAIServing:
         request.scope[RATE_LIMIT_HEADERS_SCOPE_KEY] = meter.admission.headers
         if callable(images):
             try:
-                images = await until_disconnect(request, images())
+                images = await until_disconnect(request, images(principal.tenant))
             except BaseException as e:
                 with anyio.CancelScope(shield=True):
                     gone = isinstance(e, (ClientDisconnected, asyncio.CancelledError))
@@ -440,12 +451,14 @@ class OpenAIServing:
         return ChatRun(self.streams, gen, req, int(time.time()), [plan.output(o) for o in gen.outputs], renderers)
 
     async def chat_prompt(self, req: ChatCompletionRequest, served: ServedModel,
-                          ) -> tuple[ChatPlan, list[int], tuple | Callable[[], Awaitable[tuple]]]:
+                          ) -> tuple[ChatPlan, list[int], tuple | Callable[[str], Awaitable[tuple]]]:
         """The plan (tools, constraint, parsers), the prompt's token ids and its images of a
         chat request on `served`: what :meth:`start_chat` submits, and what
-        ``/v1/messages/count_tokens`` counts. The images are ``()`` or a coroutine function that
-        decodes them (``EngineRequest.images``) once the request is admitted, so a caller over
-        its limits costs no decode; the prompt ids already hold their soft tokens.
+        ``/v1/messages/count_tokens`` counts. The images are ``()`` or a coroutine function of the
+        caller's tenant that decodes them (``EngineRequest.images``) once the request is
+        admitted, so a caller over its limits costs no decode, in that tenant's decode lane
+        (``serving.gateway.media.tenant_decodes``; 429 when the lane is full); the prompt ids
+        already hold their soft tokens.
 
         Raises:
           OpenAIError: 400 for messages the chat template rejects, images on a model
@@ -471,8 +484,9 @@ class OpenAIServing:
             newline = await self.prompts.run(served.tokenizer.encode, "\n\n")
             prompt_ids, starts = expand_image_placeholders(prompt_ids, spec, newline, len(image_parts))
 
-            async def images():  # decoded once admitted: a rate-limited caller costs no decode
+            async def images(tenant: str):  # decoded once admitted: a rate-limited caller costs no decode
+                lane = functools.partial(self.decode_lanes.hold, tenant)
                 loaded = await load_images(image_parts, spec, self.limits.media, self.images.run,
-                                           budget=self.pixel_budget)
+                                           budget=self.pixel_budget, lane=lane)
                 return prompt_images(starts, loaded, spec)
         return plan, prompt_ids, images
