@@ -181,7 +181,7 @@ def _lora(stacks, token_slots) -> LoraInputs | None:
 
 
 def _prefill_common(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
-                    all_logits: bool, lora_stacks=None):
+                    all_logits: bool, lora_stacks=None, aux_layers=None):
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
     indices = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) if all_logits else batch.logits_indices
@@ -190,28 +190,38 @@ def _prefill_common(graphdef, compute: Compute, params, state: DeviceState, batc
     extra = {} if lora is None else {"lora": lora}
     if batch.image_embeds is not None:
         extra["image_embeds"] = batch.image_embeds
-    logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute, **extra)
+    if aux_layers is not None:  # an EAGLE-3 head's features (serving.engine.eagle3_draft)
+        extra["aux_layers"] = aux_layers
+    logits, kv_cache, *aux = model(batch.tokens, batch.positions, kv_cache, md, indices, compute=compute,
+                                   **extra)
     row_logits = logits[batch.logits_indices] if all_logits else logits
     starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
     counts, seen = token_counts.count_prefill(
         state.output_counts, state.prompt_seen, batch.tokens, batch.positions, batch.token_rows,
         batch.real_tokens, batch.slot_ids, batch.prompt_lens, batch.real_rows & (starts == 0))
-    return DeviceState(kv_cache, state.slot_tokens, counts, seen), row_logits, logits
+    state = DeviceState(kv_cache, state.slot_tokens, counts, seen)
+    return state, row_logits, logits, (aux[0] if aux else None)
 
 
 def _prefill_step(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
-                  lora_stacks=None):
-    """The prefill forward: (state, batch) -> (state, the rows' logits [S, V] f32)."""
-    state, row_logits, _ = _prefill_common(graphdef, compute, params, state, batch, False, lora_stacks)
-    return state, row_logits
+                  lora_stacks=None, *, aux_layers=None):
+    """The prefill forward: (state, batch) -> (state, the rows' logits [S, V] f32); with
+    ``aux_layers`` (static) (state, (logits, aux [T, A * D] f32)), the target's hidden states
+    for an EAGLE-3 head."""
+    state, row_logits, _, aux = _prefill_common(graphdef, compute, params, state, batch, False, lora_stacks,
+                                                aux_layers)
+    return state, (row_logits if aux is None else (row_logits, aux))
 
 
 def _prefill_logprobs_step(graphdef, compute: Compute, params, state: DeviceState,
-                           batch: PromptLogprobsBatch, lora_stacks=None):
+                           batch: PromptLogprobsBatch, lora_stacks=None, *, aux_layers=None):
     """A prefill forward that also scores every token's successor (logits at all T tokens):
-    (state, batch) -> (state, (the rows' logits [S, V] f32, PromptLogprobs [T]))."""
-    state, row_logits, logits = _prefill_common(graphdef, compute, params, state, batch, True, lora_stacks)
-    return state, (row_logits, prompt_logprobs(logits, batch.next_ids))
+    (state, batch) -> (state, (the rows' logits [S, V] f32, PromptLogprobs [T])), with
+    ``aux_layers`` wrapped as :func:`_prefill_step`'s."""
+    state, row_logits, logits, aux = _prefill_common(graphdef, compute, params, state, batch, True, lora_stacks,
+                                                     aux_layers)
+    out = (row_logits, prompt_logprobs(logits, batch.next_ids))
+    return state, (out if aux is None else (out, aux))
 
 
 def _decode_step(graphdef, compute: Compute, params, state: DeviceState, batch: DecodeBatch,
@@ -346,6 +356,7 @@ class Engine:
             compute = dataclasses.replace(compute, lora=self.policy.lora_formulation(
                 cfg.max_loras + 1, cfg.max_lora_rank))
         self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
+        self._aux_layers = self._eagle3_layers(model, draft)
         self._steps = self._jit_steps(graphdef, compute, out_shardings)
         self._sample = jax.jit(functools.partial(sample_step, self.policy.argmax_block),
                                donate_argnames=("slot_tokens",),
@@ -370,18 +381,43 @@ class Engine:
         self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
+        self._aux = None  # the last prefill step's features, for the EAGLE-3 head's prefill
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
 
-    def _draft_model(self, model, qmodel, draft):
-        """The :class:`~serving.engine.draft_model.DraftModel` of ``--speculative draft`` or None."""
+    def _eagle3_layers(self, model, draft) -> tuple[int, ...] | None:
+        """The served layers an EAGLE-3 head fuses (``--speculative eagle3``), else None.
+
+        Raises:
+          ValueError: eagle3 without a head, a head for another target, a mesh."""
         spec = self.cfg.speculative
-        if spec is None or spec.method != "draft":
+        if spec is None or spec.method != "eagle3":
+            return None
+        from model.eagle3 import Eagle3Head, aux_layers, check_target
+
+        if not isinstance(draft, Eagle3Head):
+            raise ValueError(f"--speculative eagle3: the EAGLE-3 head {spec.draft_model!r} was not given to the engine")
+        if self.mesh is not None or self.lockstep is not None:
+            raise ValueError("--speculative eagle3 is served on a single-device engine only")
+        check_target(draft.cfg, model.cfg)
+        return aux_layers(draft.cfg, model.cfg.num_layers)
+
+    def _draft_model(self, model, qmodel, draft):
+        """The :class:`~serving.engine.draft_model.DraftModel` of ``--speculative draft`` (the
+        :class:`~serving.engine.eagle3_draft.Eagle3Draft` of ``eagle3``) or None."""
+        spec = self.cfg.speculative
+        if spec is None or spec.method not in ("draft", "eagle3"):
             return None
         from serving.config.speculative_config import SELF_INT8
         from serving.engine.draft_model import DraftModel
 
         if self.mesh is not None or self.lockstep is not None:
             raise ValueError("--speculative draft is served on a single-device engine only")
+        if spec.method == "eagle3":
+            from serving.engine.eagle3_draft import Eagle3Draft
+
+            log.info("speculative drafts from the EAGLE-3 head %s (target layers %s), K = %d", spec.draft_model,
+                     self._aux_layers, spec.num_tokens)
+            return Eagle3Draft(draft, model.cfg, self.cfg, self.policy, spec.num_tokens)
         if draft is None and spec.draft_model == SELF_INT8:
             from model.factory import quantized_copy
 
@@ -397,14 +433,15 @@ class Engine:
         """The step functions of one model graph, jitted with ``state`` donated (the prefill
         and decode forwards; verify samples inside its program)."""
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
+        aux = self._aux_layers  # an EAGLE-3 head's target layers: prefill and verify return them
         steps = {
-            "prefill": jit(functools.partial(_prefill_step, graphdef, compute)),
-            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute)),
+            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, aux_layers=aux)),
+            "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute, aux_layers=aux)),
             "decode": jit(functools.partial(_decode_step, graphdef, compute)),
         }
         if self.cfg.speculative is not None:
             steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
-                                                    self.cfg.speculative.num_tokens))
+                                                    self.cfg.speculative.num_tokens, aux_layers=aux))
         return steps
 
     def weights_for(self, batch: StepBatch) -> str:
@@ -451,7 +488,10 @@ class Engine:
                 return pack_images(rows, images or {}, self.vision, T, self.model_cfg.hidden_size)
         batch = cls.from_rows(rows, self.cfg, mask, pack)
         out = self.run(batch)
-        if self.draft is not None:
+        if self._aux_layers is not None:  # the EAGLE-3 head's, from the served step's features
+            self.draft.prefill(batch, self._aux)
+            self._aux = None
+        elif self.draft is not None:
             self.draft.prefill(batch)
         return out
 
@@ -485,9 +525,10 @@ class Engine:
         """
         if self.cfg.speculative is None:
             raise ValueError("this engine was built without speculative decoding")
-        K = self.cfg.speculative.num_tokens
-        T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
-        batch = VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words))
+        spec = self.cfg.speculative
+        width = spec.draft_bucket(max([len(r.draft_ids) for r in rows] + [1]))  # K_eff's program
+        T = batch_bucket(max(len(rows), 1), self.cfg) * (width + 1)
+        batch = VerifyBatch.from_rows(rows, self.cfg, width, pad_rows(None, T, self.mask_words))
         if self.draft is None:
             return self.run(batch)
         if not self.draft.shares_cache:
@@ -581,8 +622,13 @@ class Engine:
         with ctx:
             if batch.kind == "verify":
                 self.state, out = steps[batch.kind](params, self.state, batch, drafts, draft_probs)
+                if self._aux_layers is not None:  # the EAGLE-3 head keeps the accepted rows' features
+                    out, aux = out
+                    self.draft.store(batch, out.accepted, aux)
             else:
                 self.state, logits = steps[batch.kind](params, self.state, batch, self.lora_stacks)
+                if self._aux_layers is not None and batch.kind != "decode":
+                    logits, self._aux = logits
                 out = self._sample_rows(batch, logits)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
@@ -636,12 +682,13 @@ class Engine:
                 position = min(P * cfg.page_size, cfg.max_model_len) - 1
                 self.decode([DecodeRow("warmup", 0, position, null_pages, GREEDY)] * B)
         spec = cfg.speculative if decode else None
-        if spec is not None:  # verify buckets up to the batch size that speculates
-            drafts = (0,) * spec.num_tokens
-            for B in sorted({batch_bucket(n, cfg) for n in range(1, min(spec.max_batch, cfg.max_slots) + 1)}):
+        if spec is not None:  # verify buckets up to the batch size that speculates, at its K_eff
+            shapes = {(batch_bucket(n, cfg), spec.draft_bucket(spec.tokens_at(n)))
+                      for n in range(1, min(spec.max_batch, cfg.max_slots) + 1) if spec.tokens_at(n) > 0}
+            for B, width in sorted(shapes):
                 for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
-                    position = min(P * cfg.page_size, cfg.max_model_len) - 1 - spec.num_tokens
+                    position = min(P * cfg.page_size, cfg.max_model_len) - 1 - width
                     row = DecodeRow("warmup", 0, max(position, 0), null_pages, GREEDY, last_token=0,
-                                    draft_ids=drafts)
+                                    draft_ids=(0,) * width)
                     self.verify([row] * B)
         jax.block_until_ready(self.state.slot_tokens)
