@@ -83,7 +83,10 @@ Speculative decoding with a draft model (``--speculative draft``): the engine al
 ``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids, prefilled
 after each prefill step with the same batch; ``self:int8``: the served cache, no prefill), and
 each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
-distributions) the verify step takes on the device. Single device only.
+distributions) the verify step takes on the device. Single device only. An EAGLE-3 head
+(``--speculative eagle3``: ``serving.engine.eagle3_draft``) drafts from the served model's
+hidden states at three layers, which the prefill and verify steps then also return
+(``aux_layers``; those programs only, and only with a head).
 
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
@@ -510,9 +513,14 @@ class Engine:
         mask = pad_rows(token_mask, batch_bucket(max(len(rows), 1), self.cfg), self.mask_words)
         return self.run(DecodeBatch.from_rows(rows, self.cfg, mask))
 
-    def verify(self, rows: Sequence[DecodeRow]):
+    def verify(self, rows: Sequence[DecodeRow], max_drafts: int | None = None):
         """Dispatches one verify step (speculative decoding) over plan rows with their last
         token and drafts (``DecodeRow.last_token``, ``draft_ids``).
+
+        ``max_drafts``: the K of the present load (``Scheduler.speculative_tokens_now``; None:
+        ``num_speculative_tokens``). The step's width (drafts per row) is the draft bucket of
+        the larger of it and the longest row's drafts, so steps of one load share a program
+        whatever their n-gram matches, and a K that shrank computes fewer tokens.
 
         Returns:
           a :class:`~serving.engine.verify_step.VerifyOutput` of device arrays (not yet synced):
@@ -526,7 +534,8 @@ class Engine:
         if self.cfg.speculative is None:
             raise ValueError("this engine was built without speculative decoding")
         spec = self.cfg.speculative
-        width = spec.draft_bucket(max([len(r.draft_ids) for r in rows] + [1]))  # K_eff's program
+        width = spec.draft_bucket(max([len(r.draft_ids) for r in rows]
+                                      + [spec.num_tokens if max_drafts is None else max_drafts, 1]))
         T = batch_bucket(max(len(rows), 1), self.cfg) * (width + 1)
         batch = VerifyBatch.from_rows(rows, self.cfg, width, pad_rows(None, T, self.mask_words))
         if self.draft is None:

@@ -227,20 +227,32 @@ def eagle_loop(jax_cache, tmp_path_factory):
 
 
 def test_eagle3_greedy_outputs_equal_without_speculation(eagle_loop):
-    """16 random greedy prompts of 3-40 tokens (the longest over a prefill chunk), four at a
-    time, max_tokens 8-23: the same ids and finish reasons with the head as without; drafts
-    accepted and rejected; a temperature request runs to its length with speculative sampling."""
+    """64 random greedy prompts of 3-40 tokens (the longest over a prefill chunk), four at a
+    time, max_tokens 6-13, every fifth with a stop id from its own output: the same ids and
+    finish reasons with the head as without; drafts accepted and rejected; a temperature
+    request runs to its length with speculative sampling."""
     from tests.support.engine_helpers import generate, request
 
     rng = random.Random(463)
-    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))] for _ in range(16)]
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))] for _ in range(64)]
+
+    def reqs(group, stops):
+        return [request(prompts[j], max_tokens=13, stop_token_ids=(stops[j],)) if j in stops
+                else request(prompts[j], max_tokens=6 + j % 8, ignore_eos=True) for j in group]
+
+    with_stop = [j for j in range(64) if j % 5 == 0]
+    full = generate(eagle_loop, [request(prompts[j], max_tokens=13, ignore_eos=True) for j in with_stop])
+    stops = {j: ids[rng.randrange(1, 13)] for j, ids in zip(with_stop, full)}
     before = eagle_loop.stats()
-    for i in range(0, 16, 4):
-        spec, plain = run_both(eagle_loop, lambda: [request(prompts[j], max_tokens=8 + j, ignore_eos=True)
-                                                    for j in range(i, i + 4)])
+    for i in range(0, 64, 4):
+        spec, plain = run_both(eagle_loop, lambda: reqs(range(i, i + 4), stops))
         for j, ((ids_s, ev_s), (ids_p, ev_p)) in enumerate(zip(spec, plain)):
-            assert ids_s == ids_p and len(ids_s) == 8 + i + j, i + j
-            assert ev_s[-1].finish_reason == ev_p[-1].finish_reason == "length"
+            assert ids_s == ids_p, i + j
+            assert ev_s[-1].finish_reason == ev_p[-1].finish_reason
+            if i + j in stops:
+                assert ev_s[-1].finish_reason == "stop" and ids_s[-1] == stops[i + j]
+            else:
+                assert len(ids_s) == 6 + (i + j) % 8
     after = eagle_loop.stats()
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
