@@ -699,5 +699,5 @@ class Engine:
                     position = min(P * cfg.page_size, cfg.max_model_len) - 1 - width
                     row = DecodeRow("warmup", 0, max(position, 0), null_pages, GREEDY, last_token=0,
                                     draft_ids=(0,) * width)
-                    self.verify([row] * B)
+                    self.verify([row] * B, width)
         jax.block_until_ready(self.state.slot_tokens)

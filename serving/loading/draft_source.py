@@ -125,7 +125,8 @@ def load_eagle3(cfg, served_model):
         raise ValueError(f"--speculative eagle3 --draft-model {cfg.draft_model}: not a directory with a "
                          "config.json (an EAGLE-3 head: config.json + *.safetensors)")
     head_cfg, params = load_checkpoint(path, served_model.cfg)
-    embed = None if head_cfg.has_embedding else served_model.embed[...]
+    lookup = getattr(served_model, "embed_lookup", None)  # a tied low-bit table's float32 copy, if any
+    embed = None if head_cfg.has_embedding else (served_model.embed if lookup is None else lookup)[...]
     head = Eagle3Head(head_cfg, params, embed, dtype=served_model.dtype)
     log.info("EAGLE-3 head %s: hidden %d, draft vocabulary %d of %d", path, head_cfg.layer.hidden_size,
              head_cfg.draft_vocab_size, head_cfg.layer.vocab_size)

@@ -217,7 +217,8 @@ def eagle_loop(jax_cache, tmp_path_factory):
         mesh, draft_model = None, str(path)
 
     head = load_eagle3(Flags, target)
-    spec = SpeculativeConfig(method="eagle3", num_tokens=3, max_batch=4, draft_model=str(path))
+    # K shrinks with the load: 3 drafts a row at 1-2 running requests, 1 at 3-4 (8 // R - 1)
+    spec = SpeculativeConfig(method="eagle3", num_tokens=3, max_batch=4, draft_model=str(path), token_budget=8)
     engine = Engine(target, EngineConfig(**TINY_CFG, speculative=spec), draft=head)
     assert engine.draft.kv.k.shape[0] == 1 and engine.draft.aux_layers == (2, 1, 0)
     loop = EngineLoop(engine)
@@ -229,7 +230,8 @@ def eagle_loop(jax_cache, tmp_path_factory):
 def test_eagle3_greedy_outputs_equal_without_speculation(eagle_loop):
     """64 random greedy prompts of 3-40 tokens (the longest over a prefill chunk), four at a
     time, max_tokens 6-13, every fifth with a stop id from its own output: the same ids and
-    finish reasons with the head as without; drafts accepted and rejected; a temperature
+    finish reasons with the head as without; drafts accepted and rejected; verify steps of
+    both widths ran (3 drafts a row, and 1 while 3-4 requests ran: K shrank); a temperature
     request runs to its length with speculative sampling."""
     from tests.support.engine_helpers import generate, request
 
@@ -257,5 +259,7 @@ def test_eagle3_greedy_outputs_equal_without_speculation(eagle_loop):
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     assert 0 < accepted < drafted
+    widths = {k[2] // k[1] - 1 for k in eagle_loop.engine.compile_times if k[0] == "verify"}  # (kind, S, T, P)
+    assert widths == {1, 3}
     sampled = generate(eagle_loop, [request(prompts[0], max_tokens=16, ignore_eos=True, temperature=1.0, seed=5)])
     assert len(sampled[0]) == 16 and all(0 <= t < 512 for t in sampled[0])
