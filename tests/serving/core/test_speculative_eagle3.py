@@ -1,8 +1,9 @@
 """Speculative decoding with an EAGLE-3 head (``--speculative eagle3``): the checkpoint format
 (written here by the test's own code in the layout published for Llama 3.1 8B, since no real
 head can be fetched), its checks against the target, the head's forward against a numpy
-reading of the HF tensors, and the tiny-random Llama target with and without the head (greedy
-ids equal token for token on random prompts, drafts accepted and rejected).
+reading of the HF tensors, the target's hidden states at the asked layers, and the tiny-random
+Llama target with and without the head (greedy ids equal token for token on random prompts,
+drafts accepted and rejected, K shrinking with the load).
 
 The engine sizes are tests/serving/core/test_speculative.py's (``TINY_CFG``)."""
 
@@ -169,6 +170,44 @@ def test_eagle3_head_forward_matches_a_numpy_reading_of_the_hf_tensors(tmp_path)
     got = np.asarray(logits)
     np.testing.assert_allclose(got[:, ids], draft_logits, rtol=2e-4, atol=2e-4)
     assert np.isneginf(np.delete(got, ids, axis=1)).all()
+
+
+def test_llama_returns_the_hidden_states_entering_the_asked_layers():
+    """``aux_layers`` (2, 1, 0) of the 2-layer tiny Llama: layer 0's input is the embedding, id
+    2 (= L) the last layer's output, whose final norm and head give the logits; the logits and
+    the cache are those of the call without ``aux_layers``, which returns two values."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.attention_metadata import AttentionMetadata
+    from model.kv_cache import KVCache
+    from model.layers import rms_norm
+    from model.llama import Llama
+
+    cfg = tiny_llama_cfg()
+    model = Llama(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    tokens = jnp.array([1, 17, 300, 42, 9], jnp.int32)
+    md = AttentionMetadata(slot_mapping=jnp.arange(8, 13, dtype=jnp.int32), page_table=jnp.array([[1]], jnp.int32),
+                           kv_lens=jnp.array([5], jnp.int32), cu_q_lens=jnp.array([0, 5], jnp.int32),
+                           num_seqs=jnp.asarray(1, jnp.int32), mode="prefill")
+    kv = KVCache.zeros(cfg, 4, 8, jnp.float32)
+
+    @jax.jit
+    def both(kv):
+        plain = model(tokens, jnp.arange(5, dtype=jnp.int32), kv, md, jnp.arange(5, dtype=jnp.int32))
+        return plain, model(tokens, jnp.arange(5, dtype=jnp.int32), kv, md, jnp.arange(5, dtype=jnp.int32),
+                            aux_layers=(2, 1, 0))
+
+    (logits, kv1), (logits_aux, kv2, aux) = both(kv)
+    D = cfg.hidden_size
+    assert aux.shape == (5, 3 * D)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits_aux))
+    np.testing.assert_array_equal(np.asarray(kv1.k), np.asarray(kv2.k))
+    np.testing.assert_allclose(np.asarray(aux[:, 2 * D:]), np.asarray(model.embed[...])[np.asarray(tokens)])
+    head = rms_norm(aux[:, :D], model.final_norm[...], cfg.rms_norm_eps) @ model.lm_head[...]
+    np.testing.assert_allclose(np.asarray(head), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(aux[:, D:2 * D]), np.asarray(aux[:, 2 * D:]))  # layer 1's input moved
 
 
 # -- the tiny-random Llama target with and without an EAGLE-3 head (float32) -------------------------
