@@ -21,14 +21,15 @@ donated, and the buffer where a step returns it):
         drafts never writes past p + d - 1.
     store    (hidden, aux [T, 3 Dt], batch: VerifyBatch, accepted [S]) -> hidden
         after each verify step: each row's features at its last accepted input (offset
-        ``accepted``: the position before its new last token).
+        ``accepted``: the position before its new last token); after a plain decode step
+        each row's features at the token it fed (``store_decode``).
 
 The head's K/V at positions the verify step accepted are the ones its own drafting wrote
 (the head's own hidden states, as EAGLE-3's training-time test trains it for), and step 0
 rewrites the position before the new last token with the target's features. Not kept in
-step (lower acceptance, never another output): tokens decoded without drafts (more than
-``--speculative-max-batch`` requests running) leave a slot's features and the head's K/V
-behind; pages from the host tier, KV transfer or the prefix cache have no head K/V.
+step (lower acceptance, never another output): tokens decoded without drafts (K shrunk to 0
+under load, a token in flight) get no head K/V (their slot's features are kept fresh by the
+decode step); pages from the host tier, KV transfer or the prefix cache have no head K/V.
 Verification is the verify step's (``serving.engine.verify_step``): greedy rows exact,
 temperature rows speculative sampling, so outputs are the served model's.
 """
@@ -110,6 +111,11 @@ def _store(hidden, aux, cu_q_lens, num_seqs, slot_ids, accepted):
     return hidden.at[slots].set(aux[idx].astype(hidden.dtype), mode="drop")
 
 
+def _store_rows(hidden, aux, slot_ids, real):
+    slots = jnp.where(real, slot_ids, hidden.shape[0])
+    return hidden.at[slots].set(aux.astype(hidden.dtype), mode="drop")
+
+
 class Eagle3Draft:
     """An EAGLE-3 head's parameters, KV cache, per-slot target features and jitted steps
     (single device). Not thread-safe: the engine calls it from its one caller's thread."""
@@ -137,6 +143,7 @@ class Eagle3Draft:
         self._make_propose = lambda width: jax.jit(  # noqa: E731
             functools.partial(_propose, graphdef, compute, policy.argmax_block, width), donate_argnames=("kv",))
         self._store = jax.jit(_store, donate_argnames=("hidden",))
+        self._store_rows = jax.jit(_store_rows, donate_argnames=("hidden",))
 
     def prefill(self, batch, aux) -> None:
         """Dispatches the head's prefill of a served prefill step (``aux``: [T, 3 Dt] its features)."""
@@ -148,6 +155,11 @@ class Eagle3Draft:
         propose = proposer(self._proposers, self._make_propose, batch)
         self.kv, drafts, q = propose(self.params, self.kv, self.hidden, batch)
         return drafts, q
+
+    def store_decode(self, batch, aux) -> None:
+        """Keeps each plain decode row's features (``aux`` [B, 3 Dt]: at the token it fed, the
+        position before the token it samples)."""
+        self.hidden = self._store_rows(self.hidden, aux, batch.slot_ids, batch.real_rows)
 
     def store(self, batch, accepted, aux) -> None:
         """Keeps each verified row's features at its last accepted input (device arrays)."""

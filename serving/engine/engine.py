@@ -85,8 +85,8 @@ after each prefill step with the same batch; ``self:int8``: the served cache, no
 each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
 distributions) the verify step takes on the device. Single device only. An EAGLE-3 head
 (``--speculative eagle3``: ``serving.engine.eagle3_draft``) drafts from the served model's
-hidden states at three layers, which the prefill and verify steps then also return
-(``aux_layers``; those programs only, and only with a head).
+hidden states at three layers, which the prefill, decode and verify steps then also return
+(``aux_layers``; only with a head).
 
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
@@ -228,18 +228,22 @@ def _prefill_logprobs_step(graphdef, compute: Compute, params, state: DeviceStat
 
 
 def _decode_step(graphdef, compute: Compute, params, state: DeviceState, batch: DecodeBatch,
-                 lora_stacks=None):
-    """The decode forward: (state, batch) -> (state, the rows' logits [B, V] f32)."""
+                 lora_stacks=None, *, aux_layers=None):
+    """The decode forward: (state, batch) -> (state, the rows' logits [B, V] f32); with
+    ``aux_layers`` wrapped as :func:`_prefill_step`'s (aux [B, A * D])."""
     model = nnx.merge(graphdef, params)
     rows = batch.slot_ids.shape[0]
     tokens = state.slot_tokens[jnp.minimum(batch.slot_ids, state.slot_tokens.shape[0] - 1)]
     md = batch.attention_metadata(state.kv_cache.page_size)
     lora = _lora(lora_stacks, batch.lora_slots)
-    logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
-                             jnp.arange(rows, dtype=jnp.int32), compute=compute,
-                             **({} if lora is None else {"lora": lora}))
+    extra = {} if lora is None else {"lora": lora}
+    if aux_layers is not None:
+        extra["aux_layers"] = aux_layers
+    logits, kv_cache, *aux = model(tokens, batch.positions, state.kv_cache, md,
+                                   jnp.arange(rows, dtype=jnp.int32), compute=compute, **extra)
     counts = token_counts.count_decode(state.output_counts, batch.slot_ids, batch.real_rows, tokens)
-    return DeviceState(kv_cache, state.slot_tokens, counts, state.prompt_seen), logits
+    state = DeviceState(kv_cache, state.slot_tokens, counts, state.prompt_seen)
+    return state, (logits, aux[0]) if aux else logits
 
 
 def _warmup_row_lengths(T: int, P: int, cfg: EngineConfig) -> list[list[int]]:
@@ -440,7 +444,7 @@ class Engine:
         steps = {
             "prefill": jit(functools.partial(_prefill_step, graphdef, compute, aux_layers=aux)),
             "prefill_logprobs": jit(functools.partial(_prefill_logprobs_step, graphdef, compute, aux_layers=aux)),
-            "decode": jit(functools.partial(_decode_step, graphdef, compute)),
+            "decode": jit(functools.partial(_decode_step, graphdef, compute, aux_layers=aux)),
         }
         if self.cfg.speculative is not None:
             steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
@@ -636,8 +640,12 @@ class Engine:
                     self.draft.store(batch, out.accepted, aux)
             else:
                 self.state, logits = steps[batch.kind](params, self.state, batch, self.lora_stacks)
-                if self._aux_layers is not None and batch.kind != "decode":
-                    logits, self._aux = logits
+                if self._aux_layers is not None:
+                    logits, aux = logits
+                    if batch.kind == "decode":  # the features at the token fed: the next propose's
+                        self.draft.store_decode(batch, aux)
+                    else:
+                        self._aux = aux
                 out = self._sample_rows(batch, logits)
         if key not in self.compile_times:
             # The first call of a shape includes tracing and compiling (or a
