@@ -4,13 +4,16 @@
     python -m benchmarks.speculative --ks 2 4 8 --streams 1 8 32 --new-tokens 128
     python -m benchmarks.speculative --methods ngram draft --draft-model self:int8 --ks 4
     python -m benchmarks.speculative --methods draft --streams 32 --max-batch 2   # a full batch
+    python -m benchmarks.speculative --methods draft --streams 1 4 8 --max-batch 8 --token-budgets 0 10  # K shrinks
 
 N streams of prose prompts cut to ``--prompt-len`` tokens generate
 ``--new-tokens`` tokens each, greedy, through the engine loop: once without
 speculation and once per method in ``--methods`` and K in ``--ks`` (one engine
 each, built with ``--speculative METHOD --num-speculative-tokens K``, ``--draft-model``
 for the draft method, and ``speculative_max_batch`` = ``--max-batch``, by default the
-largest stream count, so every step may speculate), alternating for ``--rounds``
+largest stream count, so every step may speculate; each of ``--token-budgets`` gets engines
+of its own, 0 the default budget (K throughout), N ``--speculative-token-budget N``, which
+shrinks K as the streams grow), alternating for ``--rounds``
 rounds; the baseline runs on the first engine with its scheduler's speculation off
 (same programs otherwise), or with a draft method in ``--methods`` on an engine of its
 own without speculation (a draft engine also prefills its draft). Engines use the
@@ -129,6 +132,9 @@ def main(argv=None) -> None:
                     help="the draft method's model: self:int8 or what --model takes")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="speculative_max_batch (default: the largest stream count)")
+    ap.add_argument("--token-budgets", type=int, nargs="+", default=[0],
+                    help="speculative_token_budget values, one engine each: min(K, budget // streams - 1) "
+                         "drafts a row (0: the default, K at every stream count up to --max-batch)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -163,13 +169,16 @@ def main(argv=None) -> None:
     loops = {}
     for method in args.methods:
         for k in args.ks:
-            spec = SpeculativeConfig.from_settings(method, k, args.prompt_lookup_min, args.prompt_lookup_max,
-                                                   max_batch, args.draft_model if method == "draft" else None)
-            cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
-                               speculative=spec, min_decode_batch=args.min_decode_batch)
-            engine = Engine(model, cfg, policy=policy, draft=draft if method == "draft" else None)
-            loops[f"{method} K={k}"] = EngineLoop(engine)
-            loops[f"{method} K={k}"].start(warmup=False)
+            for budget in args.token_budgets:
+                spec = SpeculativeConfig.from_settings(method, k, args.prompt_lookup_min, args.prompt_lookup_max,
+                                                       max_batch, args.draft_model if method == "draft" else None,
+                                                       budget or None)
+                cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
+                                   speculative=spec, min_decode_batch=args.min_decode_batch)
+                engine = Engine(model, cfg, policy=policy, draft=draft if method == "draft" else None)
+                name = f"{method} K={k}" + (f" budget {budget}" if budget else "")
+                loops[name] = EngineLoop(engine)
+                loops[name].start(warmup=False)
     names = list(loops)
     base_loop = loops[names[0]]
     if "draft" in args.methods:  # a draft engine prefills its draft too: the baseline has no draft
@@ -180,6 +189,7 @@ def main(argv=None) -> None:
     print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
           f"greedy; n-gram {args.prompt_lookup_min or 2}..{args.prompt_lookup_max or 4}; draft model "
           f"{args.draft_model if 'draft' in args.methods else '-'}; speculative_max_batch {max_batch}; "
+          f"speculative_token_budgets {args.token_budgets} (0: default); "
           f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
 
     def baseline(prompts, new_tokens):

@@ -140,7 +140,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, logits_indices: jax.Array,
                  compute: Compute = REFERENCE, lora: LoraInputs | None = None,
-                 hidden_states: bool = False) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
+                 hidden_states: bool = False, aux_layers: tuple[int, ...] | None = None):
         """Same contract as ``model.gemma3.Gemma3.__call__``.
 
         Args:
@@ -148,11 +148,16 @@ class Llama(nnx.Module):
           md: attention metadata; logits_indices: [S] int32; compute: platform-dependent
           choices (static; see ``model.compute``); lora: the resident LoRA adapters' stacks
           and each token's slot (``model.lora``; None: the base model; dense models only);
-          hidden_states: also return every token's final-norm hidden state (for :meth:`head`).
+          hidden_states: also return every token's final-norm hidden state (for :meth:`head`);
+          aux_layers: (static) layer ids i in 0..L whose input hidden states (the residual
+            stream entering layer i; L: after the last layer, before the final norm) are
+            also returned, for an EAGLE-3 draft head (``model.eagle3``). None (default):
+            nothing more is computed.
 
         Returns:
-          (logits [S, vocab] f32, updated kv_cache), with ``hidden_states`` a third element:
-          [T, hidden] in the compute dtype.
+          (logits [S, vocab] f32, updated kv_cache), then with ``hidden_states`` the hidden
+          states [T, hidden] in the compute dtype, then with ``aux_layers``
+          aux [T, len(aux_layers) * hidden] f32, every token's states concatenated in order.
 
         Raises:
           ValueError: a bidirectional model (``cfg.causal`` False), which only encodes;
@@ -167,11 +172,19 @@ class Llama(nnx.Module):
                 dtype=dtype, compute=compute, lora=lw)
             return o, (k_cache, v_cache)
 
-        x, (k_cache, v_cache) = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, lora)
+        x, (k_cache, v_cache), aux = self._layers(tokens, attend, (kv_cache.k, kv_cache.v), compute, lora,
+                                                  aux_layers)
+        if aux is not None:  # [A, T, D] -> [T, A * D]
+            last = jnp.asarray([i == cfg.num_layers for i in aux_layers])[:, None, None]
+            aux = jnp.where(last, x[None], aux)
+            aux = jnp.moveaxis(aux, 0, 1).reshape(x.shape[0], -1)
         logits = self.head(rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps, compute), compute)
+        out = (logits, KVCache(k_cache, v_cache))
         if hidden_states:
-            return logits, KVCache(k_cache, v_cache), rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute)
-        return logits, KVCache(k_cache, v_cache)
+            out += (rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute),)
+        if aux_layers is not None:
+            out += (aux,)
+        return out
 
     def head(self, x: jax.Array, compute: Compute = REFERENCE) -> jax.Array:
         """The LM head (the tied embedding or ``lm_head``): final-norm hidden states
@@ -192,14 +205,17 @@ class Llama(nnx.Module):
                                        window=window, dtype=self.dtype, compute=compute)
             return o, state
 
-        x, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
+        x, _, _ = self._layers(tokens.reshape(B * S), attend, (), compute)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, compute).reshape(B, S, -1)
 
-    def _layers(self, tokens: jax.Array, attend, state, compute: Compute, lora: LoraInputs | None = None):
+    def _layers(self, tokens: jax.Array, attend, state, compute: Compute, lora: LoraInputs | None = None,
+                aux_layers: tuple[int, ...] | None = None):
         """The embedding and the layer stack (one ``lax.scan``), attention by
         ``attend(h [T, D], layer weights, layer id, window, state, lw) -> (o [T, D], state)``
         (``lw``: this layer's LoRA, ``layers.with_lora``, or None; ``lora``: the stacks and
-        token slots, or None). Returns (x [T, D] f32 before the final norm, state).
+        token slots, or None). Returns (x [T, D] f32 before the final norm, state, aux):
+        aux [A, T, D] f32 the input of each layer of ``aux_layers`` (an id L is left to the
+        caller: x), None without them.
 
         Raises:
           ValueError: ``lora`` given for a mixture-of-experts model."""
@@ -212,9 +228,13 @@ class Llama(nnx.Module):
         if lora is not None and cfg.is_moe:
             raise ValueError(f"LoRA adapters on mixture-of-experts models ({cfg.name}) are not supported")
 
+        aux_ids = None if aux_layers is None else jnp.asarray(aux_layers, jnp.int32)
+
         def layer(carry, xs):
-            x, state = carry
+            x, state, aux = carry
             p, l, window, lora_layer = xs
+            if aux is not None:  # keep this layer's input where it is asked for
+                aux = jnp.where((aux_ids == l)[:, None, None], x[None], aux)
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
             lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             o, state = attend(rms_norm(x, p["attn_norm"], eps, compute), p, l, window, state, lw)
@@ -228,14 +248,15 @@ class Llama(nnx.Module):
                 up = with_lora(dot("td,df->tf", y, p["w_up"], dtype), y, lw, "w_up", dtype, compute)
                 act = jax.nn.silu(gate) * up
                 y = with_lora(dot("tf,fd->td", act, p["w_down"], dtype), act, lw, "w_down", dtype, compute)
-            return (h + y, state), None
+            return (h + y, state, aux), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         # per-layer windows and LoRA stacks (None: scanned as nothing, the same program as without)
         xs = (layer_params, layer_ids, jnp.asarray(cfg.layer_windows(), jnp.int32) if use_window else None,
               None if lora is None else lora.weights)
-        (x, state), _ = jax.lax.scan(layer, (x, state), xs)
-        return x, state
+        aux = None if aux_ids is None else jnp.zeros((len(aux_layers),) + x.shape, jnp.float32)
+        (x, state, aux), _ = jax.lax.scan(layer, (x, state, aux), xs)
+        return x, state, aux
 
 
 def init_random_params(cfg: ModelConfig, rngs: nnx.Rngs) -> dict[str, jax.Array]:

@@ -58,13 +58,13 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
             vision = None
     engine_cfg = EngineConfig.from_server_config(cfg, model.cfg)
     draft = None
-    if cfg.speculative == "draft":
+    if cfg.speculative in ("draft", "eagle3"):
         from serving.engine.draft_model import shared_pages
         from serving.loading.draft_source import load_draft
 
         draft = load_draft(cfg, model, tokenizer)
         if draft is not None:  # self:int8 drafts over the served cache
-            pages = shared_pages(engine_cfg.num_pages, model.cfg, draft.cfg)
+            pages = shared_pages(engine_cfg.num_pages, model.cfg, getattr(draft, "layer_cfg", draft.cfg))
             log.info("the draft model's KV cache shares --num-pages %d: %d pages each", engine_cfg.num_pages, pages)
             engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
     engine = Engine(model, engine_cfg, mesh=mesh, lockstep=lockstep_for(mesh), policy=policy, vision=vision,

@@ -46,13 +46,17 @@ _SETTINGS = [
                          "kernels (kernels_cpu) instead of XLA's dot; auto: where they measured faster on "
                          "this CPU (same results every way)"),
     ("speculative", str, "speculative decoding method: ngram (drafts from the request's own n-grams) | "
-                         "draft (drafts from --draft-model)"),
+                         "draft (drafts from --draft-model) | eagle3 (an EAGLE-3 head, --draft-model DIR)"),
     ("draft_model", str, "with --speculative draft: self:int8 (the served model's int8 copy), or a draft "
-                         "model as --model takes it (directory, GGUF, Hub id) with the same tokenizer"),
+                         "model as --model takes it (directory, GGUF, Hub id) with the same tokenizer; "
+                         "with eagle3: the EAGLE-3 head's directory (config.json + safetensors)"),
     ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
     ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),
     ("speculative_max_batch", int, "speculate only while at most this many requests run (default 2)"),
+    ("speculative_token_budget", int, "tokens a verify step may compute: with R requests running each gets "
+                                      "min(K, budget // R - 1) drafts, K shrinking as the batch grows "
+                                      "(default (K + 1) x --speculative-max-batch: K throughout)"),
     ("flex_starvation_preemptions", int, "a flex request or batch line preempted more than this many "
                                          "times runs as default work from then on (default 3)"),
     ("lora_modules", "NAME=PATH", "LoRA adapters served beside the model: PEFT folders "

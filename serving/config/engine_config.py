@@ -162,7 +162,8 @@ class EngineConfig:
             min_decode_batch=server.min_decode_batch, kv_dtype=kv_dtype, kv_cache_dtype=server.kv_cache_dtype,
             speculative=SpeculativeConfig.from_settings(
                 server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
-                server.prompt_lookup_max, server.speculative_max_batch, server.draft_model),
+                server.prompt_lookup_max, server.speculative_max_batch, server.draft_model,
+                server.speculative_token_budget),
             max_loras=server.lora_slots, max_lora_rank=server.max_lora_rank)
 
 

@@ -101,6 +101,7 @@ class ServerConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     speculative_max_batch: int | None = None
+    speculative_token_budget: int | None = None
     draft_model: str | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int | None = None
@@ -168,7 +169,8 @@ class ServerConfig:
         object.__setattr__(self, "prefix_cache_groups", _groups(self.prefix_cache_groups))
         SpeculativeConfig.from_settings(self.speculative, self.num_speculative_tokens,  # raises if invalid
                                         self.prompt_lookup_min, self.prompt_lookup_max,
-                                        self.speculative_max_batch, self.draft_model)
+                                        self.speculative_max_batch, self.draft_model,
+                                        self.speculative_token_budget)
 
     @property
     def lora_slots(self) -> int:

@@ -18,7 +18,8 @@ jitted once per shape bucket with the cache donated:
         run after every prefill step of the served model on the same batch: the draft's
         K/V of the same prompt chunks (images: their placeholder tokens' embeddings only).
     draft propose   (params, kv, batch: VerifyBatch) -> (kv, drafts [S, K] int32)
-        K draft steps per row: step 0 feeds a 2-token chunk, the row's previous token and
+        K draft steps per row (K: the verify batch's width, fewer than ``num_tokens`` when
+        K shrank under load; one program per width): step 0 feeds a 2-token chunk, the row's previous token and
         its last token at p - 1 and p (``VerifyBatch.prev_tokens``), then a ``lax.scan``
         of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1; step j
         draws draft j + 1: the argmax for a greedy row, a sample of the draft's
@@ -154,7 +155,7 @@ class DraftModel:
           model: a decoder of ``model/`` (its own config; the served model's vocabulary).
           cfg: the served engine's sizes (the draft cache has its ``num_pages`` and ``page_size``).
           policy: the served engine's backend policy (storage and compute of the draft too).
-          num_tokens: K, the drafts proposed per row.
+          num_tokens: K, the most drafts proposed per row.
           shares_cache: the draft is the served model's own copy (``self:int8``): it has no
             cache and no prefill of its own, and drafts over the served cache (see the module
             docstring).
@@ -169,8 +170,9 @@ class DraftModel:
         compute = policy.compute(dtype=model.dtype)
         jit = functools.partial(jax.jit, donate_argnames=("kv",))
         self._prefill = jit(functools.partial(_draft_prefill, graphdef, compute))
-        self._propose = jit(functools.partial(_draft_propose, graphdef, compute, policy.argmax_block,
-                                              num_tokens, not shares_cache))
+        self._proposers = {}  # drafts per row (the verify batch's width) -> its jitted propose step
+        self._make_propose = lambda width: jit(functools.partial(  # noqa: E731
+            _draft_propose, graphdef, compute, policy.argmax_block, width, not shares_cache))
 
     def prefill(self, batch) -> None:
         """Dispatches the draft's prefill of a served prefill step's ``PrefillBatch`` (nothing
@@ -190,10 +192,20 @@ class DraftModel:
           from (temperature rows; ``serving.engine.sample.rejection``); with ``shares_cache``,
           (served cache, drafts, q).
         """
+        propose = proposer(self._proposers, self._make_propose, batch)
         if self.shares_cache:
-            return self._propose(self.params, served_kv, batch)
-        self.kv, drafts, q = self._propose(self.params, self.kv, batch)
+            return propose(self.params, served_kv, batch)
+        self.kv, drafts, q = propose(self.params, self.kv, batch)
         return drafts, q
+
+
+def proposer(cache: dict, make, batch):
+    """The propose program of a verify batch's width K = T // S - 1 (the drafts it proposes
+    per row: fewer when K shrank under load), made by ``make(K)`` once and kept in ``cache``."""
+    width = batch.tokens.shape[0] // batch.slot_ids.shape[0] - 1
+    if width not in cache:
+        cache[width] = make(width)
+    return cache[width]
 
 
 def replace_drafts(tokens: jax.Array, token_rows: jax.Array, cu_q_lens: jax.Array, real: jax.Array,

@@ -92,7 +92,10 @@ Speculative decoding with a draft model (``--speculative draft``): the engine al
 ``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids, prefilled
 after each prefill step with the same batch; ``self:int8``: the served cache, no prefill), and
 each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
-distributions) the verify step takes on the device. Single device only.
+distributions) the verify step takes on the device. Single device only. An EAGLE-3 head
+(``--speculative eagle3``: ``serving.engine.eagle3_draft``) drafts from the served model's
+hidden states at three layers, which the prefill, decode and verify steps then also return
+(``aux_layers``; only with a head).
 
 Multi-host: with a ``lockstep`` (``sharding.multihost.Lockstep``), process 0
 publishes each batch's kind and leaves before running it, and the other
@@ -190,9 +193,11 @@ def _lora(stacks, token_slots) -> LoraInputs | None:
 
 
 def _prefill_step(graphdef, compute: Compute, params, state: DeviceState, batch: PrefillBatch,
-                  lora_stacks=None):
+                  lora_stacks=None, *, aux_layers=None):
     """The prefill forward: (state, batch) -> (state, (the rows' logits [S, V] f32, every
-    token's final-norm hidden state [T, D], the input of :func:`score_step`))."""
+    token's final-norm hidden state [T, D], the input of :func:`score_step`)); with
+    ``aux_layers`` (static) a third element, aux [T, A * D] f32: the target's hidden states
+    for an EAGLE-3 head."""
     model = nnx.merge(graphdef, params)
     md = batch.attention_metadata(state.kv_cache.page_size)
     kv_cache = state.kv_cache.copy_pages(batch.copy_src, batch.copy_dst)  # forked requests' pages
@@ -200,13 +205,15 @@ def _prefill_step(graphdef, compute: Compute, params, state: DeviceState, batch:
     extra = {} if lora is None else {"lora": lora}
     if batch.image_embeds is not None:
         extra["image_embeds"] = batch.image_embeds
-    row_logits, kv_cache, hidden = model(batch.tokens, batch.positions, kv_cache, md, batch.logits_indices,
-                                         compute=compute, hidden_states=True, **extra)
+    if aux_layers is not None:  # an EAGLE-3 head's features (serving.engine.eagle3_draft)
+        extra["aux_layers"] = aux_layers
+    row_logits, kv_cache, hidden, *aux = model(batch.tokens, batch.positions, kv_cache, md, batch.logits_indices,
+                                               compute=compute, hidden_states=True, **extra)
     starts = batch.positions[jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)]
     counts, seen = token_counts.count_prefill(
         state.output_counts, state.prompt_seen, batch.tokens, batch.positions, batch.token_rows,
         batch.real_tokens, batch.slot_ids, batch.prompt_lens, batch.real_rows & (starts == 0))
-    return DeviceState(kv_cache, state.slot_tokens, counts, seen), (row_logits, hidden)
+    return DeviceState(kv_cache, state.slot_tokens, counts, seen), (row_logits, hidden, *aux)
 
 
 def score_step(graphdef, compute: Compute, params, hidden: jax.Array, next_ids: jax.Array):
@@ -224,18 +231,22 @@ def score_step(graphdef, compute: Compute, params, hidden: jax.Array, next_ids: 
 
 
 def _decode_step(graphdef, compute: Compute, params, state: DeviceState, batch: DecodeBatch,
-                 lora_stacks=None):
-    """The decode forward: (state, batch) -> (state, the rows' logits [B, V] f32)."""
+                 lora_stacks=None, *, aux_layers=None):
+    """The decode forward: (state, batch) -> (state, the rows' logits [B, V] f32); with
+    ``aux_layers`` wrapped as :func:`_prefill_step`'s (aux [B, A * D])."""
     model = nnx.merge(graphdef, params)
     rows = batch.slot_ids.shape[0]
     tokens = state.slot_tokens[jnp.minimum(batch.slot_ids, state.slot_tokens.shape[0] - 1)]
     md = batch.attention_metadata(state.kv_cache.page_size)
     lora = _lora(lora_stacks, batch.lora_slots)
-    logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
-                             jnp.arange(rows, dtype=jnp.int32), compute=compute,
-                             **({} if lora is None else {"lora": lora}))
+    extra = {} if lora is None else {"lora": lora}
+    if aux_layers is not None:
+        extra["aux_layers"] = aux_layers
+    logits, kv_cache, *aux = model(tokens, batch.positions, state.kv_cache, md,
+                                   jnp.arange(rows, dtype=jnp.int32), compute=compute, **extra)
     counts = token_counts.count_decode(state.output_counts, batch.slot_ids, batch.real_rows, tokens)
-    return DeviceState(kv_cache, state.slot_tokens, counts, state.prompt_seen), logits
+    state = DeviceState(kv_cache, state.slot_tokens, counts, state.prompt_seen)
+    return state, (logits, aux[0]) if aux else logits
 
 
 def _warmup_row_lengths(T: int, P: int, cfg: EngineConfig) -> list[list[int]]:
@@ -355,6 +366,7 @@ class Engine:
             compute = dataclasses.replace(compute, lora=self.policy.lora_formulation(
                 cfg.max_loras + 1, cfg.max_lora_rank))
         self._write_pages = kv_pages.write_pages_fn(None if out_shardings is None else out_shardings[0])
+        self._aux_layers = self._eagle3_layers(model, draft)
         self._steps = self._jit_steps(graphdef, compute, out_shardings)
         self._sample = jax.jit(functools.partial(sample_step, self.policy.argmax_block),
                                donate_argnames=("slot_tokens",),
@@ -380,18 +392,43 @@ class Engine:
         self.mask_words = mask_words(model.cfg.vocab_size)  # every batch carries a token mask
         self.compile_times: dict[tuple, float] = {}
         self._in_flight = None
+        self._aux = None  # the last prefill step's features, for the EAGLE-3 head's prefill
         self._sync_each_step = self.policy.sync_sharded_steps and mesh is not None and mesh.size > 1
 
-    def _draft_model(self, model, qmodel, draft):
-        """The :class:`~serving.engine.draft_model.DraftModel` of ``--speculative draft`` or None."""
+    def _eagle3_layers(self, model, draft) -> tuple[int, ...] | None:
+        """The served layers an EAGLE-3 head fuses (``--speculative eagle3``), else None.
+
+        Raises:
+          ValueError: eagle3 without a head, a head for another target, a mesh."""
         spec = self.cfg.speculative
-        if spec is None or spec.method != "draft":
+        if spec is None or spec.method != "eagle3":
+            return None
+        from model.eagle3 import Eagle3Head, aux_layers, check_target
+
+        if not isinstance(draft, Eagle3Head):
+            raise ValueError(f"--speculative eagle3: the EAGLE-3 head {spec.draft_model!r} was not given to the engine")
+        if self.mesh is not None or self.lockstep is not None:
+            raise ValueError("--speculative eagle3 is served on a single-device engine only")
+        check_target(draft.cfg, model.cfg)
+        return aux_layers(draft.cfg, model.cfg.num_layers)
+
+    def _draft_model(self, model, qmodel, draft):
+        """The :class:`~serving.engine.draft_model.DraftModel` of ``--speculative draft`` (the
+        :class:`~serving.engine.eagle3_draft.Eagle3Draft` of ``eagle3``) or None."""
+        spec = self.cfg.speculative
+        if spec is None or spec.method not in ("draft", "eagle3"):
             return None
         from serving.config.speculative_config import SELF_INT8
         from serving.engine.draft_model import DraftModel
 
         if self.mesh is not None or self.lockstep is not None:
             raise ValueError("--speculative draft is served on a single-device engine only")
+        if spec.method == "eagle3":
+            from serving.engine.eagle3_draft import Eagle3Draft
+
+            log.info("speculative drafts from the EAGLE-3 head %s (target layers %s), K = %d", spec.draft_model,
+                     self._aux_layers, spec.num_tokens)
+            return Eagle3Draft(draft, model.cfg, self.cfg, self.policy, spec.num_tokens)
         if draft is None and spec.draft_model == SELF_INT8:
             from model.factory import quantized_copy
 
@@ -407,15 +444,16 @@ class Engine:
         """The step functions of one model graph, jitted with ``state`` donated (the prefill
         and decode forwards; verify samples inside its program)."""
         jit = functools.partial(jax.jit, donate_argnames=("state",), out_shardings=out_shardings)
+        aux = self._aux_layers  # an EAGLE-3 head's target layers: prefill and verify return them
         steps = {
-            "prefill": jit(functools.partial(_prefill_step, graphdef, compute)),
-            "decode": jit(functools.partial(_decode_step, graphdef, compute)),
+            "prefill": jit(functools.partial(_prefill_step, graphdef, compute, aux_layers=aux)),
+            "decode": jit(functools.partial(_decode_step, graphdef, compute, aux_layers=aux)),
             "score": jax.jit(functools.partial(score_step, graphdef, compute),
                              out_shardings=None if out_shardings is None else out_shardings[1]),
         }
         if self.cfg.speculative is not None:
             steps["verify"] = jit(functools.partial(verify_step, graphdef, compute, self.policy.argmax_block,
-                                                    self.cfg.speculative.num_tokens))
+                                                    self.cfg.speculative.num_tokens, aux_layers=aux))
         return steps
 
     def weights_for(self, batch: StepBatch) -> str:
@@ -462,7 +500,10 @@ class Engine:
                 return pack_images(rows, images or {}, self.vision, T, self.model_cfg.hidden_size)
         batch = cls.from_rows(rows, self.cfg, mask, pack)
         out = self.run(batch)
-        if self.draft is not None:
+        if self._aux_layers is not None:  # the EAGLE-3 head's, from the served step's features
+            self.draft.prefill(batch.as_prefill(), self._aux)
+            self._aux = None
+        elif self.draft is not None:
             self.draft.prefill(batch.as_prefill())
         return out
 
@@ -481,9 +522,14 @@ class Engine:
         mask = pad_rows(token_mask, batch_bucket(max(len(rows), 1), self.cfg), self.mask_words)
         return self.run(DecodeBatch.from_rows(rows, self.cfg, mask))
 
-    def verify(self, rows: Sequence[DecodeRow]):
+    def verify(self, rows: Sequence[DecodeRow], max_drafts: int | None = None):
         """Dispatches one verify step (speculative decoding) over plan rows with their last
         token and drafts (``DecodeRow.last_token``, ``draft_ids``).
+
+        ``max_drafts``: the K of the present load (``Scheduler.speculative_tokens_now``; None:
+        ``num_speculative_tokens``). The step's width (drafts per row) is the draft bucket of
+        the larger of it and the longest row's drafts, so steps of one load share a program
+        whatever their n-gram matches, and a K that shrank computes fewer tokens.
 
         Returns:
           a :class:`~serving.engine.verify_step.VerifyOutput` of device arrays (not yet synced):
@@ -496,9 +542,11 @@ class Engine:
         """
         if self.cfg.speculative is None:
             raise ValueError("this engine was built without speculative decoding")
-        K = self.cfg.speculative.num_tokens
-        T = batch_bucket(max(len(rows), 1), self.cfg) * (K + 1)
-        batch = VerifyBatch.from_rows(rows, self.cfg, K, pad_rows(None, T, self.mask_words))
+        spec = self.cfg.speculative
+        width = spec.draft_bucket(max([len(r.draft_ids) for r in rows]
+                                      + [spec.num_tokens if max_drafts is None else max_drafts, 1]))
+        T = batch_bucket(max(len(rows), 1), self.cfg) * (width + 1)
+        batch = VerifyBatch.from_rows(rows, self.cfg, width, pad_rows(None, T, self.mask_words))
         if self.draft is None:
             return self.run(batch)
         if not self.draft.shares_cache:
@@ -592,12 +640,20 @@ class Engine:
         with ctx:
             if batch.kind == "verify":
                 self.state, out = steps[batch.kind](params, self.state, batch, drafts, draft_probs)
+                if self._aux_layers is not None:  # the EAGLE-3 head keeps the accepted rows' features
+                    out, aux = out
+                    self.draft.store(batch, out.accepted, aux)
             elif batch.kind == "decode":
                 self.state, logits = steps["decode"](params, self.state, batch, self.lora_stacks)
+                if self._aux_layers is not None:  # the features at the token fed: the next propose's
+                    logits, aux = logits
+                    self.draft.store_decode(batch, aux)
                 out = self._sample_rows(batch, logits)
             else:  # a prefill, and a prompt-logprobs one through the same forward program
-                self.state, (logits, hidden) = steps["prefill"](params, self.state, batch.as_prefill(),
-                                                                self.lora_stacks)
+                self.state, (logits, hidden, *aux) = steps["prefill"](params, self.state, batch.as_prefill(),
+                                                                      self.lora_stacks)
+                if aux:  # an EAGLE-3 head's features, for its prefill after this step (prefill())
+                    self._aux = aux[0]
                 out = self._sample_rows(batch, logits)
                 if batch.kind == "prefill_logprobs":
                     out = (out, steps["score"](params, hidden, batch.next_ids))
@@ -649,12 +705,13 @@ class Engine:
                 position = min(P * cfg.page_size, cfg.max_model_len) - 1
                 self.decode([DecodeRow("warmup", 0, position, null_pages, GREEDY)] * B)
         spec = cfg.speculative if decode else None
-        if spec is not None:  # verify buckets up to the batch size that speculates
-            drafts = (0,) * spec.num_tokens
-            for B in sorted({batch_bucket(n, cfg) for n in range(1, min(spec.max_batch, cfg.max_slots) + 1)}):
+        if spec is not None:  # verify buckets up to the batch size that speculates, at its K_eff
+            shapes = {(batch_bucket(n, cfg), spec.draft_bucket(spec.tokens_at(n)))
+                      for n in range(1, min(spec.max_batch, cfg.max_slots) + 1) if spec.tokens_at(n) > 0}
+            for B, width in sorted(shapes):
                 for P in sorted({page_bucket(n, cfg) for n in range(1, cfg.max_pages_per_seq + 1)}):
-                    position = min(P * cfg.page_size, cfg.max_model_len) - 1 - spec.num_tokens
+                    position = min(P * cfg.page_size, cfg.max_model_len) - 1 - width
                     row = DecodeRow("warmup", 0, max(position, 0), null_pages, GREEDY, last_token=0,
-                                    draft_ids=drafts)
-                    self.verify([row] * B)
+                                    draft_ids=(0,) * width)
+                    self.verify([row] * B, width)
         jax.block_until_ready(self.state.slot_tokens)

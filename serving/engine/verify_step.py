@@ -3,8 +3,10 @@
 Built on the prefill program's attention (``AttentionMetadata`` mode
 "prefill": each row is a chunk of consecutive positions after its cached
 tokens), with logits and sampling at every token instead of one per row.
-Shapes (S = a decode batch bucket of rows, K = ``num_speculative_tokens``,
-T = S * (K + 1), P a page-table bucket)::
+Shapes (S = a decode batch bucket of rows, K = the step's drafts-per-row width: the
+``SpeculativeConfig.draft_bucket`` of its longest row, at most ``num_speculative_tokens``,
+so a step whose K shrank under load computes fewer tokens; T = S * (K + 1), P a page-table
+bucket)::
 
     tokens [T]  positions [T]        row i's [last token, drafts...] back to back, then padding
     cu_q_lens [S + 1]  kv_lens [S]   row i owns tokens cu_q_lens[i]:cu_q_lens[i + 1]
@@ -226,8 +228,10 @@ def leading_true(ok: jax.Array, cu_q_lens: jax.Array, max_drafts: int) -> jax.Ar
 
 
 def verify_step(graphdef, compute, argmax_block, max_drafts: int, params, state, batch: VerifyBatch,
-                drafts: jax.Array | None = None, draft_probs: jax.Array | None = None):
-    """The jitted verify step (``state`` donated): (state, batch) -> (state, VerifyOutput).
+                drafts: jax.Array | None = None, draft_probs: jax.Array | None = None, *, aux_layers=None):
+    """The jitted verify step (``state`` donated): (state, batch) -> (state, VerifyOutput);
+    with ``aux_layers`` (static: an EAGLE-3 head's target layers, ``model.eagle3``)
+    (state, (VerifyOutput, aux [T, 3 * D] f32)), the served model's hidden states there.
 
     ``state`` is the engine's ``DeviceState`` (rebuilt with its own type, so this
     module does not import the engine). ``drafts``: [S, K] int32 a draft model's
@@ -242,8 +246,8 @@ def verify_step(graphdef, compute, argmax_block, max_drafts: int, params, state,
     if drafts is not None:
         tokens = replace_drafts(tokens, batch.token_rows, batch.cu_q_lens, batch.real_tokens, drafts)
     md = batch.attention_metadata(state.kv_cache.page_size)
-    logits, kv_cache = model(tokens, batch.positions, state.kv_cache, md,
-                             jnp.arange(T, dtype=jnp.int32), compute=compute)
+    logits, kv_cache, *aux = model(tokens, batch.positions, state.kv_cache, md, jnp.arange(T, dtype=jnp.int32),
+                                   compute=compute, **({} if aux_layers is None else {"aux_layers": aux_layers}))
     token_slots = batch.slot_ids[batch.token_rows]
     sampled = sample_processed(logits, batch.positions + 1, batch.sampling, state.output_counts,
                                state.prompt_seen, token_slots, argmax_block)
@@ -257,7 +261,8 @@ def verify_step(graphdef, compute, argmax_block, max_drafts: int, params, state,
     real = jnp.arange(batch.slot_ids.shape[0]) < batch.num_seqs
     slots = jnp.where(real, batch.slot_ids, state.slot_tokens.shape[0])
     slot_tokens = state.slot_tokens.at[slots].set(last, mode="drop")
-    return dataclasses.replace(state, kv_cache=kv_cache, slot_tokens=slot_tokens), VerifyOutput(out, accepted)
+    out = VerifyOutput(out, accepted)
+    return dataclasses.replace(state, kv_cache=kv_cache, slot_tokens=slot_tokens), (out, aux[0]) if aux else out
 
 
 def verify_treedef():

@@ -6,6 +6,11 @@ served weights: nothing to load here) or anything ``--model`` takes (a key of
 configs/models.yaml, a directory, a GGUF, a Hub id), loaded in the served dtype. A draft
 proposes token ids, so it must share the served model's tokenizer: :func:`check_same_tokenizer`
 refuses a draft whose vocabulary or special ids differ.
+
+``--speculative eagle3 --draft-model DIR`` names an EAGLE-3 head instead (``model.eagle3``:
+its ``config.json`` and safetensors as published for Llama 3.1 8B), read by :func:`load_eagle3`
+and checked against the served model's vocabulary and width; an EAGLE-3 directory given to
+``--speculative draft`` is refused with a pointer to ``eagle3`` (the head is no model alone).
 """
 
 from __future__ import annotations
@@ -76,11 +81,53 @@ def load_draft(cfg, served_model, served_tokenizer):
     from serving.loading.model_registry import load_model
 
     spec = cfg.draft_model
+    if cfg.speculative == "eagle3":
+        return load_eagle3(cfg, served_model)
     if cfg.speculative != "draft" or not spec or spec == SELF_INT8:
         return None
     if cfg.mesh:
         raise ValueError("--speculative draft is served on a single-device engine only (no --mesh)")
+    _refuse_eagle3_dir(spec)
     draft, tok = load_model(spec, dtype=cfg.dtype)
     check_same_tokenizer(served_tokenizer, tok, served_model.cfg.vocab_size, draft.cfg.vocab_size)
     log.info("draft model %s: %s, %d layers, the served tokenizer", spec, draft.cfg.name, draft.cfg.num_layers)
     return draft
+
+
+def _refuse_eagle3_dir(spec: str) -> None:
+    import json
+    from pathlib import Path
+
+    from model.eagle3 import is_eagle3_config
+
+    config = Path(spec) / "config.json"
+    if config.is_file() and is_eagle3_config(json.loads(config.read_text())):
+        raise ValueError(f"--draft-model {spec}: an EAGLE-3 head drafts from the served model's hidden "
+                         "states; serve it with --speculative eagle3")
+
+
+def load_eagle3(cfg, served_model):
+    """The EAGLE-3 head of ``--speculative eagle3 --draft-model DIR`` (``model.eagle3.Eagle3Head``),
+    in the served dtype, sharing the served embedding table when it has none.
+
+    Raises:
+      ValueError: a mesh, a directory that is not an EAGLE-3 head, a head made for another
+        vocabulary or width, a missing or misshapen tensor (``model.eagle3.load_checkpoint``).
+    """
+    from pathlib import Path
+
+    from model.eagle3 import Eagle3Head, load_checkpoint
+
+    if cfg.mesh:
+        raise ValueError("--speculative eagle3 is served on a single-device engine only (no --mesh)")
+    path = Path(cfg.draft_model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--speculative eagle3 --draft-model {cfg.draft_model}: not a directory with a "
+                         "config.json (an EAGLE-3 head: config.json + *.safetensors)")
+    head_cfg, params = load_checkpoint(path, served_model.cfg)
+    lookup = getattr(served_model, "embed_lookup", None)  # a tied low-bit table's float32 copy, if any
+    embed = None if head_cfg.has_embedding else (served_model.embed if lookup is None else lookup)[...]
+    head = Eagle3Head(head_cfg, params, embed, dtype=served_model.dtype)
+    log.info("EAGLE-3 head %s: hidden %d, draft vocabulary %d of %d", path, head_cfg.layer.hidden_size,
+             head_cfg.draft_vocab_size, head_cfg.layer.vocab_size)
+    return head

@@ -68,7 +68,7 @@ def dispatch_verify(loop, plan: StepPlan) -> tuple[VerifyOutput, list] | None:
         return None
     seqs = [loop._by_id[row.request_id] for row in plan.verify]
     try:
-        out = loop.engine.verify(plan.verify)
+        out = loop.engine.verify(plan.verify, loop.scheduler.speculative_tokens_now())
     except Exception as e:
         log.exception("verify step failed")
         for seq in seqs:

@@ -87,10 +87,12 @@ member (the *source*) instead of computing it::
     it, else it is recomputed (from its prefix-cache hit).
 
 Speculative decoding (``serving.core.sched.speculative``, when the scheduler has a
-:class:`~serving.config.speculative_config.SpeculativeConfig`): while at most ``max_batch``
-requests run, a decode row whose tokens the host knows (none in flight: the
-engine loop reads back before such a step) gets up to K n-gram drafts (with a draft model, K
-placeholder ids that the engine's draft steps replace on the device), and
+:class:`~serving.config.speculative_config.SpeculativeConfig`): with R requests running,
+K_eff = min(K, speculative token budget // R - 1) (0 above ``max_batch``:
+``SpeculativeConfig.tokens_at``, K shrinking as the batch grows), a decode row whose tokens
+the host knows (none in flight: the engine loop reads back before such a step) gets up to
+K_eff n-gram drafts (with a draft model, placeholder ids that the engine's draft steps
+replace on the device), and
 pages for them too (taken only when free: a draft never preempts). If any row
 of the step has drafts, every row that may speculate goes into the step's
 verify rows (``StepPlan.verify``, some with no drafts); the others stay decode
@@ -118,7 +120,7 @@ import itertools
 import time
 from typing import Callable
 
-from serving.config.speculative_config import SpeculativeConfig
+from serving.config.speculative_config import MODEL_METHODS, SpeculativeConfig
 from serving.core.kv.kv_cache_manager import KVCacheManager, PageCopy, PrefixHit
 from serving.core.sched.sched_request import BATCH, INTERACTIVE, SchedRequest, Status
 from serving.core.sched.speculative import may_speculate, propose_ngram
@@ -264,27 +266,28 @@ class Scheduler:
         """Whether the next step may speculate but needs tokens still in flight: the caller
         should read them back before :meth:`schedule` (drafts come from host-known tokens)."""
         spec = self.speculative
-        if spec is None or len(self.running) > spec.max_batch:
+        if spec is None or spec.tokens_at(len(self.running)) == 0:
             return False
         return any(r.num_inflight and r.speculate and may_speculate(r.sampling, r.num_generated)
                    for r in self.running)
 
     def speculative_tokens_now(self) -> int:
-        """The most drafts a request may get in the next step at the present load: K while at
-        most ``max_batch`` requests run, 0 above (a full batch gains nothing from drafts:
-        a verify row costs K + 1 rows of compute); 0 without speculative decoding."""
+        """The most drafts a request may get in the next step at the present load (K_eff,
+        ``SpeculativeConfig.tokens_at``: K shrinks as more requests run, within the
+        speculative token budget, and is 0 above ``max_batch``: a full batch gains nothing
+        from drafts, a verify row costs 1 + K_eff rows of compute); 0 without speculative decoding."""
         spec = self.speculative
-        return spec.num_tokens if spec is not None and len(self.running) <= spec.max_batch else 0
+        return 0 if spec is None else spec.tokens_at(len(self.running))
 
     def _drafts(self, req: SchedRequest, budget: int) -> tuple[int, ...]:
         """A decode row's n-gram drafts (() when it cannot speculate now), at most the
         tokens it may still generate minus one and what the budget leaves the other rows."""
         spec = self.speculative
-        k = min(spec.num_tokens, req.max_tokens - req.num_generated - 1, budget - len(self.running),
+        k = min(self.speculative_tokens_now(), req.max_tokens - req.num_generated - 1, budget - len(self.running),
                 spec.num_tokens if req.max_drafts is None else req.max_drafts)
         if k <= 0 or req.num_inflight:
             return ()
-        if spec.method == "draft":  # placeholders: the engine's draft model fills them on the device
+        if spec.method in MODEL_METHODS:  # placeholders: the engine's draft model fills them on the device
             return (0,) * k
         return propose_ngram(req.token_ids(), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
@@ -299,7 +302,7 @@ class Scheduler:
         """
         plan = StepPlan()
         budget = self.token_budget
-        spec = self.speculative is not None and len(self.running) <= self.speculative.max_batch
+        spec = self.speculative_tokens_now() > 0
         # 1. Decode rows: running requests one (sampled) token behind (verify rows: with drafts).
         for req in list(self.running):
             if req.status is not Status.RUNNING:

@@ -110,7 +110,8 @@ class EngineStatsCollector(Collector):
                                            "position.", labels=["model_name", "position"])
         k_now = GaugeMetricFamily("xlaserve:spec_decode_num_speculative_tokens",
                                   "Speculative decoding: the most drafts a request gets a step at the present "
-                                  "load (K; 0 while more than --speculative-max-batch requests run).",
+                                  "load (K shrinking within --speculative-token-budget as more requests run; 0 "
+                                  "above --speculative-max-batch or once the budget leaves no draft).",
                                   labels=["model_name"])
         host = {  # the host KV tier (serving.core.kv.host_kv_cache): EngineStats field -> family
             "host_kv_hits": CounterMetricFamily("xlaserve:host_kv_cache_hits",

@@ -244,6 +244,45 @@ def test_scheduler_plans_verify_rows_only_from_host_known_tokens():
     assert len(plan.decode) == 3 and not plan.verify
 
 
+def test_k_shrinks_gradually_as_the_batch_grows():
+    """With a token budget of 10 and K = 4, 1-7 running requests get K_eff = 4, 4, 2, 1, 1, 0, 0
+    drafts each (min(K, 10 // R - 1)), the verify rows carry exactly that many, the step stays
+    within the budget, ``speculative_tokens_now`` (the /metrics gauge) says so, and from 6
+    requests on the rows decode plainly and nothing is read back for drafts. Without a budget
+    K holds up to ``max_batch`` and is 0 above (the old cutoff)."""
+    spec = SpeculativeConfig(method="draft", num_tokens=4, max_batch=8, token_budget=10, draft_model="tiny")
+    assert [spec.tokens_at(r) for r in range(1, 10)] == [4, 4, 2, 1, 1, 0, 0, 0, 0]
+    assert [spec.draft_bucket(d) for d in range(1, 5)] == [1, 2, 4, 4]
+    assert [SpeculativeConfig(num_tokens=4, max_batch=2).tokens_at(r) for r in (1, 2, 3)] == [4, 4, 0]
+    with pytest.raises(ValueError, match="token_budget"):
+        SpeculativeConfig(num_tokens=4, token_budget=1)
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, num_slots=8, token_budget=64, max_prefill_tokens=64, max_prefill_seqs=8,
+                      speculative=spec)
+    reqs, k_eff, drafts, gauge, wants = [], [], [], [], []
+
+    def step():
+        plan = sched.schedule()
+        wants.append(sched.speculation_wants_tokens())  # its tokens are in flight
+        for row in plan.prefill + plan.decode + plan.verify:
+            sched.on_token(next(r for r in reqs if r.request_id == row.request_id), 1)
+        return plan
+
+    for n in range(1, 8):
+        reqs.append(SchedRequest(f"r{n}", [1, 2, 3], max_tokens=100))
+        sched.add(reqs[-1])
+        step()  # its prompt (and the others' rows)
+        gauge.append(sched.speculative_tokens_now())
+        plan = step()
+        assert plan.num_tokens <= 10 or not plan.verify
+        k_eff.append(spec.tokens_at(len(sched.running)))
+        drafts.append(sorted({len(r.draft_ids) for r in plan.verify}) or [0])
+        assert len(plan.verify) + len(plan.decode) == n
+    assert k_eff == gauge == [4, 4, 2, 1, 1, 0, 0]
+    assert drafts == [[4], [4], [2], [1], [1], [0], [0]]
+    assert wants == [True] * 10 + [False] * 4  # read back for drafts only while K_eff > 0
+
+
 # -- the engine on the tiny-random model (float32) ------------------------------------------------
 
 TINY_CFG = dict(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
