@@ -4,7 +4,7 @@
     python -m benchmarks.compile_cost --shape gemma3-270m --slots 8    # Gemma 3 270M's (random weights)
 
 The engine dispatches each prefill and decode step as two programs: the forward (model, KV write,
-token counts) and the sampler (``serving.engine.engine.sample_step``), whose shapes are only
+token counts) and the sampler (``serving.engine.step_programs.sample_step``), whose shapes are only
 (rows, slots, vocab). For the prefill token buckets of one-row prompts and every decode batch
 bucket of ``--slots`` at each of ``--decode-contexts`` (page-table widths), this compiles (``jax.jit(...).lower(...).compile()``, the persistent
 compilation cache off) each forward, the sampler once per row count, and, as the baseline in the
