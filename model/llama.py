@@ -208,6 +208,7 @@ class Llama(nnx.Module):
             x, state = carry
             p, l, window, lora_layer = xs
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
+            p.update(compute.layer_view(resident, l))
             lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             o, state = attend(rms_norm(x, p["attn_norm"], eps, compute), p, l, window, state, lw)
             h = x + o
@@ -223,6 +224,8 @@ class Llama(nnx.Module):
             return (h + y, state), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        # weights the int8 matmul reads in place in their stacks are closed over, not scanned
+        layer_params, resident = compute.layer_weights(layer_params)
         # per-layer windows and LoRA stacks (None: scanned as nothing, the same program as without)
         xs = (layer_params, layer_ids, jnp.asarray(cfg.layer_windows(), jnp.int32) if use_window else None,
               None if lora is None else lora.weights)

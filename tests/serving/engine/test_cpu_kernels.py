@@ -76,9 +76,9 @@ def test_server_setting():
 class _Counted(Int8Matmul):
     """Int8Matmul that counts the products traced through it."""
 
-    def __call__(self, x, w, contract):
+    def __call__(self, x, w, contract, layer=None):
         _TRACED.append((x.shape, w.shape))
-        return super().__call__(x, w, contract)
+        return super().__call__(x, w, contract, layer)
 
 
 _TRACED: list = []
@@ -94,7 +94,8 @@ def _out(out) -> tuple:
 @needs_kernels
 def test_engine_decodes_the_same_through_the_kernels():
     """A tiny bfloat16 Gemma 3 as int8 ("int8x2" dots): a prefill and a 1-row decode step
-    through the kernel and through XLA's dot are equal bitwise, and the 1-row step's row
+    through the kernel (the layers' int8 matrices handed over in their stacks) and through
+    XLA's dot are equal bitwise, and the 1-row step's row
     equals each row of a 3-row step from the same cache (batch invariance). The kernel's best
     path on this CPU (tests/kernels_cpu compare every path with XLA's dot)."""
     model = quantized_copy(Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -109,6 +110,9 @@ def test_engine_decodes_the_same_through_the_kernels():
     first = _out(kernel.prefill(prefill))
     assert all(np.array_equal(a, b) for a, b in zip(first, _out(plain.prefill(prefill))))
     assert _TRACED, "the engine's steps did not call the kernel"
+    # the layer matrices reach it as their [L, ...] stacks (read in place), the head as [V, D]
+    assert {len(w) for _, w in _TRACED} == {2, 3}
+    assert all(w[0] == TINY.num_layers for _, w in _TRACED if len(w) == 3)
 
     def decode(engine, rows):
         engine.state = jax.tree.map(jnp.copy, start)
@@ -149,9 +153,9 @@ def test_policy_picks_the_bf16_kernel_by_setting_and_invariance(monkeypatch):
 class _CountedBf16(Bf16Matmul):
     """Bf16Matmul that counts the products traced through it."""
 
-    def __call__(self, x, w, contract):
+    def __call__(self, x, w, contract, layer=None):
         _TRACED.append((x.shape, w.shape))
-        return super().__call__(x, w, contract)
+        return super().__call__(x, w, contract, layer)
 
 
 @needs_kernels
@@ -176,6 +180,9 @@ def test_engine_decodes_bf16_through_the_kernel(served):
     prefill = [PrefillRow("a", 0, 0, prompt, (1,), True, LOGPROBS)]
     first, want = _out(kernel.prefill(prefill)), _out(plain.prefill(prefill))
     assert _TRACED, "the engine's steps did not call the kernel"
+    # the layer matrices reach it as their [L, ...] stacks (read in place), the head as [V, D]
+    assert {len(w) for _, w in _TRACED} == {2, 3}
+    assert all(w[0] == TINY.num_layers for _, w in _TRACED if len(w) == 3)
     if served == "head":
         assert {w for _, w in _TRACED} == {(TINY.vocab_size, TINY.hidden_size)}, _TRACED
     np.testing.assert_array_equal(first[0], want[0])
