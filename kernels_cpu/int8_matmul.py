@@ -111,20 +111,21 @@ class Int8Matmul:
     a field of a static jit argument such as ``model.compute.Compute``).
 
     Call: ``(x: [M, K] int8, w: int8 2-D, contract: int, layer=None) -> [M, N] int32``; with
-    ``layer`` (int32 scalar) ``w`` is a 3-D stack and ``w[layer]`` is read in place
-    (``reads_stacked``: callers may hand it stacks).
+    ``layer`` (int32 scalar) ``w`` is a 3-D stack and ``w[layer]`` is read in place.
 
     Attributes:
       isa: as ``int8_matmul``'s.
       max_rows: products of more rows run XLA's dot (``reference_int8_matmul``), where it is
         faster (None: the kernel always). Both sums are exact, so a row's result is the same
         bits either way: the switch keeps batch invariance.
+      reads_stacked: callers (``model.compute.Compute.layer_weights``) may hand it a layer's
+        stack and index; False: they slice the layer out first (the baseline of
+        ``benchmarks.engine --cpu-kernels auto-sliced``). The call takes ``layer=`` either way.
     """
 
     isa: str = "auto"
     max_rows: int | None = None
-
-    reads_stacked = True
+    reads_stacked: bool = True
 
     def __call__(self, x: jax.Array, w: jax.Array, contract: int, layer: jax.Array | None = None) -> jax.Array:
         if self.max_rows is not None and x.shape[0] > self.max_rows:

@@ -66,6 +66,49 @@ def test_a_mesh_of_several_devices_keeps_xla_dots(caplog):
     assert "serve one device only" in caplog.text
 
 
+@needs_kernels
+def test_the_default_quantization_is_int8_for_a_quantized_file_where_the_kernel_serves_it(monkeypatch):
+    """--quantization unset: int8 for a bf16 model whose file stores quantized blocks, on one
+    CPU device whose int8 dots get the kernel; "none" for float files, float32 serving,
+    --cpu-kernels off, a CPU the kernel is not chosen on, a mesh, an accelerator, and where the
+    library is missing."""
+    def default(platform="cpu", cpu=SPR, stored=True, dtype="bfloat16", kernels="auto", devices=1):
+        return BackendPolicy.default_quantization(platform, cpu, stored_quantized=stored, dtype=dtype,
+                                                  cpu_kernels=kernels, devices=devices)
+
+    assert default() == "int8" and default(kernels="on") == "int8" and default(cpu=ZEN4) == "int8"
+    assert default(cpu=AVX2) == "none"  # "auto" gives AVX2-only CPUs XLA's dot: bf16 stays
+    assert default(cpu=AVX2, kernels="on") == "int8"
+    assert default(stored=False) == "none" and default(dtype="float32") == "none"
+    assert default(kernels="off") == "none" and default(devices=2) == "none"
+    assert default("gpu") == "none" and default("tpu") == "none"
+    with pytest.raises(ValueError, match="cpu_kernels must be"):
+        default(kernels="always")
+    monkeypatch.setattr(BackendPolicy, "cpu_int8_matmul", staticmethod(lambda setting, cpu: None))  # no library
+    assert default() == "none"
+
+
+def test_the_server_resolves_an_unset_quantization(monkeypatch):
+    """``with_default_quantization``: an explicit value stays; unset asks the policy with the
+    model's storage (the default gemma-3-270m GGUF package: quantized; tiny-random: float)."""
+    from serving.cli.bootstrap import with_default_quantization
+    from serving.loading.mesh_loader import loaded_quantization
+
+    asked = []
+
+    def policy(platform, cpu=None, **kw):
+        asked.append(kw)
+        return "int8" if kw["stored_quantized"] else "none"
+
+    monkeypatch.setattr(BackendPolicy, "default_quantization", staticmethod(policy))
+    assert ServerConfig().quantization is None and loaded_quantization(ServerConfig()) == "none"
+    assert with_default_quantization(ServerConfig(quantization="none")).quantization == "none" and not asked
+    assert with_default_quantization(ServerConfig()).quantization == "int8"  # gemma-3-270m
+    assert asked[-1] == dict(stored_quantized=True, dtype="bfloat16", cpu_kernels="auto", devices=1)
+    assert with_default_quantization(ServerConfig(model="tiny-random")).quantization == "none"
+    assert with_default_quantization(ServerConfig(checkpoint="/ckpt")).quantization == "none"
+
+
 def test_server_setting():
     assert ServerConfig().cpu_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_kernels must be auto, on or off"):
