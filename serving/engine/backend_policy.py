@@ -38,7 +38,11 @@ piece what it needs:
                                   at every row count (AVX2 path without
                                   VNNI); "off": XLA's dot. Exact integer
                                   sums: the same bits every way; one
-                                  device only (no sharding rule)
+                                  device only (no sharding rule). The
+                                  kernel reads a layer's matrix in
+                                  place in its [L, ...] stack (the
+                                  layer scans hand it the stack and
+                                  the index: no per-layer copy)
     bfloat16 matrix products      --cpu-kernels: "auto": our kernel     XLA's dot
       (2-D dots of the model)     (``kernels_cpu.Bf16Matmul``) up to 4
                                   rows where the CPU has AVX-512 and
