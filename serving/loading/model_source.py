@@ -135,7 +135,9 @@ def stored_quantized(value: str, registry: dict | None = None) -> bool:
     gemma-3-270m Q4_K_M), or a .gguf file with any tensor of a block type (Q8_0, Q4_K, ...:
     not F32 / F16 / BF16 / F64 or an integer type; its header only is read). False for
     everything else (random registry models, Hugging Face checkpoints, hub ids: nothing is
-    fetched), and for a file whose header does not read (the loader reports that).
+    fetched), for a mixture-of-experts GGUF (``{arch}.expert_count`` above 0: int8 weights are
+    refused for those, so the default must not pick them), and for a file whose header does not
+    read (the loader reports that).
     The backend policy's default ``--quantization`` asks this
     (``serving.engine.backend_policy.BackendPolicy.default_quantization``)."""
     registry = _registry() if registry is None else registry
@@ -150,10 +152,13 @@ def stored_quantized(value: str, registry: dict | None = None) -> bool:
 
     plain = {int(t) for t in (T.F32, T.F16, T.BF16, T.F64, T.I8, T.I16, T.I32, T.I64)}
     try:
-        tensors = read_gguf_header(path).tensors
+        header = read_gguf_header(path)
     except (OSError, ValueError):
         return False
-    return any(kind not in plain for _, kind in tensors.values())
+    arch = header.metadata.get("general.architecture")
+    if (header.metadata.get(f"{arch}.expert_count") or 0) > 0:
+        return False
+    return any(kind not in plain for _, kind in header.tensors.values())
 
 
 def resolve_task(task: str, model: str, revision: str | None = None) -> str:
