@@ -123,7 +123,10 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
     from serving.engine.backend_policy import BackendPolicy
     from serving.engine.engine import Engine
 
-    policy = BackendPolicy.detect(cpu_kernels=cpu_kernels)
+    sliced = cpu_kernels == "auto-sliced"  # the layers' int8 matrices sliced out of their stacks first
+    policy = BackendPolicy.detect(cpu_kernels="auto" if sliced else cpu_kernels)
+    if sliced and policy.int8_matmul is not None:
+        policy = dataclasses.replace(policy, int8_matmul=dataclasses.replace(policy.int8_matmul, reads_stacked=False))
     if whole_table_attention:
         policy = dataclasses.replace(policy, attention=dataclasses.replace(policy.attention, window_gather=False))
     per_seq = -(-max_context // page_size)
@@ -312,9 +315,11 @@ def main(argv=None) -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
                     help="weight quantizations, measured interleaved with the dtypes (int8: "
                          "model.quantization, the backend policy's dot)")
-    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "on", "off", "auto-sliced"],
                     help="the server's --cpu-kernels settings, measured interleaved (int8 dots; "
-                         "bf16 dots with on, or auto without batch invariance)")
+                         "bf16 dots with on, or auto without batch invariance); auto-sliced: auto with "
+                         "the layers' int8 matrices sliced out of their stacks before the kernel (the "
+                         "baseline before the kernel read them in place)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")

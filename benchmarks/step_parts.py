@@ -77,6 +77,7 @@ def decode_parts(engine, model, rows, step_seconds: float, repeats: int = 3) -> 
     """
     from kernels_pallas.attention import paged_attention
     from model.layers import weight
+    from model.quantization import QuantizedArray, requantize_per_channel
     from serving.engine.step_batch import DecodeBatch
 
     cfg = model.cfg
@@ -105,6 +106,8 @@ def decode_parts(engine, model, rows, step_seconds: float, repeats: int = 3) -> 
         return jax.lax.scan(layer, q, (jnp.arange(cfg.num_layers, dtype=jnp.int32), windows))[0]
 
     embed = weight(model, "embed")
+    if isinstance(embed, QuantizedArray) and compute.quantized_dot != "dequantize":
+        embed = requantize_per_channel(embed)  # a GGUF's Q8_0 head, as the engine stores it
     x = jax.random.normal(jax.random.key(1), (B, cfg.hidden_size), jnp.float32)
 
     @jax.jit

@@ -3,6 +3,12 @@
     out[m, n] = sum_k x[m, k] * w[n, k]     (contract=1: w is [N, K], e.g. the tied output head)
     out[m, n] = sum_k x[m, k] * w[k, n]     (contract=0: w is [K, N], e.g. a layer matrix)
 
+With ``layer`` given, ``w`` is a stack ``[L, ...]`` of such matrices and the product is with
+``w[layer]``, read where it lies: inside a ``lax.scan`` over layers, a weight scanned as ``xs``
+is first copied out of its stack by XLA (a dynamic-slice fusion) before a custom call reads it,
+two more passes over the weight's bytes than the product itself (benchmarks/RESULTS.md,
+2026-12-06 and 2026-12-07); the stack and the index as operands leave one.
+
 The sums are int32 and exact, so the result equals ``jnp.einsum(..., preferred_element_type=
 jnp.int32)`` bit for bit, whatever the row count, instruction set or thread split: a row's
 result never depends on its batch. With per-row quantized activations and per-channel weight
@@ -27,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_cpu.library import INT8_MATMUL_TARGET, available, load_error
+from kernels_cpu.library import INT8_MATMUL_STACKED_TARGET, INT8_MATMUL_TARGET, available, load_error
 
 ISAS = ("auto", "avx2", "avx512", "scalar", "amx")
 ISA_ENV = "XLASERVE_CPU_KERNELS_ISA"
@@ -48,9 +54,14 @@ def resolve_isa(isa: str) -> str:
     return isa
 
 
-def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") -> jax.Array:
+def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto",
+                layer: jax.Array | None = None) -> jax.Array:
     """``x: [M, K] int8`` times ``w`` (int8, [N, K] with contract=1 or [K, N] with contract=0)
     -> ``[M, N] int32``, through the compiled kernel (XLA:CPU only; works under jit).
+
+    With ``layer`` (an int32 scalar, traced or not), ``w`` is ``[L, N, K]`` / ``[L, K, N]`` and
+    the product is with ``w[layer]`` (clamped to [0, L - 1], as ``lax.dynamic_index_in_dim``),
+    read in place in the stack.
 
     Raises:
       ValueError: wrong dtypes, ranks or shapes; an unknown isa; K over 65536 (the int32
@@ -58,27 +69,38 @@ def int8_matmul(x: jax.Array, w: jax.Array, contract: int, isa: str = "auto") ->
       RuntimeError: the library is unavailable (``library.load_error`` says why).
       jax.errors.JaxRuntimeError (at run time): this CPU lacks the requested isa.
     """
-    if x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"int8_matmul takes 2-D int8 x and w, got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
+    stacked = layer is not None
+    if x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2 + stacked:
+        raise ValueError(f"int8_matmul takes 2-D int8 x and {3 if stacked else 2}-D int8 w, got "
+                         f"{x.dtype}{x.shape}, {w.dtype}{w.shape}")
     if contract not in (0, 1):
         raise ValueError(f"contract must be 0 (w: [K, N]) or 1 (w: [N, K]), got {contract}")
+    matrix = w.shape[1:] if stacked else w.shape
     m, k = x.shape
-    if w.shape[contract] != k:
+    if matrix[contract] != k:
         raise ValueError(f"x {x.shape} and w {w.shape} (contract axis {contract}) do not agree")
     if k > 65536:
         raise ValueError(f"K = {k} over 65536 could overflow the int32 sums")
     code = ISA_CODES[resolve_isa(isa)]
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {load_error()}")
-    n = w.shape[1 - contract]
-    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32),
-                            vmap_method="sequential")
-    return call(x, w, w_kn=np.int64(1 - contract), isa=np.int64(code))
+    n = matrix[1 - contract]
+    out = jax.ShapeDtypeStruct((m, n), jnp.int32)
+    attrs = dict(w_kn=np.int64(1 - contract), isa=np.int64(code))
+    if stacked:
+        layer = jnp.asarray(layer, jnp.int32)
+        if layer.ndim != 0:
+            raise ValueError(f"layer must be a scalar, got shape {layer.shape}")
+        return jax.ffi.ffi_call(INT8_MATMUL_STACKED_TARGET, out, vmap_method="sequential")(x, w, layer, **attrs)
+    return jax.ffi.ffi_call(INT8_MATMUL_TARGET, out, vmap_method="sequential")(x, w, **attrs)
 
 
-def reference_int8_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+def reference_int8_matmul(x: jax.Array, w: jax.Array, contract: int, layer: jax.Array | None = None) -> jax.Array:
     """XLA's dot of the same product (the reference and the fallback): ``x: [M, K] int8``,
-    ``w`` int8 ([N, K] with contract=1, [K, N] with contract=0) -> ``[M, N] int32``."""
+    ``w`` int8 ([N, K] with contract=1, [K, N] with contract=0; with ``layer``, a stack
+    ``[L, ...]`` of them, ``w[layer]`` taken) -> ``[M, N] int32``."""
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
     dims = (((1,), (contract,)), ((), ()))
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
 
@@ -88,19 +110,24 @@ class Int8Matmul:
     """``int8_matmul`` with fixed settings, as a value (hashable and comparable, so it can be
     a field of a static jit argument such as ``model.compute.Compute``).
 
-    Call: ``(x: [M, K] int8, w: int8 2-D, contract: int) -> [M, N] int32``.
+    Call: ``(x: [M, K] int8, w: int8 2-D, contract: int, layer=None) -> [M, N] int32``; with
+    ``layer`` (int32 scalar) ``w`` is a 3-D stack and ``w[layer]`` is read in place.
 
     Attributes:
       isa: as ``int8_matmul``'s.
       max_rows: products of more rows run XLA's dot (``reference_int8_matmul``), where it is
         faster (None: the kernel always). Both sums are exact, so a row's result is the same
         bits either way: the switch keeps batch invariance.
+      reads_stacked: callers (``model.compute.Compute.layer_weights``) may hand it a layer's
+        stack and index; False: they slice the layer out first (the baseline of
+        ``benchmarks.engine --cpu-kernels auto-sliced``). The call takes ``layer=`` either way.
     """
 
     isa: str = "auto"
     max_rows: int | None = None
+    reads_stacked: bool = True
 
-    def __call__(self, x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    def __call__(self, x: jax.Array, w: jax.Array, contract: int, layer: jax.Array | None = None) -> jax.Array:
         if self.max_rows is not None and x.shape[0] > self.max_rows:
-            return reference_int8_matmul(x, w, contract)
-        return int8_matmul(x, w, contract, self.isa)
+            return reference_int8_matmul(x, w, contract, layer)
+        return int8_matmul(x, w, contract, self.isa, layer)

@@ -20,6 +20,9 @@ import jax
 LIBRARY_ENV = "XLASERVE_CPU_KERNELS_LIB"
 INT8_MATMUL_TARGET = "xlaserve_int8_matmul"
 """The custom-call target of ``int8_matmul`` (handler ``XlaserveInt8Matmul``)."""
+INT8_MATMUL_STACKED_TARGET = "xlaserve_int8_matmul_stacked"
+"""The custom-call target of ``int8_matmul`` with a stacked weight and a layer index
+(handler ``XlaserveInt8MatmulStacked``)."""
 BF16_MATMUL_TARGET = "xlaserve_bf16_matmul"
 """The custom-call target of ``bf16_matmul`` (handler ``XlaserveBf16Matmul``)."""
 
@@ -49,10 +52,14 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, f"cannot load {path}: {e}"
-    jax.ffi.register_ffi_target(INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.XlaserveInt8Matmul),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(BF16_MATMUL_TARGET, jax.ffi.pycapsule(lib.XlaserveBf16Matmul),
-                                platform="cpu")
+    try:
+        handlers = {INT8_MATMUL_TARGET: lib.XlaserveInt8Matmul,
+                    INT8_MATMUL_STACKED_TARGET: lib.XlaserveInt8MatmulStacked,
+                    BF16_MATMUL_TARGET: lib.XlaserveBf16Matmul}
+    except AttributeError as e:  # an editable install's build from older sources
+        return None, f"{path} is older than kernels_cpu/csrc ({e}): run `pip install -e .` again"
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return lib, None
 
 

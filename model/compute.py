@@ -38,7 +38,7 @@ from kernels_pallas.dot_rows import DotRows, repeat_last
 from kernels_pallas.kv_storage import from_storage
 from kernels_pallas.ordered_sum import ordered_sum
 from model.lora import LORA_FORMULATIONS, lora_delta
-from model.quantization import DOT_FORMULATIONS, QuantizedArray, quantized_dot
+from model.quantization import DOT_FORMULATIONS, QuantizedArray, StackedLayer, quantized_dot
 
 MOE_IMPLS = ("auto", "ragged", "capacity")
 
@@ -94,7 +94,9 @@ class Compute:
       int8_matmul: the integer product of the "int8" / "int8x2" dots, ``(xq: [M, K] int8,
         w: int8 [K, N] or [N, K], contract axis of w) -> [M, N] int32`` exactly (a kernel the
         backend policy chose, e.g. ``kernels_cpu.Int8Matmul``; hashable, as this class is a
-        static argument); None: XLA's dot.
+        static argument); None: XLA's dot. One with a true ``reads_stacked`` also takes a
+        stack ``[L, ...]`` and ``layer=`` (int32 scalar) and reads that layer in place; the
+        layer scans then hand it their int8 matrices unsliced (:meth:`layer_weights`).
       bf16_matmul: how :meth:`dot` computes a bfloat16 product of a 2-D ``[rows, K]`` by a
         2-D weight (``"tk,kn->tn"`` / ``"tk,nk->tn"`` forms): ``(a: [M, K] bfloat16, b:
         bfloat16 [K, N] or [N, K], contract axis of b) -> [M, N] float32`` for the products its
@@ -154,7 +156,7 @@ class Compute:
         Returns:
           float32 result.
         """
-        if isinstance(b, QuantizedArray):
+        if isinstance(b, (QuantizedArray, StackedLayer)):
             return quantized_dot(eq, a, b, dtype, self.quantized_dot, self.pad_single_row, self.int8_matmul)
         a, b = a.astype(dtype), b.astype(dtype)
         if self.bf16_matmul is not None and a.dtype == jnp.bfloat16:
@@ -176,7 +178,25 @@ class Compute:
     def load(w):
         """A stored weight (any shape) as its logical dtype (uint16 bits -> bfloat16); a
         ``QuantizedArray`` as it is."""
-        return w if isinstance(w, QuantizedArray) else from_storage(w)
+        return w if isinstance(w, (QuantizedArray, StackedLayer)) else from_storage(w)
+
+    def layer_weights(self, params: dict) -> tuple[dict, dict]:
+        """The stacked layer weights ``params`` (name -> ``[L, ...]`` array or QuantizedArray)
+        split in (scanned, resident): a layer scan takes ``scanned`` as its ``xs`` (XLA slices
+        each layer out) and closes over ``resident``, whose layer it views with
+        :meth:`layer_view`. Resident: the int8 matrices, when ``int8_matmul`` reads a layer of
+        a stack in place (``reads_stacked``) and the dot formulation is "int8" / "int8x2";
+        else nothing (every weight scanned, as before)."""
+        if not (getattr(self.int8_matmul, "reads_stacked", False) and self.quantized_dot in ("int8", "int8x2")):
+            return params, {}
+        resident = {n: w for n, w in params.items() if isinstance(w, QuantizedArray) and w.ndim >= 3}
+        return {n: w for n, w in params.items() if n not in resident}, resident
+
+    @staticmethod
+    def layer_view(resident: dict, layer: jax.Array) -> dict:
+        """Layer ``layer`` (int32 scalar) of each of :meth:`layer_weights`' resident weights,
+        as a ``model.quantization.StackedLayer`` (read in place by the int8 matmul)."""
+        return {n: StackedLayer(w, layer) for n, w in resident.items()}
 
 
 def matrix_contract_axis(eq: str) -> int | None:

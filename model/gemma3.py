@@ -255,6 +255,7 @@ class Gemma3(nnx.Module):
             p, l, window, theta, lora_layer = xs[:5]
             rope_scaled = xs[5] if scaled_rope else True
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
+            p.update(compute.layer_view(resident, l))
             lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             h = rms_norm(x, p["attn_norm"], eps, compute)
             o, state = attend(h, p, l, window if use_window else None, theta, rope_scaled, state, lw)
@@ -268,6 +269,8 @@ class Gemma3(nnx.Module):
             return (x, state), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        # weights the int8 matmul reads in place in their stacks are closed over, not scanned
+        layer_params, resident = compute.layer_weights(layer_params)
         xs = (layer_params, layer_ids, windows, thetas, None if lora is None else lora.weights)
         if scaled_rope:
             xs += (jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)]),)

@@ -236,6 +236,7 @@ class Llama(nnx.Module):
             if aux is not None:  # keep this layer's input where it is asked for
                 aux = jnp.where((aux_ids == l)[:, None, None], x[None], aux)
             p = {name: compute.load(w) for name, w in p.items()}  # stored -> logical dtype
+            p.update(compute.layer_view(resident, l))
             lw = None if lora_layer is None else (lora_layer, lora.token_slots)
             o, state = attend(rms_norm(x, p["attn_norm"], eps, compute), p, l, window, state, lw)
             h = x + o
@@ -251,6 +252,8 @@ class Llama(nnx.Module):
             return (h + y, state, aux), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        # weights the int8 matmul reads in place in their stacks are closed over, not scanned
+        layer_params, resident = compute.layer_weights(layer_params)
         # per-layer windows and LoRA stacks (None: scanned as nothing, the same program as without)
         xs = (layer_params, layer_ids, jnp.asarray(cfg.layer_windows(), jnp.int32) if use_window else None,
               None if lora is None else lora.weights)

@@ -121,6 +121,42 @@ class QuantizedArray:
         return (self.values.astype(jnp.float32) * self.full_scales()).astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Layer ``layer`` of a stacked ``QuantizedArray``, not sliced out of its stack.
+
+    Built inside a layer scan (``Compute.layer_weights``) for an integer matmul that reads a
+    layer's matrix in place (``reads_stacked``, e.g. ``kernels_cpu.Int8Matmul``): a weight
+    scanned as ``xs`` is copied out of its stack first, two more passes over its bytes.
+
+    Attributes:
+      stack: the weights of every layer, ``values [L, ...]`` int8 with ``scales [L, ...]``.
+      layer: int32 scalar, the layer this view is.
+    """
+
+    stack: QuantizedArray
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.values.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, rows: int, cols: int) -> "StackedLayer":
+        """As ``QuantizedArray.reshape``, each layer's matrix (the stack stays in place)."""
+        v, s = self.stack.values, self.stack.scales
+        return StackedLayer(QuantizedArray(v.reshape(v.shape[0], rows, cols),
+                                           s.reshape(s.shape[0], -1, cols)), self.layer)
+
+    def sliced(self) -> QuantizedArray:
+        """This layer's weight as its own ``QuantizedArray`` (a copy out of the stack)."""
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)  # noqa: E731
+        return QuantizedArray(take(self.stack.values), take(self.stack.scales))
+
+
 def _scales_for(absmax):
     """float32 scales mapping ``absmax`` to 127 (1 where a channel is all zeros)."""
     s = absmax.astype(jnp.float32) / _QMAX
@@ -259,13 +295,14 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
     Args:
       eq: ``"tk,kn->tn"`` or ``"tk,nk->tn"`` (any letters): x's last axis is the contraction.
       x: [T, K] float activations.
-      w: 2-D QuantizedArray, [K, N] or [N, K].
+      w: 2-D QuantizedArray, [K, N] or [N, K]; or a ``StackedLayer`` of such matrices, read
+        in place by an ``int8_matmul`` with ``reads_stacked`` ("int8" / "int8x2"), else sliced.
       dtype: the matmul-input dtype of the "dequantize" formulation (float32 or bfloat16).
       formulation: "dequantize", "int8" or "int8x2".
       pad_single_row: compute a one-row product as two rows (some backends run
         matrix-vector products far slower; ``Compute.pad_single_row``).
       int8_matmul: the "int8" / "int8x2" dots' integer product ``(xq: [M, K] int8, w.values,
-        contract axis) -> [M, N] int32`` (``Compute.int8_matmul``: a kernel the backend chose);
+        contract axis[, layer=]) -> [M, N] int32`` (``Compute.int8_matmul``: a kernel the backend chose);
         None: ``jnp.einsum`` with int32 accumulation. Integer sums are exact, so both give
         the same bits.
 
@@ -279,6 +316,14 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
     if formulation not in DOT_FORMULATIONS:
         raise ValueError(f"quantized dot formulation must be one of {DOT_FORMULATIONS}, "
                          f"got {formulation!r}")
+    stacked = None
+    if isinstance(w, StackedLayer):
+        if formulation in ("int8", "int8x2") and getattr(int8_matmul, "reads_stacked", False):
+            stacked = w
+            w = QuantizedArray(jax.ShapeDtypeStruct(w.shape, jnp.int8),  # (values: their shape only)
+                               jax.lax.dynamic_index_in_dim(w.stack.scales, w.layer, 0, keepdims=False))
+        else:
+            w = w.sliced()
     c = _parse(eq, w)
     rows = x.shape[0]
     # (int8x2 already computes 2 rows for one)
@@ -291,7 +336,9 @@ def quantized_dot(eq: str, x: jax.Array, w: QuantizedArray, dtype, formulation: 
         if not per_channel:
             raise ValueError(f"the {formulation} dot needs per-channel scales; requantize_per_channel first")
         xq, xs = quantize_rows(x) if formulation == "int8" else quantize_rows_two_terms(x)
-        if int8_matmul is not None:
+        if stacked is not None:
+            acc = int8_matmul(xq, stacked.stack.values, c, layer=stacked.layer)
+        elif int8_matmul is not None:
             acc = int8_matmul(xq, w.values, c)
         else:
             acc = jnp.einsum(eq, xq, w.values, preferred_element_type=jnp.int32)

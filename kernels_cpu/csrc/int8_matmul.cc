@@ -366,20 +366,22 @@ struct Shared {
   }
 };
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                          ffi::ResultBuffer<ffi::S32> out, int64_t w_kn, int64_t isa_attr) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2)
+// The product of x (xd: [M, K]) by the 2-D weight matrix at w (wd: its two dimensions).
+ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<const int64_t> xd,
+                          const int8_t* w, int64_t w0, int64_t w1, ffi::Result<ffi::Buffer<ffi::S32>>& out,
+                          int64_t w_kn, int64_t isa_attr) {
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2)
     return ffi::Error::InvalidArgument("int8_matmul: x, w and out must be 2-D");
   Problem p{};
-  p.x = x.typed_data();
-  p.w = w.typed_data();
+  p.x = x;
+  p.w = w;
   p.out = out->typed_data();
   p.m = xd[0];
   p.k = xd[1];
   p.w_kn = w_kn != 0;
-  p.n = p.w_kn ? wd[1] : wd[0];
-  if ((p.w_kn ? wd[0] : wd[1]) != p.k || od[0] != p.m || od[1] != p.n)
+  p.n = p.w_kn ? w1 : w0;
+  if ((p.w_kn ? w0 : w1) != p.k || od[0] != p.m || od[1] != p.n)
     return ffi::Error::InvalidArgument("int8_matmul: shapes do not agree");
   if (p.k > 65536) return ffi::Error::InvalidArgument("int8_matmul: K over 65536 could overflow int32");
   Isa isa = static_cast<Isa>(isa_attr);
@@ -436,6 +438,30 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                          ffi::ResultBuffer<ffi::S32> out, int64_t w_kn, int64_t isa_attr) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("int8_matmul: x, w and out must be 2-D");
+  return Int8MatmulCore(pool, x.typed_data(), x.dimensions(), w.typed_data(), wd[0], wd[1], out, w_kn,
+                        isa_attr);
+}
+
+// w: [L, ., .] int8, every layer's matrix; layer: int32 scalar. Layer `layer` (clamped to
+// [0, L - 1], as XLA's dynamic-slice clamps) is read where it lies in the stack, so a layer
+// scan hands the kernel the stacked weight without copying its slice out first.
+ffi::Error Int8MatmulStackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> out, int64_t w_kn,
+                                 int64_t isa_attr) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 3 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("int8_matmul_stacked: w must be 3-D and layer a scalar");
+  if (wd[0] == 0) return ffi::Error::InvalidArgument("int8_matmul_stacked: no layers");
+  const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
+  return Int8MatmulCore(pool, x.typed_data(), x.dimensions(), w.typed_data() + l * wd[1] * wd[2], wd[1],
+                        wd[2], out, w_kn, isa_attr);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveInt8Matmul, Int8MatmulImpl,
@@ -443,6 +469,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveInt8Matmul, Int8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("w_kn")
+                                  .Attr<int64_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveInt8MatmulStacked, Int8MatmulStackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("w_kn")
                                   .Attr<int64_t>("isa"));

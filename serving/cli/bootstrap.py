@@ -30,6 +30,7 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
 
     enable_compilation_cache()
     t0 = time.perf_counter()
+    cfg = with_default_quantization(cfg)
     model, tokenizer, mesh = load_for_serving(cfg)
     policy = BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl, quantization=cfg.quantization,
                                   cpu_kernels=cfg.cpu_kernels)
@@ -89,6 +90,28 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
              time.perf_counter() - t0, model.cfg.name, cfg.max_slots, engine_cfg.num_pages, cfg.page_size,
              engine.kv_cache.kv_format, page_bytes(engine.kv_cache))
     return loop, tokenizer, model.cfg.name
+
+
+def with_default_quantization(cfg):
+    """``cfg`` with ``quantization`` set: as given, else the backend policy's default for this
+    model, dtype, platform and ``--cpu-kernels`` (``BackendPolicy.default_quantization``; logged
+    when it is int8). An orbax ``--checkpoint`` holds float weights: "none"."""
+    if cfg.quantization is not None:
+        return cfg
+    import jax
+
+    from serving.engine.backend_policy import BackendPolicy
+    from serving.loading.model_source import stored_quantized
+    from sharding.mesh import MeshConfig
+
+    devices = MeshConfig.parse(cfg.mesh).size if cfg.mesh else 1
+    quantization = BackendPolicy.default_quantization(
+        jax.default_backend(), stored_quantized=not cfg.checkpoint and stored_quantized(cfg.model),
+        dtype=cfg.dtype, cpu_kernels=cfg.cpu_kernels, devices=devices)
+    if quantization != "none":
+        log.info("--quantization %s by default: %s stores quantized weights and the CPU kernel serves "
+                 "the int8 dots (--quantization none: %s weights)", quantization, cfg.model, cfg.dtype)
+    return dataclasses.replace(cfg, quantization=quantization)
 
 
 def _weights_stamp(source: str | None) -> str:
@@ -224,6 +247,7 @@ def run_follower(cfg) -> int:
     from serving.loading.mesh_loader import load_for_serving
     from sharding.multihost import Lockstep
 
+    cfg = with_default_quantization(cfg)
     model, _, mesh = load_for_serving(cfg)
     engine = Engine(model, EngineConfig.from_server_config(cfg, model.cfg), mesh=mesh,
                     lockstep=Lockstep(), policy=BackendPolicy.detect(mesh, attention_impl=cfg.attention_impl,

@@ -41,7 +41,8 @@ _SETTINGS = [
                            "instead of the model's own"),
     ("quantization", str, "none | int8 | auto: int8 weights (layer matrices and output head) with float "
                           "scales, GGUF Q8_0 blocks exactly; auto: int8 for steps of few rows where this "
-                          "CPU runs them faster, the served dtype above (no batch invariance)"),
+                          "CPU runs them faster, the served dtype above (no batch invariance); unset: int8 for "
+                          "a bf16 model from a quantized GGUF where the CPU kernel serves the int8 dots, else none"),
     ("cpu_kernels", str, "auto | on | off: the int8 dots' integer products on the CPU by xlaserve's own "
                          "kernels (kernels_cpu) instead of XLA's dot; auto: where they measured faster on "
                          "this CPU (same results every way)"),

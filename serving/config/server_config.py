@@ -94,7 +94,7 @@ class ServerConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    quantization: str = "none"
+    quantization: str | None = None  # None: the backend policy's default (BackendPolicy.default_quantization)
     cpu_kernels: str = "auto"
     speculative: str | None = None
     num_speculative_tokens: int | None = None
@@ -117,7 +117,7 @@ class ServerConfig:
             raise ValueError("lora_modules need max_loras >= 1 (adapters resident on the device at once)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8", "auto"):  # model.quantization.QUANTIZATIONS + auto
+        if self.quantization not in (None, "none", "int8", "auto"):  # model.quantization.QUANTIZATIONS + auto
             raise ValueError(f"quantization must be none, int8 or auto, got {self.quantization!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):  # serving.engine.backend_policy.CPU_KERNELS
             raise ValueError(f"cpu_kernels must be auto, on or off, got {self.cpu_kernels!r}")

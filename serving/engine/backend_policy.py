@@ -38,7 +38,11 @@ piece what it needs:
                                   at every row count (AVX2 path without
                                   VNNI); "off": XLA's dot. Exact integer
                                   sums: the same bits every way; one
-                                  device only (no sharding rule)
+                                  device only (no sharding rule). The
+                                  kernel reads a layer's matrix in
+                                  place in its [L, ...] stack (the
+                                  layer scans hand it the stack and
+                                  the index: no per-layer copy)
     bfloat16 matrix products      --cpu-kernels: "auto": our kernel     XLA's dot
       (2-D dots of the model)     (``kernels_cpu.Bf16Matmul``) up to 4
                                   rows where the CPU has AVX-512 and
@@ -64,6 +68,11 @@ piece what it needs:
                                   32; converting int8 inside the dot    scales)
                                   runs the head 3-6x slower; GGUF
                                   block scales requantized per channel
+    --quantization's default      "int8" for a bf16 model whose file    "none"
+      (no flag given)             stores quantized blocks (the default
+                                  GGUF) where the int8 dots get our
+                                  kernel (--cpu-kernels auto: AVX512
+                                  VNNI), one device; "none" otherwise
     int8 weights by row count     steps of up to: 8 token rows where    0: the served dtype always
       (--quantization auto)       bf16 dots are widened (AVX2 EPYC:     (not measured yet)
                                   int8 decode steps 1.2-2.2x faster at
@@ -268,6 +277,38 @@ class BackendPolicy:
         if cpu.amx:
             return CPU_AMX_INT8_MAX_ROWS
         return CPU_BF16_DOT_INT8_MAX_ROWS if cpu.bf16_dot else CPU_WIDENED_BF16_INT8_MAX_ROWS
+
+    @classmethod
+    def default_quantization(cls, platform: str, cpu: CpuFeatures | None = None, *, stored_quantized: bool,
+                             dtype: str, cpu_kernels: str = "auto", devices: int = 1) -> str:
+        """``--quantization``'s value when the operator gave none: "int8" or "none".
+
+        "int8" where the weights are stored quantized (a GGUF of ggml blocks, e.g. the default
+        gemma-3-270m Q4_K_M: ``serving.loading.model_source.stored_quantized``), the served
+        dtype is bfloat16, the engine runs on one CPU device and ``--cpu-kernels`` (not "off")
+        gives the int8 dots our kernel (:meth:`cpu_int8_matmul`: AVX512_VNNI with "auto"; the
+        library built): a one-stream decode step then reads ~262 MB of int8 weights instead of
+        ~535 MB of bf16 ones, the layers in place in their stacks (benchmarks/RESULTS.md,
+        2026-12-07, "int8 by default"). Everything else keeps "none": float checkpoints (the
+        file's own precision), ``--dtype float32`` (the parity path), accelerators and meshes
+        (not measured), and CPUs where the kernel is not chosen.
+
+        Args:
+          platform: "cpu", "gpu" ("cuda", "rocm") or "tpu".
+          cpu: the CPU's features (default: this host's; the "cpu" platform only).
+          stored_quantized: the weights' file holds quantized blocks.
+          dtype: the served dtype, "bfloat16" or "float32".
+          cpu_kernels: the server's ``--cpu-kernels``.
+          devices: the devices the model is served on (a mesh's size).
+
+        Raises:
+          ValueError: an unknown cpu_kernels.
+        """
+        if cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
+        if platform != "cpu" or devices > 1 or not stored_quantized or str(dtype) != "bfloat16":
+            return "none"
+        return "int8" if cls.cpu_int8_matmul(cpu_kernels, cpu or host_cpu()) is not None else "none"
 
     @staticmethod
     def cpu_int8_matmul(setting: str, cpu: CpuFeatures) -> Callable | None:

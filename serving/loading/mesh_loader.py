@@ -64,8 +64,9 @@ def load_for_serving(cfg):
 
 def loaded_quantization(cfg) -> str:
     """The weights the model is loaded in: ``--quantization``, except that "auto" loads the
-    served dtype (the engine adds the int8 copy it runs few-row steps with)."""
-    return "none" if cfg.quantization == "auto" else cfg.quantization
+    served dtype (the engine adds the int8 copy it runs few-row steps with) and an unresolved
+    default (None: ``serving.cli.bootstrap.with_default_quantization`` not applied) the dtype's."""
+    return "none" if cfg.quantization in ("auto", None) else cfg.quantization
 
 
 def checkpoint_tokenizer(ckpt_dir, vocab_size: int, spm: bytes | None, override_file=None):

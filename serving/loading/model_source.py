@@ -24,8 +24,8 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["ModelSource", "resolve_model", "resolve_task", "is_hub_id", "SERVE_FILES", "CONFIG_FILES",
-           "ACCEPTED_FORMS", "TASKS"]
+__all__ = ["ModelSource", "resolve_model", "resolve_task", "is_hub_id", "stored_quantized", "SERVE_FILES",
+           "CONFIG_FILES", "ACCEPTED_FORMS", "TASKS"]
 
 TASKS = ("auto", "generate", "embed", "rerank")
 """``serve --task`` values (see :func:`resolve_task`)."""
@@ -127,6 +127,38 @@ def resolve_model(value: str, revision: str | None = None, files: tuple[str, ...
         return ModelSource("hub", value, value, _check_hf_dir(_snapshot(value, revision, files), hub=True,
                                                               files=files))
     raise ValueError(f"unknown model {value!r}: use {_forms(registry)}")
+
+
+def stored_quantized(value: str, registry: dict | None = None) -> bool:
+    """Whether ``--model value`` stores its weight matrices quantized (in ggml blocks): a
+    registry entry assembled from a GGUF package (``source: gguf-package``, as the default
+    gemma-3-270m Q4_K_M), or a .gguf file with any tensor of a block type (Q8_0, Q4_K, ...:
+    not F32 / F16 / BF16 / F64 or an integer type; its header only is read). False for
+    everything else (random registry models, Hugging Face checkpoints, hub ids: nothing is
+    fetched), for a mixture-of-experts GGUF (``{arch}.expert_count`` above 0: int8 weights are
+    refused for those, so the default must not pick them), and for a file whose header does not
+    read (the loader reports that).
+    The backend policy's default ``--quantization`` asks this
+    (``serving.engine.backend_policy.BackendPolicy.default_quantization``)."""
+    registry = _registry() if registry is None else registry
+    if value in registry:
+        return (registry[value] or {}).get("source") == "gguf-package"
+    path = Path(value).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return False
+    from gguf import GGMLQuantizationType as T
+
+    from model.gguf_metadata import read_gguf_header
+
+    plain = {int(t) for t in (T.F32, T.F16, T.BF16, T.F64, T.I8, T.I16, T.I32, T.I64)}
+    try:
+        header = read_gguf_header(path)
+    except (OSError, ValueError):
+        return False
+    arch = header.metadata.get("general.architecture")
+    if (header.metadata.get(f"{arch}.expert_count") or 0) > 0:
+        return False
+    return any(kind not in plain for _, kind in header.tensors.values())
 
 
 def resolve_task(task: str, model: str, revision: str | None = None) -> str:

@@ -5,6 +5,7 @@ No timings are asserted (benchmarks measure; tests check behaviour).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -76,6 +77,10 @@ def test_engine_benchmark_builds_engines_by_cpu_kernel_setting():
     assert make_engine(model, "bfloat16", 1, 40, cpu_kernels="off").policy.int8_matmul is None
     on = make_engine(model, "bfloat16", 1, 40, cpu_kernels="on").policy.int8_matmul
     assert (on is not None) == kernels_cpu.available()
+    # "auto-sliced": auto, the layers' int8 matrices sliced out of their stacks (the baseline)
+    sliced = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-sliced").policy.int8_matmul
+    auto = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto").policy.int8_matmul
+    assert sliced is None if auto is None else sliced == dataclasses.replace(auto, reads_stacked=False)
 
 
 def test_cpu_kernels_benchmark_runs_one_layer(capsys):

@@ -131,6 +131,57 @@ def test_int8matmul_switches_to_xla_above_max_rows_and_is_a_value():
     np.testing.assert_array_equal(np.asarray(small(x, w, 0)), np.asarray(reference_int8_matmul(x, w, 0)))
 
 
+@pytest.mark.parametrize("contract", [0, 1], ids=LAYOUTS.get)
+@pytest.mark.parametrize("isa", PATHS)
+def test_a_layer_of_a_stack_is_read_in_place_and_exact(isa, contract):
+    """``layer=``: w is [L, ...] and the product is w[layer]'s, bitwise XLA's, for every row
+    count 1..64 and each layer (traced under a scan, as the decoders call it; out-of-range
+    indices clamped as dynamic-slice clamps them)."""
+    rng = np.random.default_rng(7)
+    L, k, n = 3, 67, 45
+    x = _ints(rng, (64, k))
+    w = jnp.stack([_weight(rng, k, n, contract) for _ in range(L)])
+
+    @jax.jit
+    def run(x, w):
+        def body(_, layer):
+            return None, [int8_matmul(x[:m], w, contract, isa, layer=layer) for m in (1, 3, 5, 64)]
+        return jax.lax.scan(body, None, jnp.arange(L, dtype=jnp.int32))[1]
+
+    outs = run(x, w)
+    for i, m in enumerate((1, 3, 5, 64)):
+        for layer in range(L):
+            np.testing.assert_array_equal(np.asarray(outs[i][layer]),
+                                          np.asarray(reference_int8_matmul(x[:m], w[layer], contract)),
+                                          err_msg=f"{m} rows, layer {layer}")
+    clamped = int8_matmul(x[:2], w, contract, isa, layer=jnp.int32(L + 5))
+    np.testing.assert_array_equal(np.asarray(clamped), np.asarray(reference_int8_matmul(x[:2], w[L - 1], contract)))
+    np.testing.assert_array_equal(np.asarray(Int8Matmul(isa, max_rows=1)(x[:3], w, contract, jnp.int32(1))),
+                                  np.asarray(reference_int8_matmul(x[:3], w, contract, jnp.int32(1))))
+
+
+def test_a_stacked_weight_is_not_copied_out_before_the_kernel():
+    """In a layer scan over a stack closed over, the compiled program hands the custom call
+    the whole stack: no dynamic-slice of the int8 weight feeds it (what scanning it as xs
+    costs: a copy of every layer's matrix before the kernel reads it)."""
+    rng = np.random.default_rng(8)
+    x, w = _ints(rng, (2, 64)), jnp.stack([_ints(rng, (64, 96)) for _ in range(4)])
+
+    def in_place(x, w):
+        return jax.lax.scan(lambda c, l: (c + int8_matmul(x, w, 0, layer=l), None), jnp.zeros((2, 96), jnp.int32),
+                            jnp.arange(4, dtype=jnp.int32))[0]
+
+    def sliced(x, w):
+        return jax.lax.scan(lambda c, wl: (c + int8_matmul(x, wl, 0), None), jnp.zeros((2, 96), jnp.int32), w)[0]
+
+    hlo = {f.__name__: jax.jit(f).lower(x, w).compile().as_text() for f in (in_place, sliced)}
+    weight_slice = "= s8[64,96]"  # an instruction making one layer's matrix out of s8[4,64,96]
+    assert weight_slice in hlo["sliced"]  # (the check can see the copy: a dynamic-slice fusion)
+    assert weight_slice not in hlo["in_place"]
+    assert 'custom_call_target="xlaserve_int8_matmul_stacked"' in hlo["in_place"]
+    np.testing.assert_array_equal(np.asarray(jax.jit(in_place)(x, w)), np.asarray(jax.jit(sliced)(x, w)))
+
+
 def test_bad_inputs_raise():
     x, w = jnp.zeros((2, 8), jnp.int8), jnp.zeros((8, 4), jnp.int8)
     with pytest.raises(ValueError, match="2-D int8"):
@@ -139,6 +190,10 @@ def test_bad_inputs_raise():
         int8_matmul(x, w, 1)
     with pytest.raises(ValueError, match="isa must be"):
         int8_matmul(x, w, 0, "neon")
+    with pytest.raises(ValueError, match="3-D int8 w"):
+        int8_matmul(x, w, 0, layer=jnp.int32(0))
+    with pytest.raises(ValueError, match="layer must be a scalar"):
+        int8_matmul(x, w[None], 0, layer=jnp.zeros(2, jnp.int32))
 
 
 def test_a_missing_library_falls_back_to_xla_with_one_warning():

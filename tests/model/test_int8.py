@@ -25,6 +25,7 @@ from model.quantization import (
     quantized_dot,
     requantize_per_channel,
 )
+from serving.config.server_config import ServerConfig
 from serving.engine.backend_policy import BackendPolicy
 from serving.loading.model_registry import known_models
 from tests.support import gguf_fixtures as fx
@@ -134,6 +135,10 @@ def test_int8_llama_follows_the_float_model():
     want, got = run_steps(ref, rows=2), run_steps(q, rows=2)
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.75
+    import kernels_cpu
+
+    if kernels_cpu.available():  # the kernel at every row count, the layers read in their stacks: same bits
+        np.testing.assert_array_equal(run_steps(q, rows=2, cpu_kernels="on"), got)
 
 
 def test_policy_requantizes_gguf_blocks_for_the_int8_dot_only():
@@ -239,7 +244,9 @@ def _teacher_forced_margins(events, prompt, steps):
 @pytest.mark.gemma
 def test_int8_margins_stay_within_the_bound_of_the_golden_ones(gemma_params, golden):
     """Gemma 3 270M with int8 layer matrices and head (per-channel, the CPU policy's "int8x2"
-    dot), bfloat16 activations and KV cache, the bf16 golden test's engine config.
+    dot), bfloat16 activations and KV cache, the bf16 golden test's engine config: the format
+    ``xlaserve serve`` gives the default model by default on a CPU whose int8 dots get our
+    kernel (``BackendPolicy.default_quantization``), with the server's default policy.
 
     Teacher-forced: each golden prompt followed by its 24 golden greedy ids is scored in one
     request (prompt logprobs, top 2); at every step int8's margin of the golden id (its logit
@@ -257,7 +264,10 @@ def test_int8_margins_stay_within_the_bound_of_the_golden_ones(gemma_params, gol
 
     cfg, params = gemma_params
     model = Gemma3(cfg, params=params, dtype=jnp.bfloat16, quantization="int8")
-    loop = EngineLoop(Engine(model, dataclasses.replace(CFG, kv_dtype="bfloat16")))
+    # the server's default policy (--cpu-kernels auto: our int8 kernel where it serves, the
+    # layers' int8 matrices read in their stacks): the default model's default format
+    policy = BackendPolicy.detect(cpu_kernels=ServerConfig().cpu_kernels)
+    loop = EngineLoop(Engine(model, dataclasses.replace(CFG, kv_dtype="bfloat16"), policy=policy))
     loop.start(warmup=False)
     prompts = golden["prompts"]
     scored = [request(p["ids"] + p["greedy"]["ids"], max_tokens=1, ignore_eos=True, prompt_logprobs=2)

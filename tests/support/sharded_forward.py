@@ -30,13 +30,15 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, vocab, n).tolist()
 
 
-def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4, moe_impl: str = "auto") -> np.ndarray:
+def run_steps(model, mesh=None, prompt_len: int = 21, rows: int = 4, moe_impl: str = "auto",
+              cpu_kernels: str = "off") -> np.ndarray:
     """Prefills ``rows`` prompts (one prefill step each, chunked at 16 tokens), then one
-    decode step over all rows. Returns the logits of every prefill step's last
-    token and of the decode step: [2 * rows, vocab] f32 numpy (the prefill rows first).
+    decode step over all rows (``cpu_kernels``: the policy's ``--cpu-kernels``). Returns the
+    logits of every prefill step's last token and of the decode step: [2 * rows, vocab] f32
+    numpy (the prefill rows first).
     """
     cfg = model.cfg
-    policy = BackendPolicy.detect(mesh, moe_impl=moe_impl)
+    policy = BackendPolicy.detect(mesh, moe_impl=moe_impl, cpu_kernels=cpu_kernels)
     graphdef, params = nnx.split(model)
     pages_per_seq = -(-(prompt_len + 1) // PAGE_SIZE)
     num_pages = 1 + rows * pages_per_seq

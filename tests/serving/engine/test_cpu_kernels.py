@@ -66,6 +66,49 @@ def test_a_mesh_of_several_devices_keeps_xla_dots(caplog):
     assert "serve one device only" in caplog.text
 
 
+@needs_kernels
+def test_the_default_quantization_is_int8_for_a_quantized_file_where_the_kernel_serves_it(monkeypatch):
+    """--quantization unset: int8 for a bf16 model whose file stores quantized blocks, on one
+    CPU device whose int8 dots get the kernel; "none" for float files, float32 serving,
+    --cpu-kernels off, a CPU the kernel is not chosen on, a mesh, an accelerator, and where the
+    library is missing."""
+    def default(platform="cpu", cpu=SPR, stored=True, dtype="bfloat16", kernels="auto", devices=1):
+        return BackendPolicy.default_quantization(platform, cpu, stored_quantized=stored, dtype=dtype,
+                                                  cpu_kernels=kernels, devices=devices)
+
+    assert default() == "int8" and default(kernels="on") == "int8" and default(cpu=ZEN4) == "int8"
+    assert default(cpu=AVX2) == "none"  # "auto" gives AVX2-only CPUs XLA's dot: bf16 stays
+    assert default(cpu=AVX2, kernels="on") == "int8"
+    assert default(stored=False) == "none" and default(dtype="float32") == "none"
+    assert default(kernels="off") == "none" and default(devices=2) == "none"
+    assert default("gpu") == "none" and default("tpu") == "none"
+    with pytest.raises(ValueError, match="cpu_kernels must be"):
+        default(kernels="always")
+    monkeypatch.setattr(BackendPolicy, "cpu_int8_matmul", staticmethod(lambda setting, cpu: None))  # no library
+    assert default() == "none"
+
+
+def test_the_server_resolves_an_unset_quantization(monkeypatch):
+    """``with_default_quantization``: an explicit value stays; unset asks the policy with the
+    model's storage (the default gemma-3-270m GGUF package: quantized; tiny-random: float)."""
+    from serving.cli.bootstrap import with_default_quantization
+    from serving.loading.mesh_loader import loaded_quantization
+
+    asked = []
+
+    def policy(platform, cpu=None, **kw):
+        asked.append(kw)
+        return "int8" if kw["stored_quantized"] else "none"
+
+    monkeypatch.setattr(BackendPolicy, "default_quantization", staticmethod(policy))
+    assert ServerConfig().quantization is None and loaded_quantization(ServerConfig()) == "none"
+    assert with_default_quantization(ServerConfig(quantization="none")).quantization == "none" and not asked
+    assert with_default_quantization(ServerConfig()).quantization == "int8"  # gemma-3-270m
+    assert asked[-1] == dict(stored_quantized=True, dtype="bfloat16", cpu_kernels="auto", devices=1)
+    assert with_default_quantization(ServerConfig(model="tiny-random")).quantization == "none"
+    assert with_default_quantization(ServerConfig(checkpoint="/ckpt")).quantization == "none"
+
+
 def test_server_setting():
     assert ServerConfig().cpu_kernels == "auto"
     with pytest.raises(ValueError, match="cpu_kernels must be auto, on or off"):
@@ -76,9 +119,9 @@ def test_server_setting():
 class _Counted(Int8Matmul):
     """Int8Matmul that counts the products traced through it."""
 
-    def __call__(self, x, w, contract):
+    def __call__(self, x, w, contract, layer=None):
         _TRACED.append((x.shape, w.shape))
-        return super().__call__(x, w, contract)
+        return super().__call__(x, w, contract, layer)
 
 
 _TRACED: list = []
@@ -94,7 +137,8 @@ def _out(out) -> tuple:
 @needs_kernels
 def test_engine_decodes_the_same_through_the_kernels():
     """A tiny bfloat16 Gemma 3 as int8 ("int8x2" dots): a prefill and a 1-row decode step
-    through the kernel and through XLA's dot are equal bitwise, and the 1-row step's row
+    through the kernel (the layers' int8 matrices handed over in their stacks) and through
+    XLA's dot are equal bitwise, and the 1-row step's row
     equals each row of a 3-row step from the same cache (batch invariance). The kernel's best
     path on this CPU (tests/kernels_cpu compare every path with XLA's dot)."""
     model = quantized_copy(Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -109,6 +153,9 @@ def test_engine_decodes_the_same_through_the_kernels():
     first = _out(kernel.prefill(prefill))
     assert all(np.array_equal(a, b) for a, b in zip(first, _out(plain.prefill(prefill))))
     assert _TRACED, "the engine's steps did not call the kernel"
+    # the layer matrices reach it as their [L, ...] stacks (read in place), the head as [V, D]
+    assert {len(w) for _, w in _TRACED} == {2, 3}
+    assert all(w[0] == TINY.num_layers for _, w in _TRACED if len(w) == 3)
 
     def decode(engine, rows):
         engine.state = jax.tree.map(jnp.copy, start)

@@ -23,7 +23,7 @@ from serving.cli.shard_plan import plan_model_config
 from serving.config.server_config import load_server_config
 from serving.loading.mesh_loader import load_for_serving
 from serving.loading.model_registry import hf_tokenizer, load_model
-from serving.loading.model_source import ModelSource, resolve_model
+from serving.loading.model_source import ModelSource, resolve_model, stored_quantized
 from tests.support import hf_dir_fixtures as hfx
 from tests.support.hf_dir_fixtures import _hf_dir, _params
 from tests.support.paths import REPO_ROOT
@@ -218,3 +218,36 @@ def test_sentencepiece_only_directory_serves_and_converts(tmp_path):
     assert (tmp_path / "ckpt" / "tokenizer.model").read_bytes() == spm.read_bytes()
     _, tok2, _ = load_for_serving(load_server_config(checkpoint=str(tmp_path / "ckpt"), dtype="float32"))
     assert tok2.apply_chat_template(dialog) == want and tok2.stop_token_ids == (2,)
+
+
+def _one_tensor_gguf(path: Path, qtype, experts: int = 0) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(path, "llama")
+    if experts:
+        w.add_expert_count(experts)
+    data = np.ones((2, 32), np.float32)
+    w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_stored_quantized_tells_block_files_from_float_ones(tmp_path):
+    """What the default --quantization asks (BackendPolicy.default_quantization): a GGUF with a
+    block-quantized tensor, or a registry GGUF package, is stored quantized; an F32 / F16 GGUF,
+    a quantized mixture-of-experts GGUF, a random registry model, a directory and a file that is
+    no GGUF are not."""
+    from gguf import GGMLQuantizationType as T
+
+    assert stored_quantized(str(_one_tensor_gguf(tmp_path / "q8.gguf", T.Q8_0)))
+    assert not stored_quantized(str(_one_tensor_gguf(tmp_path / "f16.gguf", T.F16)))
+    # a mixture of experts is refused int8 weights: never "stored quantized" for the default
+    assert not stored_quantized(str(_one_tensor_gguf(tmp_path / "moe.gguf", T.Q8_0, experts=4)))
+    assert stored_quantized("gemma-3-270m") and not stored_quantized("tiny-random")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF")  # a header that ends early: the loader reports it
+    assert not stored_quantized(str(tmp_path / "bad.gguf"))
+    assert not stored_quantized(str(tmp_path)) and not stored_quantized("org/name")
