@@ -274,6 +274,9 @@ class Engine:
                      self._aux_layers, spec.num_tokens)
             return Eagle3Draft(draft, model.cfg, self.cfg, self.policy, spec.num_tokens)
         if draft is None and spec.draft_model == SELF_INT8:
+            if getattr(model, "quantization", "none") != "none":
+                raise ValueError(f"--draft-model {SELF_INT8} drafts with an int8 copy of the served weights, which "
+                                 f"are {model.quantization} already: serve them with --quantization none")
             from model.factory import quantized_copy
 
             draft = qmodel if qmodel is not None else quantized_copy(model)

@@ -107,6 +107,29 @@ def test_the_server_resolves_an_unset_quantization(monkeypatch):
     assert asked[-1] == dict(stored_quantized=True, dtype="bfloat16", cpu_kernels="auto", devices=1)
     assert with_default_quantization(ServerConfig(model="tiny-random")).quantization == "none"
     assert with_default_quantization(ServerConfig(checkpoint="/ckpt")).quantization == "none"
+    # drafts from the int8 copy of the served weights: those stay bf16
+    n = len(asked)
+    drafting = ServerConfig(speculative="draft", draft_model="self:int8", num_speculative_tokens=2)
+    assert with_default_quantization(drafting).quantization == "none" and len(asked) == n
+
+
+def test_self_int8_drafts_of_int8_weights_are_refused():
+    """An int8-served model drafting from its own int8 copy would verify each draft with the
+    same weights: a clear error at start, not a second int8 copy."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.gemma3 import Gemma3
+    from serving.config.engine_config import EngineConfig
+    from serving.config.speculative_config import SpeculativeConfig
+    from serving.engine.engine import Engine
+    from tests.support.tiny_engine import TINY
+
+    model = Gemma3(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0), quantization="int8")
+    spec = SpeculativeConfig(method="draft", num_tokens=2, max_batch=4, draft_model="self:int8")
+    with pytest.raises(ValueError, match="--quantization none"):
+        Engine(model, EngineConfig(max_slots=4, num_pages=64, max_model_len=256, page_size=8, prefill_chunk=32,
+                                   min_decode_batch=2, speculative=spec))
 
 
 def test_server_setting():
