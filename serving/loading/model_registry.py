@@ -124,7 +124,7 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
         path = importlib.import_module(spec["package"]).assemble()
     elif source.is_hf:
         model, tokenizer = _load_hf(source, jdtype, mesh, progress, chat_template, quantization)
-        log.info("loaded %s (%s) in %.1f s", source.name, dtype, time.perf_counter() - t0)
+        log.info("loaded %s (%s) in %.1f s", source.name, _format(dtype, quantization), time.perf_counter() - t0)
         return model, tokenizer
     else:
         path, name = source.path, source.name
@@ -132,8 +132,13 @@ def load_model(name: str, dtype: str = "float32", progress: bool = True, *, mesh
     cfg, params = load_gguf(path, name=name, cache_dir=cache_dir("weights"), progress=progress,
                             quantization=quantization)
     model = build_model(cfg, params=params, dtype=jdtype, quantization=quantization)
-    log.info("loaded %s (%s) in %.1f s", name, dtype, time.perf_counter() - t0)
+    log.info("loaded %s (%s) in %.1f s", name, _format(dtype, quantization), time.perf_counter() - t0)
     return model, serve_chat_template(tokenizer, chat_template, gguf_chat_template(tokenizer, path))
+
+
+def _format(dtype, quantization: str) -> str:
+    """The served format, for the log: "bfloat16", or "bfloat16, int8 weights"."""
+    return str(dtype) if quantization == "none" else f"{dtype}, {quantization} weights"
 
 
 def load_vision(name: str, revision: str | None = None):
