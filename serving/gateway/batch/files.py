@@ -49,6 +49,8 @@ UPLOAD_PURPOSES = ("batch",)
 FORM_OVERHEAD_BYTES = 64 * 1024
 """Room for the multipart framing and the ``purpose`` field on top of ``max_file_bytes``."""
 MAX_LIST_LIMIT = 10_000
+QUOTA_REFUSAL_S = 1.0
+"""Seconds a tenant's upload refused for its quota (429) answers its next ones without a query."""
 EXPIRES_AFTER_RANGE_S = (3600, 2_592_000)
 """OpenAI's bounds on ``expires_after.seconds`` (one hour to 30 days)."""
 
@@ -135,6 +137,9 @@ class FileStore:
         self.engine = engine
         self.clock = clock
         self.quotas = quotas
+        # tenant -> (until, on the monotonic clock; the smallest size refused; the 429's fields):
+        # check_quota's recent refusals (see there)
+        self._refused: dict[str, tuple[float, int, dict]] = {}
 
     def create(self, tenant: str, purpose: str, filename: str, content: bytes,
                conn: sa.Connection | None = None, expires_after_s: float | None = None,
@@ -178,13 +183,39 @@ class FileStore:
         `at_least` bytes (the body's length less the form's framing), so a tenant over its
         quota is answered without its body being read and parsed.
 
+        A 429 is remembered for ``QUOTA_REFUSAL_S`` (the ``Retry-After`` it sends): the tenant's
+        uploads of at least that size in that second get the same answer without a database
+        query, so a tenant sending uploads over its quota as fast as it can costs the database
+        one query a second, not one per request (beside it, every tenant's metering writes wait
+        for the same connections). Deleting one of its files forgets the refusal at once; a
+        file another gateway deleted, or a raised quota, counts within the second.
+
         Raises:
           OpenAIError: 413/429 for a quota (``storage_quotas.check_file_quota``).
         """
         if self.quotas is None:
             return
-        with self.engine.connect() as conn:
-            check_file_quota(conn, self.quotas(tenant), tenant, at_least, self.clock())
+        refused = self._refused.get(tenant)
+        if refused is not None:
+            until, size, byte_quota, fields = refused
+            # at least as large as the refused upload, and not alone over the byte quota (a 413)
+            if time.monotonic() < until and size <= at_least and (byte_quota is None or at_least <= byte_quota):
+                raise OpenAIError(**fields)
+        quotas = self.quotas(tenant)
+        try:
+            with self.engine.connect() as conn:
+                check_file_quota(conn, quotas, tenant, at_least, self.clock())
+        except OpenAIError as e:
+            if e.status_code == 429:
+                if len(self._refused) > 4096:  # forget the tenants whose refusals ran out
+                    now = time.monotonic()
+                    self._refused = {t: r for t, r in self._refused.items() if r[0] > now}
+                retry = {"Retry-After": str(max(1, round(QUOTA_REFUSAL_S)))}
+                self._refused[tenant] = (time.monotonic() + QUOTA_REFUSAL_S, at_least, quotas.file_bytes, dict(
+                    message=e.message, status_code=e.status_code, type=e.type, param=e.param, code=e.code,
+                    headers=retry))
+                e.headers.update(retry)
+            raise
 
     def get(self, file_id: str, tenant: str) -> dict | None:
         """The row of `tenant`'s file `file_id` (without the content), or None (also once expired)."""
@@ -216,6 +247,7 @@ class FileStore:
 
     def delete(self, file_id: str, tenant: str) -> bool:
         """Deletes `tenant`'s file `file_id`. Returns False if there was none."""
+        self._refused.pop(tenant, None)  # room, perhaps: its next upload asks the database
         with self.engine.begin() as conn:
             res = conn.execute(files_table.delete().where(files_table.c.file_id == file_id,
                                                           files_table.c.tenant == tenant))

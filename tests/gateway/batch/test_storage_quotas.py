@@ -193,3 +193,44 @@ def test_the_spool_refuses_a_filesystem_without_room_and_says_when_it_shares_the
         ledger.close()
         ledger.spool.close()
         instance.release(remove=True)
+
+
+def test_a_refused_tenant_costs_the_database_one_query_a_second(tmp_path, monkeypatch):
+    """An upload refused for its quota (429) answers the tenant's next uploads of at least its
+    size for ``QUOTA_REFUSAL_S`` without a query (the hostile tenant's uploads, ~100 a second,
+    queried the database each, beside every tenant's metering writes); a smaller upload, a
+    deleted file and the second's end each ask the database again."""
+    from serving.gateway.accounts.database import open_database
+    from serving.gateway.batch import files as files_module
+    from serving.gateway.http.errors import OpenAIError
+
+    engine = open_database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    queries = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *a, **k: queries.append(a[2]))
+    store = files_module.FileStore(engine, quotas=lambda tenant: Quotas(file_bytes=1000, files=None))
+    kept = store.create("bomber", "batch", "a.jsonl", b"x" * 900, check_quota=True)
+
+    def refused(size: int) -> int:
+        """The queries one pre-check made; it must be refused with the quota named."""
+        before = len(queries)
+        with pytest.raises(OpenAIError) as e:
+            store.check_quota("bomber", size)
+        assert e.value.status_code == 429 and e.value.param == "file_bytes"
+        assert e.value.headers["Retry-After"] == "1"
+        return len(queries) - before
+
+    assert refused(500) == 1  # its use (this test's quotas come from a function, not the database)
+    assert refused(500) == 0 and refused(800) == 0  # remembered: no query
+    before = len(queries)
+    store.check_quota("bomber", 50)  # smaller than the refused one: asked, and it fits
+    assert len(queries) > before
+    store.check_quota("victim", 500)  # another tenant is never answered from the bomber's refusal
+    assert store.delete(kept["file_id"], "bomber")
+    store.check_quota("bomber", 500)  # room again: asked, fits
+    store.create("bomber", "batch", "b.jsonl", b"x" * 900, check_quota=True)
+    with pytest.raises(OpenAIError) as alone:  # alone over the byte quota: still its 413
+        store.check_quota("bomber", 5000)
+    assert alone.value.status_code == 413
+    monkeypatch.setattr(files_module, "QUOTA_REFUSAL_S", 0.0)
+    assert refused(500) == 1  # a refusal kept for no time: asked each time
+    assert refused(500) == 1
