@@ -92,19 +92,10 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
     """(kv, VerifyBatch) -> (kv, drafts [S, K] int32, q [S, K, V] float32); see the module
     docstring."""
     model = nnx.merge(graphdef, params)
-    S, P = batch.page_table.shape
-    T = batch.tokens.shape[0]
+    S = batch.page_table.shape[0]
     ps = kv.page_size
-    starts = jnp.minimum(batch.cu_q_lens[:-1], T - 1)
-    real = jnp.arange(S) < batch.num_seqs
-    d = jnp.where(real, batch.cu_q_lens[1:] - batch.cu_q_lens[:-1] - 1, 0)  # [S] drafts wanted
-    p0 = batch.positions[starts]
+    starts, real, d, p0, row_sampling = draft_rows(batch)
     rows = jnp.arange(S)
-    row_sampling = jax.tree.map(lambda a: a[starts], batch.sampling)  # each row's settings
-
-    def slots(pos, write):
-        page = batch.page_table[rows, jnp.minimum(pos // ps, P - 1)]
-        return jnp.where(write, page * ps + pos % ps, 0).astype(jnp.int32)
 
     # Step 0: [previous token, last token] at p - 1, p (a 2-token chunk per row).
     pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
@@ -112,7 +103,7 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
     # (A shared cache already holds the served K/V at p - 1: it is read, not written.)
     write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat((p0 > 0) & refeed, 2))
     md = AttentionMetadata(
-        slot_mapping=_slots2(batch, pos2, write2, ps),
+        slot_mapping=kv_slots(batch.page_table, jnp.repeat(rows, 2), pos2, write2, ps),
         page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
         cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
         num_seqs=batch.num_seqs, mode="prefill")
@@ -123,7 +114,7 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
         kv, tok = carry
         pos = p0 + j
         md = AttentionMetadata(
-            slot_mapping=slots(pos, real & (j <= d)), page_table=batch.page_table,
+            slot_mapping=kv_slots(batch.page_table, rows, pos, real & (j <= d), ps), page_table=batch.page_table,
             kv_lens=jnp.where(real, jnp.minimum(pos, p0 + d) + 1, 0).astype(jnp.int32),
             cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), num_seqs=jnp.asarray(S, jnp.int32),
             mode="decode")
@@ -137,12 +128,27 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
     return kv, drafts, jnp.swapaxes(q, 0, 1)
 
 
-def _slots2(batch, pos2, write2, ps):
-    """[2S] int32 KV slots of step 0's two tokens a row (0: not written)."""
-    S, P = batch.page_table.shape
-    rows2 = jnp.repeat(jnp.arange(S), 2)
-    page = batch.page_table[rows2, jnp.minimum(pos2 // ps, P - 1)]
-    return jnp.where(write2, page * ps + pos2 % ps, 0).astype(jnp.int32)
+def draft_rows(batch):
+    """A ``VerifyBatch``'s rows as a propose program reads them (traced).
+
+    Returns:
+      (starts [S] int32: each row's first token in the batch, its last known one; real [S]
+      bool: not padding; wanted [S] int32: the drafts it asks for, 0 for padding; p0 [S]
+      int32: that token's position; sampling: each row's ``SamplingArrays`` [S]).
+    """
+    S = batch.page_table.shape[0]
+    starts = jnp.minimum(batch.cu_q_lens[:-1], batch.tokens.shape[0] - 1)
+    real = jnp.arange(S) < batch.num_seqs
+    wanted = jnp.where(real, batch.cu_q_lens[1:] - batch.cu_q_lens[:-1] - 1, 0)
+    return starts, real, wanted, batch.positions[starts], jax.tree.map(lambda a: a[starts], batch.sampling)
+
+
+def kv_slots(page_table: jax.Array, rows: jax.Array, pos: jax.Array, write: jax.Array, page_size: int) -> jax.Array:
+    """[N] int32 the KV slot (page * page_size + offset) of token i of row ``rows[i]`` at
+    position ``pos[i]`` through ``page_table`` [S, P] int32; 0 (the null page) where
+    ``write[i]`` is false. rows, pos: [N] int32; write: [N] bool."""
+    page = page_table[rows, jnp.minimum(pos // page_size, page_table.shape[1] - 1)]
+    return jnp.where(write, page * page_size + pos % page_size, 0).astype(jnp.int32)
 
 
 class DraftModel:

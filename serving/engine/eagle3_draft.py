@@ -47,7 +47,7 @@ from model.eagle3 import Eagle3Head, aux_layers
 from model.kv_cache import KVCache
 from serving.config.engine_config import EngineConfig
 from serving.engine.backend_policy import BackendPolicy
-from serving.engine.draft_model import proposer
+from serving.engine.draft_model import draft_rows, kv_slots, proposer
 from serving.engine.sample.rejection import draft_sample
 
 
@@ -67,21 +67,15 @@ def _prefill(graphdef, compute, params, kv: KVCache, hidden, batch, aux):
 
 def _propose(graphdef, compute, argmax_block, num_tokens: int, params, kv: KVCache, hidden, batch):
     head = nnx.merge(graphdef, params)
-    S, P = batch.page_table.shape
-    T = batch.tokens.shape[0]
+    S = batch.page_table.shape[0]
     ps = kv.page_size
-    starts = jnp.minimum(batch.cu_q_lens[:-1], T - 1)
-    real = jnp.arange(S) < batch.num_seqs
-    d = jnp.where(real, batch.cu_q_lens[1:] - batch.cu_q_lens[:-1] - 1, 0)  # [S] drafts wanted
-    p0 = batch.positions[starts]
+    starts, real, d, p0, row_sampling = draft_rows(batch)
     rows = jnp.arange(S)
-    row_sampling = jax.tree.map(lambda a: a[starts], batch.sampling)
     feats = hidden[jnp.minimum(batch.slot_ids, hidden.shape[0] - 1)]
 
     def run(kv, tok, h, pos, write):
-        page = batch.page_table[rows, jnp.minimum(pos // ps, P - 1)]
         md = AttentionMetadata(
-            slot_mapping=jnp.where(write, page * ps + pos % ps, 0).astype(jnp.int32),
+            slot_mapping=kv_slots(batch.page_table, rows, pos, write, ps),
             page_table=batch.page_table, kv_lens=jnp.where(real, pos + 1, 0).astype(jnp.int32),
             cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), num_seqs=jnp.asarray(S, jnp.int32), mode="decode")
         return head(tok, h, pos.astype(jnp.int32), kv, md, compute=compute)
