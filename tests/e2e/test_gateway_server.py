@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.gateway.accounts.api_keys import KeyStore, Limits
+from serving.gateway.accounts.auth import KEY_CACHE_S
 from serving.gateway.accounts.database import metadata, open_database
 from serving.gateway.accounts.ledger import Ledger
 from serving.gateway.accounts.pricing import load_price_table
@@ -156,6 +157,8 @@ def test_revoked_key_fails(gw):
     out = subprocess.run([sys.executable, "-m", "serving.cli.main", "keys", "revoke", key_id,
                           "--database-url", gw.db_url], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    # Revoked by another process: the gateway's look-up of an active key answers for KEY_CACHE_S.
+    time.sleep(KEY_CACHE_S)
     r = gw.post("doomed", _completion(), expect=None)
     assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked"
     assert gw.post("free", _completion()).status_code == 200  # others unaffected

@@ -135,6 +135,10 @@ class KeyStore:
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
+        self.generation = 0
+        """Counts this process's changes of what a key resolves to (a revoke, a tenant's
+        limits); an :class:`~serving.gateway.accounts.auth.Authenticator` drops its cached
+        look-ups when it moves."""
 
     # -- tenants ---------------------------------------------------------------
 
@@ -164,6 +168,7 @@ class KeyStore:
                 "models": None if models is None else sorted(models),
                 "service_tiers": None if service_tiers is None else sorted(set(service_tiers)),
                 **({} if quotas is None else {"quotas": dataclasses.asdict(quotas)})})
+        self.generation += 1
 
     def quotas(self, name: str) -> Quotas:
         """Tenant `name`'s storage quotas (unlimited if never set)."""
@@ -249,6 +254,7 @@ class KeyStore:
                                .values(revoked_at=time.time()))
             if res.rowcount > 0:
                 record_audit(conn, actor, "key.revoke", key_id)
+        self.generation += 1
         return res.rowcount > 0
 
     def has_keys(self) -> bool:

@@ -12,7 +12,14 @@
   rule holds at run time too (``require_keys``): a non-loopback gateway whose keys
   are all deleted while it runs answers 503 ``no_api_keys`` rather than run open.
 
-Database look-ups run in a worker thread, never on the event loop. While the
+Database look-ups run in a worker thread, never on the event loop. A key found
+active is remembered for ``KEY_CACHE_S`` (one second): its requests in that second
+skip the query (a tenant sending hundreds of requests a second, refused or not,
+would otherwise cost a query and a worker thread each). A key revoked or a tenant's
+limits changed through this process's :class:`KeyStore` (the console, a batch
+runner) apply at once; through another process (``xlaserve keys revoke``, another
+gateway) within ``KEY_CACHE_S``. Revoked and unknown keys are never remembered: a
+key created anywhere works at once. While the
 database is unreachable, a key answers as it did at its last successful look-up
 (a key revoked during the outage is refused once the database is back); a key
 not looked up since the gateway started gets 503 ``database_unavailable``.
@@ -29,6 +36,10 @@ from serving.gateway.accounts.database import is_unreachable
 from serving.gateway.http.errors import SERVER_ERROR, OpenAIError
 
 _HAS_KEYS_TTL_S = 1.0
+KEY_CACHE_S = 1.0
+"""Seconds a key found active answers without a database query (a revocation made by
+another process applies within it)."""
+_KEY_CACHE_MAX = 65536
 
 
 def database_unavailable() -> OpenAIError:
@@ -72,6 +83,9 @@ class Authenticator:
         self._has_keys: tuple[float, bool | None] = (-1e9, None)
         # sha256 of a key -> its last look-up that found it ("ok" or "revoked"), for outages.
         self._known: dict[str, tuple[str, Principal | None]] = {}
+        # sha256 of a key found active -> (until, on the monotonic clock; the key store's
+        # generation when it was looked up; its principal)
+        self._recent: dict[str, tuple[float, int, Principal]] = {}
 
     async def _keys_configured(self) -> bool:
         t, value = self._has_keys
@@ -88,6 +102,13 @@ class Authenticator:
 
     async def _lookup(self, token: str) -> tuple[str, Principal | None]:
         digest = hash_key(token)
+        generation = self.key_store.generation
+        recent = self._recent.get(digest)
+        if recent is not None:
+            until, seen_at, principal = recent
+            if seen_at == generation and time.monotonic() < until:
+                return "ok", principal
+            del self._recent[digest]
         try:
             status, principal = await anyio.to_thread.run_sync(self.key_store.lookup, token)
         except Exception as e:
@@ -100,6 +121,11 @@ class Authenticator:
             self._known[digest] = (status, principal)
         else:
             self._known.pop(digest, None)
+        if status == "ok" and principal is not None:
+            if len(self._recent) >= _KEY_CACHE_MAX:
+                now = time.monotonic()
+                self._recent = {d: r for d, r in self._recent.items() if r[0] > now}
+            self._recent[digest] = (time.monotonic() + KEY_CACHE_S, generation, principal)
         return status, principal
 
     async def authenticate(self, authorization: str | None) -> Principal:
