@@ -50,7 +50,10 @@ FORM_OVERHEAD_BYTES = 64 * 1024
 """Room for the multipart framing and the ``purpose`` field on top of ``max_file_bytes``."""
 MAX_LIST_LIMIT = 10_000
 QUOTA_REFUSAL_S = 1.0
-"""Seconds a tenant's upload refused for its quota (429) answers its next ones without a query."""
+"""Seconds a tenant's upload refused for its quota (429) answers its next ones without a query
+(held to the second's end: see ``_answer_remembered_refusal``)."""
+MAX_HELD_UPLOADS = 16
+"""A tenant's uploads held to the end of a refusal at once; past it they are answered at once."""
 EXPIRES_AFTER_RANGE_S = (3600, 2_592_000)
 """OpenAI's bounds on ``expires_after.seconds`` (one hour to 30 days)."""
 
@@ -140,6 +143,8 @@ class FileStore:
         # tenant -> (until, on the monotonic clock; the smallest size refused; the 429's fields):
         # check_quota's recent refusals (see there)
         self._refused: dict[str, tuple[float, int, dict]] = {}
+        self.held_uploads: dict[str, int] = {}
+        """tenant -> its uploads held to the end of a refusal now (the upload route's)"""
 
     def create(self, tenant: str, purpose: str, filename: str, content: bytes,
                conn: sa.Connection | None = None, expires_after_s: float | None = None,
@@ -195,12 +200,7 @@ class FileStore:
         """
         if self.quotas is None:
             return
-        refused = self._refused.get(tenant)
-        if refused is not None:
-            until, size, byte_quota, fields = refused
-            # at least as large as the refused upload, and not alone over the byte quota (a 413)
-            if time.monotonic() < until and size <= at_least and (byte_quota is None or at_least <= byte_quota):
-                raise OpenAIError(**fields)
+        self.check_remembered_refusal(tenant, at_least)
         quotas = self.quotas(tenant)
         try:
             with self.engine.connect() as conn:
@@ -216,6 +216,30 @@ class FileStore:
                     headers=retry))
                 e.headers.update(retry)
             raise
+
+    def remembered_refusal(self, tenant: str, at_least: int) -> tuple[float, OpenAIError] | None:
+        """The 429 of `tenant`'s upload refused within ``QUOTA_REFUSAL_S`` if this one (of at
+        least `at_least` bytes) is at least as large, with the seconds left until that refusal
+        runs out; else None. No database query: callable on the event loop."""
+        refused = self._refused.get(tenant)
+        if refused is None:
+            return None
+        until, size, byte_quota, fields = refused
+        left = until - time.monotonic()
+        # at least as large as the refused upload, and not alone over the byte quota (a 413)
+        if left > 0 and size <= at_least and (byte_quota is None or at_least <= byte_quota):
+            return left, OpenAIError(**fields)
+        return None
+
+    def check_remembered_refusal(self, tenant: str, at_least: int) -> None:
+        """Raises :meth:`remembered_refusal`'s 429, if there is one.
+
+        Raises:
+          OpenAIError: 429 ``quota_exceeded`` (the remembered refusal, with its ``Retry-After``).
+        """
+        refusal = self.remembered_refusal(tenant, at_least)
+        if refusal is not None:
+            raise refusal[1]
 
     def get(self, file_id: str, tenant: str) -> dict | None:
         """The row of `tenant`'s file `file_id` (without the content), or None (also once expired)."""
@@ -280,6 +304,35 @@ def _require_multipart(content_type: str | None) -> None:
                           code="unsupported_media_type")
 
 
+async def _answer_remembered_refusal(files: FileStore, tenant: str, at_least: int) -> None:
+    """A tenant's upload sent while its last refusal (429, ``Retry-After``) still holds, on the
+    event loop: no worker thread, no query; answered with that 429 once the refusal runs out
+    (at most ``QUOTA_REFUSAL_S``), unless more than ``MAX_HELD_UPLOADS`` of the tenant's are
+    held already (then at once). A client that honours Retry-After is never held; one that
+    sends again at once (an attacker's loop) gets about one answer a second a connection,
+    instead of hundreds of 429s whose bodies the server reads to their end after each (the
+    client sends all of it before it reads the answer; closing the connection instead makes
+    its client see a reset, not the 429).
+
+    Raises:
+      OpenAIError: the remembered 429 ``quota_exceeded``.
+    """
+    refusal = files.remembered_refusal(tenant, at_least)
+    if refusal is None:
+        return
+    left, error = refusal
+    held = files.held_uploads
+    if held.get(tenant, 0) < MAX_HELD_UPLOADS:
+        held[tenant] = held.get(tenant, 0) + 1
+        try:
+            await anyio.sleep(left)
+        finally:
+            held[tenant] -= 1
+            if not held[tenant]:
+                del held[tenant]
+    raise error
+
+
 def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal: Callable,
                         max_file_bytes: int | None) -> None:
     """Adds the ``/v1/files`` routes to `app`.
@@ -301,7 +354,9 @@ def install_file_routes(app: FastAPI, store: Callable[[], FileStore], principal:
         _require_multipart(request.headers.get("content-type"))
         length = request.headers.get("content-length", "")
         if length.isdigit():  # over a quota already: answered before the body is read
-            await run(files.check_quota, caller.tenant, max(int(length) - FORM_OVERHEAD_BYTES, 0))
+            at_least = max(int(length) - FORM_OVERHEAD_BYTES, 0)
+            await _answer_remembered_refusal(files, caller.tenant, at_least)
+            await run(files.check_quota, caller.tenant, at_least)
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, upload = form.get("purpose"), form.get("file")
             if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:

@@ -234,3 +234,41 @@ def test_a_refused_tenant_costs_the_database_one_query_a_second(tmp_path, monkey
     monkeypatch.setattr(files_module, "QUOTA_REFUSAL_S", 0.0)
     assert refused(500) == 1  # a refusal kept for no time: asked each time
     assert refused(500) == 1
+
+
+async def test_uploads_sent_within_a_refusals_retry_after_wait_it_out_without_a_worker_thread(tmp_path, monkeypatch):
+    """A tenant refused for its quota that sends more uploads before the refusal's Retry-After
+    (the hostile tenant: ~100 refused 1 MB uploads a second, each read to its end after its
+    429) has them answered from the remembered refusal on the event loop, no worker thread,
+    once that second is over: its uploads come at most about once a second a connection. A
+    tenant that waits its Retry-After, and another tenant, are not held."""
+    import time
+
+    from serving.gateway.batch import files as files_module
+
+    monkeypatch.setattr(files_module, "QUOTA_REFUSAL_S", 0.4)
+    checks = []
+    check_quota = files_module.FileStore.check_quota
+    monkeypatch.setattr(files_module.FileStore, "check_quota",
+                        lambda self, tenant, at_least: (checks.append(tenant), check_quota(self, tenant, at_least)))
+    async with gateway(tmp_path) as (app, services):
+        keys = services.authenticator.key_store
+        bomber, _ = keys.create_key("bomber")
+        other, _ = keys.create_key("other")
+        keys.set_tenant("bomber", quotas=Quotas(files=1))
+        async with _http(app, bomber) as b, _http(app, other) as o:
+            assert (await _upload(b, 10)).status_code == 200
+            first = await _upload(b, 10)
+            assert first.status_code == 429 and first.headers["Retry-After"] == "1"
+            assert checks == ["bomber", "bomber"]
+            t0 = time.monotonic()
+            again = await _upload(b, 10)
+            held = time.monotonic() - t0
+            assert again.status_code == 429 and again.json()["error"]["code"] == "quota_exceeded"
+            assert again.json()["error"]["param"] == "files" and again.headers["Retry-After"] == "1"
+            assert checks == ["bomber", "bomber"]  # answered on the loop, from the refusal
+            assert held >= 0.2  # held to the end of the refusal's second (0.4 s here), less the first's time
+            assert (await _upload(o, 10)).status_code == 200  # another tenant: asked, not held
+            assert checks == ["bomber", "bomber", "other"]
+            late = await _upload(b, 10)  # past the refusal: asked again (and still over)
+            assert late.status_code == 429 and checks == ["bomber", "bomber", "other", "bomber"]
