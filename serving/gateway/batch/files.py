@@ -7,8 +7,9 @@ Routes (all scoped to the caller's tenant: another tenant's file is a 404):
   ``expires_after[seconds]`` (3600..2592000, OpenAI's); answers the file object. The body is
   held to the server's ``max_file_bytes`` (413 in OpenAI's shape, counted while the upload
   streams in, never after reading it all), not to ``max_request_bytes``, and to the tenant's
-  storage quotas (``storage_quotas.py``: 413/429 naming the quota); a database whose
-  storage is full answers 507 ``storage_full``.
+  storage quotas (``storage_quotas.py``: 413/429 naming the quota; a tenant's uploads sent
+  within a second of its last 429 are answered from it, at that second's end); a database
+  whose storage is full answers 507 ``storage_full``.
 * ``GET /v1/files`` (``purpose``, ``limit`` 1..10000, ``after``, ``order``
   asc|desc by creation), ``GET /v1/files/{file_id}``,
   ``GET /v1/files/{file_id}/content`` (the bytes as uploaded or written),
