@@ -27,7 +27,8 @@ few cores its own CPU (building the bomb bodies and the uploads) would otherwise
 gateway's, which a remote attacker's does not.
 
 Reported: the victim's TTFT p50/p99 alone and under attack and their ratio, the attacker's
-answers by status, and the metering check: the victim's ledger rows equal its requests (one
+answers by status, the machine's one-minute load average at each phase's start and end (the
+benchmark's own processes count in it: compare runs by it, not against zero), and the metering check: the victim's ledger rows equal its requests (one
 row per response id, none missing or doubled, completion tokens as its clients were told).
 
     python -m benchmarks.hostile_tenant [--seconds 30] [--streams 8] [--idle 1000]
@@ -266,7 +267,9 @@ async def _attack_main(args) -> None:
 
 async def _run(args, url: str, victim_key: str, attacker_key: str) -> dict:
     warm = await _victim(url, victim_key, args.streams, 3)  # warm: connections, first requests
+    load = {"alone_start": os.getloadavg()[0]}
     alone = await _victim(url, victim_key, args.streams, args.seconds)
+    load["alone_end"] = os.getloadavg()[0]
     # The attacker in a process of its own, so that its work is not the victim's client's, at
     # nice 10: on a machine of few cores, its client's own CPU (building 2.4 MB bomb bodies and
     # 1 MB uploads) would otherwise be taken from the gateway, which a remote attacker's is not.
@@ -276,10 +279,12 @@ async def _run(args, url: str, victim_key: str, attacker_key: str) -> dict:
         "--idle", str(args.idle), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         preexec_fn=lambda: os.nice(args.attacker_nice))
     await asyncio.sleep(5)  # the attack under way (idle connections open, decodes running)
+    load["attacked_start"] = os.getloadavg()[0]
     attacked = await _victim(url, victim_key, args.streams, args.seconds)
+    load["attacked_end"] = os.getloadavg()[0]
     out, _ = await attacker.communicate(b"")
     answers = json.loads(out.decode().strip().splitlines()[-1])
-    return dict(warm=warm, alone=alone, attacked=attacked, answers=answers)
+    return dict(warm=warm, alone=alone, attacked=attacked, answers=answers, load=load)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         attacked=dict(requests=len(attacked.ttfts), ttft_p50_ms=ms(statistics.median(attacked.ttfts)),
                       ttft_p99_ms=ms(_p(attacked.ttfts, 0.99)), failures=len(attacked.failures)),
         attacker=dict(sorted(out["answers"].items())), cores=os.cpu_count(),
+        load_average_1min={k: round(v, 2) for k, v in out["load"].items()},
         victim_ledger_rows=len(rows), victim_requests_told=len(told),
         missing=sum(1 for rid in told if rid not in by_id), extra=sum(1 for rid in by_id if rid not in told),
         doubled=len(rows) - len({r["request_id"] for r in rows}),
