@@ -28,8 +28,9 @@ gateway's, which a remote attacker's does not.
 
 Reported: the victim's TTFT p50/p99 alone and under attack and their ratio, the attacker's
 answers by status, the machine's one-minute load average at each phase's start and end (the
-benchmark's own processes count in it: compare runs by it, not against zero), and the metering check: the victim's ledger rows equal its requests (one
-row per response id, none missing or doubled, completion tokens as its clients were told).
+benchmark's own processes count in it: compare runs by it, not against zero), and the
+metering check: the victim's ledger rows equal its requests (one row per response id, none
+missing or doubled, completion tokens as its clients were told).
 
     python -m benchmarks.hostile_tenant [--seconds 30] [--streams 8] [--idle 1000]
 """
