@@ -27,7 +27,8 @@ few cores its own CPU (building the bomb bodies and the uploads) would otherwise
 gateway's, which a remote attacker's does not.
 
 Reported: the victim's TTFT p50/p99 alone and under attack and their ratio, the attacker's
-answers by status, the machine's one-minute load average at each phase's start and end (the
+answers by status, the gateway process's CPU seconds in each phase (all its threads), the
+machine's one-minute load average at each phase's start and end (the
 benchmark's own processes count in it: compare runs by it, not against zero), and the
 metering check: the victim's ledger rows equal its requests (one row per response id, none
 missing or doubled, completion tokens as its clients were told).
@@ -248,6 +249,15 @@ def _closed(s: socket.socket) -> bool:
         return True
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` has used (Linux's /proc), or None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _p(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -266,11 +276,13 @@ async def _attack_main(args) -> None:
     print(json.dumps(dict(answers)), flush=True)
 
 
-async def _run(args, url: str, victim_key: str, attacker_key: str) -> dict:
+async def _run(args, url: str, victim_key: str, attacker_key: str, gateway_pid: int) -> dict:
     warm = await _victim(url, victim_key, args.streams, 3)  # warm: connections, first requests
     load = {"alone_start": os.getloadavg()[0]}
+    cpu = [_cpu_seconds(gateway_pid)]
     alone = await _victim(url, victim_key, args.streams, args.seconds)
     load["alone_end"] = os.getloadavg()[0]
+    cpu.append(_cpu_seconds(gateway_pid))
     # The attacker in a process of its own, so that its work is not the victim's client's, at
     # nice 10: on a machine of few cores, its client's own CPU (building 2.4 MB bomb bodies and
     # 1 MB uploads) would otherwise be taken from the gateway, which a remote attacker's is not.
@@ -281,11 +293,14 @@ async def _run(args, url: str, victim_key: str, attacker_key: str) -> dict:
         preexec_fn=lambda: os.nice(args.attacker_nice))
     await asyncio.sleep(5)  # the attack under way (idle connections open, decodes running)
     load["attacked_start"] = os.getloadavg()[0]
+    cpu.append(_cpu_seconds(gateway_pid))
     attacked = await _victim(url, victim_key, args.streams, args.seconds)
     load["attacked_end"] = os.getloadavg()[0]
+    cpu.append(_cpu_seconds(gateway_pid))
     out, _ = await attacker.communicate(b"")
     answers = json.loads(out.decode().strip().splitlines()[-1])
-    return dict(warm=warm, alone=alone, attacked=attacked, answers=answers, load=load)
+    gateway_cpu = None if None in cpu else dict(alone=round(cpu[1] - cpu[0], 1), attacked=round(cpu[3] - cpu[2], 1))
+    return dict(warm=warm, alone=alone, attacked=attacked, answers=answers, load=load, gateway_cpu=gateway_cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the gateway did not start: {(work / 'gateway.log').read_text()[-2000:]}")
             time.sleep(0.5)
-        out = asyncio.run(_run(args, url, victim_key, attacker_key))
+        out = asyncio.run(_run(args, url, victim_key, attacker_key, proc.pid))
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
@@ -363,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                       ttft_p99_ms=ms(_p(attacked.ttfts, 0.99)), failures=len(attacked.failures)),
         attacker=dict(sorted(out["answers"].items())), cores=os.cpu_count(),
         load_average_1min={k: round(v, 2) for k, v in out["load"].items()},
+        gateway_cpu_seconds=out["gateway_cpu"],
         victim_ledger_rows=len(rows), victim_requests_told=len(told),
         missing=sum(1 for rid in told if rid not in by_id), extra=sum(1 for rid in by_id if rid not in told),
         doubled=len(rows) - len({r["request_id"] for r in rows}),
