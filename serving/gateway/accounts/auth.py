@@ -16,8 +16,8 @@ Database look-ups run in a worker thread, never on the event loop. A key found
 active is remembered for ``KEY_CACHE_S`` (one second): its requests in that second
 skip the query (a tenant sending hundreds of requests a second, refused or not,
 would otherwise cost a query and a worker thread each). A key revoked or a tenant's
-limits changed through this process's :class:`KeyStore` (the console, a batch
-runner) apply at once; through another process (``xlaserve keys revoke``, another
+limits changed through this process's :class:`KeyStore` (the console) apply at
+once; through another process (``xlaserve keys revoke``, another
 gateway) within ``KEY_CACHE_S``. Revoked and unknown keys are never remembered: a
 key created anywhere works at once. While the
 database is unreachable, a key answers as it did at its last successful look-up
@@ -125,7 +125,8 @@ class Authenticator:
             if len(self._recent) >= _KEY_CACHE_MAX:
                 now = time.monotonic()
                 self._recent = {d: r for d, r in self._recent.items() if r[0] > now}
-            self._recent[digest] = (time.monotonic() + KEY_CACHE_S, generation, principal)
+            if len(self._recent) < _KEY_CACHE_MAX:  # else: more active keys in a second than it holds
+                self._recent[digest] = (time.monotonic() + KEY_CACHE_S, generation, principal)
         return status, principal
 
     async def authenticate(self, authorization: str | None) -> Principal:
