@@ -49,7 +49,7 @@ enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3 };
 // How far ahead of its loads a thread prefetches the weights it streams through ([N, K]: bytes;
 // 1024 and 4096 measured, 4096 best).
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kPrefetchRows = 64;  // avx2 [K, N]: rows ahead (1, 16, 64 measured; 64 best)
+constexpr int64_t kPrefetchRows = 64;  // [K, N] strip walks: rows ahead (1, 16, 64 measured; 64 best)
 
 struct Problem {
   const int8_t* x;
@@ -61,6 +61,7 @@ struct Problem {
   const uint8_t* xa;  // avx512: x ^ 0x80; avx2: |x|
   const int8_t* xs;   // avx2: x (its signs); avx512 with w [K, N]: x
   const int32_t* xsum;  // avx512 with w [K, N]: sum_k x[m, k] for each row
+  bool kn_strips;       // avx512 with w [K, N]: the strip walk (Avx512KnBlock), a baseline
   int64_t kp;
 };
 
@@ -135,10 +136,13 @@ AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
 // one column's 4 consecutive k: vector i, lane e <-> column n0 + 16 * (e / 4) + 4 * i + e % 4.
 // Rows past K read as zeros.
 AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t n0, __mmask64 mask,
-                                           __m512i g[4]) {
+                                           __m512i g[4], bool prefetch = false) {
   __m512i r[4];
-  XS_UNROLL for (int j = 0; j < 4; ++j)
+  XS_UNROLL for (int j = 0; j < 4; ++j) {
+    if (prefetch && k + j + kPrefetchRows < p.k)  // the strip walk's (Avx512KnBlock)
+      _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + j + kPrefetchRows) * p.n + n0), _MM_HINT_T0);
     r[j] = (k + j < p.k) ? _mm512_maskz_loadu_epi8(mask, p.w + (k + j) * p.n + n0) : _mm512_setzero_si512();
+  }
   const __m512i ab_lo = _mm512_unpacklo_epi8(r[0], r[1]), ab_hi = _mm512_unpackhi_epi8(r[0], r[1]);
   const __m512i cd_lo = _mm512_unpacklo_epi8(r[2], r[3]), cd_hi = _mm512_unpackhi_epi8(r[2], r[3]);
   g[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);
@@ -205,6 +209,45 @@ AVX512_TARGET void Avx512KnSweep(const Problem& p, const int32_t* xsum, int64_t 
           if (c < cols) o[c] = a[16 * i + e] - bias;
         }
     }
+  }
+}
+
+// The strip walk this file had before Avx512KnSweep (one 64-column strip down all of K, x as the
+// unsigned operand, the weights' sums beside): the baseline of benchmarks.cpu_kernels'
+// "kernel-strips" ($XLASERVE_CPU_KERNELS_KN=strips).
+template <int MB>
+AVX512_TARGET void Avx512KnBlock(const Problem& p, int64_t m0, int64_t n0) {
+  const int64_t cols = std::min<int64_t>(64, p.n - n0);
+  const __mmask64 mask = cols >= 64 ? ~__mmask64(0) : ((__mmask64(1) << cols) - 1);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[MB][4], wsum[4];
+  XS_UNROLL for (int i = 0; i < 4; ++i) {
+    wsum[i] = _mm512_setzero_si512();
+    XS_UNROLL for (int r = 0; r < MB; ++r) acc[r][i] = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < p.k; k += 4) {
+    __m512i g[4];
+    Avx512Interleave(p, k, n0, mask, g, /*prefetch=*/true);
+    XS_UNROLL for (int i = 0; i < 4; ++i) wsum[i] = _mm512_dpbusd_epi32(wsum[i], ones, g[i]);
+    XS_UNROLL for (int r = 0; r < MB; ++r) {
+      int32_t x4;
+      std::memcpy(&x4, p.xa + (m0 + r) * p.kp + k, 4);
+      const __m512i xb = _mm512_set1_epi32(x4);
+      XS_UNROLL for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xb, g[i]);
+    }
+  }
+  alignas(64) int32_t lanes[4][16];
+  XS_UNROLL for (int r = 0; r < MB; ++r) {
+    XS_UNROLL for (int i = 0; i < 4; ++i) {
+      const __m512i bias = _mm512_slli_epi32(wsum[i], 7);  // 128 * sum_k w
+      _mm512_store_si512(lanes[i], _mm512_sub_epi32(acc[r][i], bias));
+    }
+    int32_t* o = p.out + (m0 + r) * p.n + n0;
+    XS_UNROLL for (int i = 0; i < 4; ++i)
+      XS_UNROLL for (int e = 0; e < 16; ++e) {
+        const int64_t c = 16 * (e / 4) + 4 * i + e % 4;
+        if (c < cols) o[c] = lanes[i][e];
+      }
   }
 }
 
@@ -311,6 +354,8 @@ struct A512Nk4 { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx5
 template <int MB>
 struct A512Nk1 { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx512NkBlock<MB, 1>(p, m0, n); } };
 template <int MB>
+struct A512Kn { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx512KnBlock<MB>(p, m0, n); } };
+template <int MB>
 struct A2Nk { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx2NkBlock<MB>(p, m0, n); } };
 template <int MB>
 struct A2Kn { static void Run(const Problem& p, int64_t m0, int64_t n) { Avx2KnBlock<MB>(p, m0, n); } };
@@ -331,8 +376,10 @@ void AllRows(const Problem& p, int64_t col) {
 void Columns(const Problem& p, Isa isa, int64_t n0, int64_t n1) {
   if (isa == kScalar) return ScalarColumns(p, n0, n1);
   if (p.w_kn) {
-    if (isa == kAvx512) return Avx512KnSweep(p, p.xsum, n0, n1);
-    for (int64_t n = n0; n < n1; n += 32) AllRows<A2Kn>(p, n);
+    if (isa == kAvx512 && !p.kn_strips) return Avx512KnSweep(p, p.xsum, n0, n1);
+    for (int64_t n = n0; n < n1; n += isa == kAvx512 ? 64 : 32) {
+      if (isa == kAvx512) AllRows<A512Kn>(p, n); else AllRows<A2Kn>(p, n);
+    }
   } else {
     int64_t n = n0;
     if (isa == kAvx512)
@@ -414,7 +461,8 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
   std::vector<uint8_t> xa;
   std::vector<int8_t> xs;
   std::vector<int32_t> xsum;
-  const bool kn512 = isa == kAvx512 && p.w_kn;  // Avx512KnSweep: x as is, and its row sums
+  if (const char* kn = std::getenv("XLASERVE_CPU_KERNELS_KN")) p.kn_strips = std::strcmp(kn, "strips") == 0;
+  const bool kn512 = isa == kAvx512 && p.w_kn && !p.kn_strips;  // Avx512KnSweep: x as is, and its row sums
   if (isa != kScalar) {
     xa.assign(p.m * p.kp, 0);
     if (isa == kAvx2 || kn512) xs.assign(p.m * p.kp, 0);

@@ -99,6 +99,16 @@ def test_thread_splits_give_the_same_bits(monkeypatch, threads, parallel_macs):
                                       np.asarray(reference_int8_matmul(x, w, contract)))
 
 
+def test_the_strip_walk_baseline_is_exact(monkeypatch):
+    """$XLASERVE_CPU_KERNELS_KN=strips (the benchmarks' baseline of the [K, N] row sweep) gives
+    the same bits."""
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS_KN", "strips")
+    rng = np.random.default_rng(5)
+    for m, k, n in [(2, 640, 2048), (3, 70, 200)]:
+        x, w = _ints(rng, (m, k)), _weight(rng, k, n, 0)
+        np.testing.assert_array_equal(np.asarray(int8_matmul(x, w, 0)), np.asarray(reference_int8_matmul(x, w, 0)))
+
+
 def test_inside_a_jitted_function_with_other_ops():
     """Quantize, multiply, scale, add: the kernel's function and the reference's agree bitwise."""
     rng = np.random.default_rng(4)
