@@ -160,40 +160,46 @@ AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t 
 // 1/3 of the [N, K] path's speed (benchmarks/RESULTS.md, 2026-12-07).
 constexpr int64_t kKnSweepRows = 32;  // rows of w a block (4 .. 64 measured)
 
+// Rows [m0, m0 + MB) of x (MB <= 4: 4 * MB sums in registers) over w's rows [kb, ke) in the strip
+// of 64 columns from c0; `a` holds the rows' sums of that strip, [MB][4 vectors of 16 lanes].
+template <int MB>
+AVX512_TARGET void Avx512KnSweepBlock(const Problem& p, int64_t m0, int64_t kb, int64_t ke, int64_t c0,
+                                      __mmask64 mask, int32_t* a) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512i r[MB][4];
+  XS_UNROLL for (int m = 0; m < MB; ++m)
+    XS_UNROLL for (int i = 0; i < 4; ++i) r[m][i] = _mm512_loadu_si512(a + 64 * m + 16 * i);
+  for (int64_t k = kb; k < ke; k += 4) {
+    __m512i g[4];
+    Avx512Interleave(p, k, c0, mask, g);
+    XS_UNROLL for (int i = 0; i < 4; ++i) g[i] = _mm512_xor_si512(g[i], flip);
+    XS_UNROLL for (int m = 0; m < MB; ++m) {
+      int32_t x4;
+      std::memcpy(&x4, p.xs + (m0 + m) * p.kp + k, 4);
+      const __m512i xb = _mm512_set1_epi32(x4);
+      XS_UNROLL for (int i = 0; i < 4; ++i) r[m][i] = _mm512_dpbusd_epi32(r[m][i], g[i], xb);
+    }
+  }
+  XS_UNROLL for (int m = 0; m < MB; ++m)
+    XS_UNROLL for (int i = 0; i < 4; ++i) _mm512_storeu_si512(a + 64 * m + 16 * i, r[m][i]);
+}
+
 AVX512_TARGET void Avx512KnSweep(const Problem& p, const int32_t* xsum, int64_t n0, int64_t n1) {
   const int64_t strips = (n1 - n0 + 63) / 64;
   std::vector<int32_t> acc(strips * p.m * 64, 0);  // [strip][row of x][4 vectors of 16 lanes]
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
   for (int64_t kb = 0; kb < p.k; kb += kKnSweepRows) {
     const int64_t ke = std::min(p.k, kb + kKnSweepRows);
     for (int64_t s = 0; s < strips; ++s) {
       const int64_t c0 = n0 + 64 * s, cols = std::min<int64_t>(64, n1 - c0);
       const __mmask64 mask = cols >= 64 ? ~__mmask64(0) : ((__mmask64(1) << cols) - 1);
-      for (int64_t m0 = 0; m0 < p.m; m0 += 2) {  // two rows of x at a time: 8 sums in registers
-        const int64_t mb = std::min<int64_t>(2, p.m - m0);
-        int32_t* a = acc.data() + (s * p.m + m0) * 64;
-        __m512i r0[4], r1[4];
-        XS_UNROLL for (int i = 0; i < 4; ++i) {
-          r0[i] = _mm512_loadu_si512(a + 16 * i);
-          r1[i] = mb > 1 ? _mm512_loadu_si512(a + 64 + 16 * i) : _mm512_setzero_si512();
-        }
-        for (int64_t k = kb; k < ke; k += 4) {
-          __m512i g[4];
-          Avx512Interleave(p, k, c0, mask, g);
-          int32_t x0, x1 = 0;
-          std::memcpy(&x0, p.xs + m0 * p.kp + k, 4);
-          if (mb > 1) std::memcpy(&x1, p.xs + (m0 + 1) * p.kp + k, 4);
-          const __m512i xb0 = _mm512_set1_epi32(x0), xb1 = _mm512_set1_epi32(x1);
-          XS_UNROLL for (int i = 0; i < 4; ++i) {
-            const __m512i u = _mm512_xor_si512(g[i], flip);
-            r0[i] = _mm512_dpbusd_epi32(r0[i], u, xb0);
-            r1[i] = _mm512_dpbusd_epi32(r1[i], u, xb1);
-          }
-        }
-        XS_UNROLL for (int i = 0; i < 4; ++i) {
-          _mm512_storeu_si512(a + 16 * i, r0[i]);
-          if (mb > 1) _mm512_storeu_si512(a + 64 + 16 * i, r1[i]);
-        }
+      int32_t* a = acc.data() + s * p.m * 64;
+      int64_t m0 = 0;
+      for (; m0 + 4 <= p.m; m0 += 4) Avx512KnSweepBlock<4>(p, m0, kb, ke, c0, mask, a + m0 * 64);
+      switch (p.m - m0) {
+        case 3: Avx512KnSweepBlock<3>(p, m0, kb, ke, c0, mask, a + m0 * 64); break;
+        case 2: Avx512KnSweepBlock<2>(p, m0, kb, ke, c0, mask, a + m0 * 64); break;
+        case 1: Avx512KnSweepBlock<1>(p, m0, kb, ke, c0, mask, a + m0 * 64); break;
+        default: break;
       }
     }
   }
