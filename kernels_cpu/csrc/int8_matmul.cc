@@ -156,9 +156,10 @@ AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t 
 // x, strip) kept in `acc` between row blocks. Here the weight is vpdpbusd's unsigned operand
 // (w ^ 0x80 = w + 128) and x its signed one, so the correction is 128 * sum_k x[m, k], one
 // number a row (`xsum`). Walking one 64-column strip down all of K instead (a stride of N bytes
-// between loads, 2 KB for Gemma's [640, 2048]: the L1 sets alias) read the layers' matrices at
-// 1/3 of the [N, K] path's speed (benchmarks/RESULTS.md, 2026-12-07).
-constexpr int64_t kKnSweepRows = 32;  // rows of w a block (4 .. 64 measured)
+// between loads, 2 KB for Gemma's [640, 2048], so most likely every row of a strip in the same
+// L1 sets) read the layers' matrices at 1/3 of the [N, K] path's speed (benchmarks/RESULTS.md,
+// 2026-12-07). Sums stay exact: |sum_k (w + 128) x| <= 255 * 128 * K < 2^31 for K <= 65536.
+constexpr int64_t kKnSweepRows = 32;  // rows of w a block (8, 16, 32, 64 measured; 32 best)
 
 // Rows [m0, m0 + MB) of x (MB <= 4: 4 * MB sums in registers) over w's rows [kb, ke) in the strip
 // of 64 columns from c0; `a` holds the rows' sums of that strip, [MB][4 vectors of 16 lanes].
