@@ -14,7 +14,9 @@ Variants, each a whole ``Compute.dot`` as the model calls it: "bf16" (bfloat16 w
 CPU policy's one-row-as-two), "xla" (per-channel int8 weights, the "int8x2" dot as served
 today: XLA's int8 dot), "kernel" (the same dot with its integer product in our kernel,
 ``kernels_cpu.Int8Matmul``: the same bits), "kernel-1t" (the kernel on the calling thread
-only) and "kernel-avx2" (the AVX2 path, forced). The table gives the median ms per call, the
+only), "kernel-avx2" (the AVX2 path, forced) and "kernel-strips" (the AVX-512 path's [K, N]
+weights walked one 64-column strip down all of K, as before 2026-12-07: the baseline of its row
+sweep; ``$XLASERVE_CPU_KERNELS_KN=strips``). The table gives the median ms per call, the
 kernel's speed-up over "xla", and the weight bytes each int8 variant reads per second (int8
 values and scales / time).
 
@@ -55,7 +57,7 @@ from benchmarks.roofline import median_time
 from model.compute import Compute
 from serving.engine.backend_policy import CPU_INVARIANT_DOT_ROWS
 
-VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "bf16-kernel", "bf16-kernel-avx2",
+VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "kernel-strips", "bf16-kernel", "bf16-kernel-avx2",
             "bf16-served", "bf16-kernel-avx512", "bf16-kernel-amx")
 BF16_VARIANTS = ("bf16", "bf16-kernel", "bf16-kernel-avx2", "bf16-served", "bf16-kernel-avx512", "bf16-kernel-amx")
 WORKLOADS = ("head", "layer", "layers")
@@ -92,6 +94,7 @@ def _compute(variant: str) -> Compute:
     if variant == "bf16-served":
         return Compute(pad_single_row=True, dot_rows=CPU_INVARIANT_DOT_ROWS)
     matmul = {"kernel": kernels_cpu.Int8Matmul(), "kernel-1t": kernels_cpu.Int8Matmul(),
+              "kernel-strips": kernels_cpu.Int8Matmul(),
               "kernel-avx2": kernels_cpu.Int8Matmul(isa="avx2")}.get(variant)
     return Compute(pad_single_row=True, quantized_dot="int8x2", int8_matmul=matmul)
 
@@ -134,19 +137,24 @@ def _weights(rng, workloads):
     return out
 
 
+VARIANT_ENV = {"kernel-1t": ("XLASERVE_CPU_KERNELS_THREADS", "1"), "kernel-strips": ("XLASERVE_CPU_KERNELS_KN", "strips")}
+"""The kernel's environment setting each variant runs under (read by the kernel at each call)."""
+
+
 def _time(fn, x, w, variant: str, iters: int) -> float:
-    env = os.environ.get("XLASERVE_CPU_KERNELS_THREADS")
-    if variant == "kernel-1t":
-        os.environ["XLASERVE_CPU_KERNELS_THREADS"] = "1"
+    name, value = VARIANT_ENV.get(variant, (None, None))
+    env = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = value
     try:
         jax.block_until_ready(fn(x, w))  # compile
         return median_time(lambda: fn(x, w), iters)
     finally:
-        if variant == "kernel-1t":
+        if name:
             if env is None:
-                os.environ.pop("XLASERVE_CPU_KERNELS_THREADS")
+                os.environ.pop(name)
             else:
-                os.environ["XLASERVE_CPU_KERNELS_THREADS"] = env
+                os.environ[name] = env
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,7 @@ context, each with a roofline line against limits measured in the same run.
     python -m benchmarks.engine --shape gemma3-270m --dtype bfloat16   # random weights, no GGUF
     python -m benchmarks.engine --quantization none int8         # bf16 against int8 weights, interleaved
     python -m benchmarks.engine --quantization int8 --cpu-kernels off on   # XLA's int8 dot against ours
+    python -m benchmarks.engine --quantization int8 --cpu-kernels auto auto-strips   # the kernel's [K, N] row sweep against its strip walk
     python -m benchmarks.engine --baselines llama.cpp transformers --streams 1 8 32
     xlaserve bench engine ...                                    # the same
 
@@ -37,9 +38,11 @@ from the source tree on a lent GPU (``benchmarks/device.sh``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -124,7 +127,8 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
     from serving.engine.engine import Engine
 
     sliced = cpu_kernels == "auto-sliced"  # the layers' int8 matrices sliced out of their stacks first
-    policy = BackendPolicy.detect(cpu_kernels="auto" if sliced else cpu_kernels)
+    # (auto-strips: auto's program, its timed runs under kernel_env)
+    policy = BackendPolicy.detect(cpu_kernels="auto" if cpu_kernels in ("auto-sliced", "auto-strips") else cpu_kernels)
     if sliced and policy.int8_matmul is not None:
         policy = dataclasses.replace(policy, int8_matmul=dataclasses.replace(policy.int8_matmul, reads_stacked=False))
     if whole_table_attention:
@@ -135,6 +139,29 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
         max_slots=max_slots, page_size=page_size, num_pages=max_slots * per_seq + 1,
         max_model_len=max(max_len, prefill_chunk), prefill_chunk=prefill_chunk,
         min_decode_batch=1, kv_dtype=dtype), policy=policy)
+
+
+KERNEL_ENV = {"auto-strips": ("XLASERVE_CPU_KERNELS_KN", "strips")}
+"""``--cpu-kernels`` settings that are "auto" with a kernel environment setting, read by the
+kernel at each call: "auto-strips", the int8 kernel's [K, N] layer matrices walked one 64-column
+strip down all of K (its path before 2026-12-07, the baseline of the row sweep)."""
+
+
+@contextlib.contextmanager
+def kernel_env(label: str):
+    """The environment of the engine labelled ``label`` (".../kernels-<setting>") while it runs."""
+    setting = label.rpartition("/kernels-")[2]
+    name, value = KERNEL_ENV.get(setting, (None, None))
+    old = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if name and old is None:
+            os.environ.pop(name)
+        elif name:
+            os.environ[name] = old
 
 
 def decode_rows(engine, slots: int, context: int) -> list:
@@ -166,15 +193,17 @@ def time_decode_interleaved(engines: dict, slots: int, context: int, steps: int,
     alternated (A, B, A, B, ...) so a shared machine's load falls on every variant alike."""
     rows = {name: decode_rows(eng, slots, context) for name, eng in engines.items()}
     for name, eng in engines.items():
-        jax.block_until_ready(eng.decode(rows[name]))  # compile (or cache hit) and warm up
-        jax.block_until_ready(eng.decode(rows[name]))
+        with kernel_env(name):
+            jax.block_until_ready(eng.decode(rows[name]))  # compile (or cache hit) and warm up
+            jax.block_until_ready(eng.decode(rows[name]))
     times = {name: [] for name in engines}
     for _ in range(repeats):
         for name, eng in engines.items():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = eng.decode(rows[name])
-            jax.block_until_ready(out)
+            with kernel_env(name):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    out = eng.decode(rows[name])
+                jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / steps)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -209,7 +238,8 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
     print("\nprefill (one prompt per step, logits for its last token)")
     for T in args.prefill:
         for dt, eng in engines.items():
-            t = time_prefill(eng, T, args.repeats)
+            with kernel_env(dt):
+                t = time_prefill(eng, T, args.repeats)
             kv_dt, w_dt = variant_parts(dt.split("/")[0])
             cost = step_cost(cfg, w_dt, kv_dt, queries=[(0, T)], logits_rows=1)
             print(f"  bucket {T:5} {dt:13}: {t * 1e3:8.1f} ms, {T / t:8.0f} tokens/s | "
@@ -315,11 +345,14 @@ def main(argv=None) -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
                     help="weight quantizations, measured interleaved with the dtypes (int8: "
                          "model.quantization, the backend policy's dot)")
-    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "on", "off", "auto-sliced"],
+    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"],
+                    choices=["auto", "on", "off", "auto-sliced", "auto-strips"],
                     help="the server's --cpu-kernels settings, measured interleaved (int8 dots; "
                          "bf16 dots with on, or auto without batch invariance); auto-sliced: auto with "
                          "the layers' int8 matrices sliced out of their stacks before the kernel (the "
-                         "baseline before the kernel read them in place)")
+                         "baseline before the kernel read them in place); auto-strips: auto with the "
+                         "int8 kernel's [K, N] matrices walked in 64-column strips (the baseline of its "
+                         "row sweep, 2026-12-07)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")

@@ -22,6 +22,9 @@ the argument). Threads: the output columns are split over XLA's intra-op pool (a
 cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
 thread only); products under ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS`` multiply-adds (default
 2**25: a layer matrix of a few rows; the output head is split) run on the calling thread.
+A [K, N] weight (contract=0) on the avx512 path is read 32 rows at a time across all its
+columns; ``$XLASERVE_CPU_KERNELS_KN=strips`` restores the former walk of one 64-column strip
+down all of K (a benchmarks' baseline: 2-3x slower on Gemma's [640, 2048]; the same bits).
 """
 
 from __future__ import annotations

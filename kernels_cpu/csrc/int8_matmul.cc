@@ -49,7 +49,7 @@ enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3 };
 // How far ahead of its loads a thread prefetches the weights it streams through ([N, K]: bytes;
 // 1024 and 4096 measured, 4096 best).
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kPrefetchRows = 64;  // [K, N]: rows ahead (1, 16, 64 measured; 64 best)
+constexpr int64_t kPrefetchRows = 64;  // [K, N] strip walks: rows ahead (1, 16, 64 measured; 64 best)
 
 struct Problem {
   const int8_t* x;
@@ -59,7 +59,9 @@ struct Problem {
   bool w_kn;
   // Per-path copies of x, rows padded to kp bytes with zeros.
   const uint8_t* xa;  // avx512: x ^ 0x80; avx2: |x|
-  const int8_t* xs;   // avx2: x (its signs)
+  const int8_t* xs;   // avx2: x (its signs); avx512 with w [K, N]: x
+  const int32_t* xsum;  // avx512 with w [K, N]: sum_k x[m, k] for each row
+  bool kn_strips;       // avx512 with w [K, N]: the strip walk (Avx512KnBlock), a baseline
   int64_t kp;
 };
 
@@ -132,14 +134,14 @@ AVX512_TARGET void Avx512NkBlock(const Problem& p, int64_t m0, int64_t n) {
 
 // Four rows of w [K, N] (k .. k+3, 64 columns from n0) as 4 vectors whose 32-bit lanes hold
 // one column's 4 consecutive k: vector i, lane e <-> column n0 + 16 * (e / 4) + 4 * i + e % 4.
+// Rows past K read as zeros.
 AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t n0, __mmask64 mask,
-                                           __m512i g[4]) {
+                                           __m512i g[4], bool prefetch = false) {
   __m512i r[4];
   XS_UNROLL for (int j = 0; j < 4; ++j) {
-    if (k + j + kPrefetchRows < p.k)
+    if (prefetch && k + j + kPrefetchRows < p.k)  // the strip walk's (Avx512KnBlock)
       _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + j + kPrefetchRows) * p.n + n0), _MM_HINT_T0);
-    r[j] = (k + j < p.k) ? _mm512_maskz_loadu_epi8(mask, p.w + (k + j) * p.n + n0)
-                         : _mm512_setzero_si512();
+    r[j] = (k + j < p.k) ? _mm512_maskz_loadu_epi8(mask, p.w + (k + j) * p.n + n0) : _mm512_setzero_si512();
   }
   const __m512i ab_lo = _mm512_unpacklo_epi8(r[0], r[1]), ab_hi = _mm512_unpackhi_epi8(r[0], r[1]);
   const __m512i cd_lo = _mm512_unpacklo_epi8(r[2], r[3]), cd_hi = _mm512_unpackhi_epi8(r[2], r[3]);
@@ -149,6 +151,77 @@ AVX512_TARGET inline void Avx512Interleave(const Problem& p, int64_t k, int64_t 
   g[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);
 }
 
+// w [K, N], output columns [n0, n1), every row of x: a sweep down w's rows, kKnSweepRows at a
+// time, each read front to back across the columns (strips of 64), the sums of every (row of
+// x, strip) kept in `acc` between row blocks. Here the weight is vpdpbusd's unsigned operand
+// (w ^ 0x80 = w + 128) and x its signed one, so the correction is 128 * sum_k x[m, k], one
+// number a row (`xsum`). Walking one 64-column strip down all of K instead (a stride of N bytes
+// between loads, 2 KB for Gemma's [640, 2048], so most likely every row of a strip in the same
+// L1 sets) read the layers' matrices at 1/3 of the [N, K] path's speed (benchmarks/RESULTS.md,
+// 2026-12-07). Sums stay exact: |sum_k (w + 128) x| <= 255 * 128 * K < 2^31 for K <= 65536.
+constexpr int64_t kKnSweepRows = 32;  // rows of w a block (8, 16, 32, 64 measured; 32 best)
+
+// Rows [m0, m0 + MB) of x (MB <= 4: 4 * MB sums in registers) over w's rows [kb, ke) in the strip
+// of 64 columns from c0; `a` holds the rows' sums of that strip, [MB][4 vectors of 16 lanes].
+template <int MB>
+AVX512_TARGET void Avx512KnSweepBlock(const Problem& p, int64_t m0, int64_t kb, int64_t ke, int64_t c0,
+                                      __mmask64 mask, int32_t* a) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512i r[MB][4];
+  XS_UNROLL for (int m = 0; m < MB; ++m)
+    XS_UNROLL for (int i = 0; i < 4; ++i) r[m][i] = _mm512_loadu_si512(a + 64 * m + 16 * i);
+  for (int64_t k = kb; k < ke; k += 4) {
+    __m512i g[4];
+    Avx512Interleave(p, k, c0, mask, g);
+    XS_UNROLL for (int i = 0; i < 4; ++i) g[i] = _mm512_xor_si512(g[i], flip);
+    XS_UNROLL for (int m = 0; m < MB; ++m) {
+      int32_t x4;
+      std::memcpy(&x4, p.xs + (m0 + m) * p.kp + k, 4);
+      const __m512i xb = _mm512_set1_epi32(x4);
+      XS_UNROLL for (int i = 0; i < 4; ++i) r[m][i] = _mm512_dpbusd_epi32(r[m][i], g[i], xb);
+    }
+  }
+  XS_UNROLL for (int m = 0; m < MB; ++m)
+    XS_UNROLL for (int i = 0; i < 4; ++i) _mm512_storeu_si512(a + 64 * m + 16 * i, r[m][i]);
+}
+
+AVX512_TARGET void Avx512KnSweep(const Problem& p, const int32_t* xsum, int64_t n0, int64_t n1) {
+  const int64_t strips = (n1 - n0 + 63) / 64;
+  std::vector<int32_t> acc(strips * p.m * 64, 0);  // [strip][row of x][4 vectors of 16 lanes]
+  for (int64_t kb = 0; kb < p.k; kb += kKnSweepRows) {
+    const int64_t ke = std::min(p.k, kb + kKnSweepRows);
+    for (int64_t s = 0; s < strips; ++s) {
+      const int64_t c0 = n0 + 64 * s, cols = std::min<int64_t>(64, n1 - c0);
+      const __mmask64 mask = cols >= 64 ? ~__mmask64(0) : ((__mmask64(1) << cols) - 1);
+      int32_t* a = acc.data() + s * p.m * 64;
+      int64_t m0 = 0;
+      for (; m0 + 4 <= p.m; m0 += 4) Avx512KnSweepBlock<4>(p, m0, kb, ke, c0, mask, a + m0 * 64);
+      switch (p.m - m0) {
+        case 3: Avx512KnSweepBlock<3>(p, m0, kb, ke, c0, mask, a + m0 * 64); break;
+        case 2: Avx512KnSweepBlock<2>(p, m0, kb, ke, c0, mask, a + m0 * 64); break;
+        case 1: Avx512KnSweepBlock<1>(p, m0, kb, ke, c0, mask, a + m0 * 64); break;
+        default: break;
+      }
+    }
+  }
+  for (int64_t s = 0; s < strips; ++s) {
+    const int64_t c0 = n0 + 64 * s, cols = std::min<int64_t>(64, n1 - c0);
+    for (int64_t m = 0; m < p.m; ++m) {
+      const int32_t* a = acc.data() + (s * p.m + m) * 64;
+      const int32_t bias = xsum[m] * 128;
+      int32_t* o = p.out + m * p.n + c0;
+      for (int i = 0; i < 4; ++i)
+        for (int e = 0; e < 16; ++e) {
+          const int64_t c = 16 * (e / 4) + 4 * i + e % 4;
+          if (c < cols) o[c] = a[16 * i + e] - bias;
+        }
+    }
+  }
+}
+
+// The strip walk this file had before Avx512KnSweep (one 64-column strip down all of K, x as the
+// unsigned operand, the weights' sums beside): the baseline of benchmarks.cpu_kernels'
+// "kernel-strips" ($XLASERVE_CPU_KERNELS_KN=strips).
 template <int MB>
 AVX512_TARGET void Avx512KnBlock(const Problem& p, int64_t m0, int64_t n0) {
   const int64_t cols = std::min<int64_t>(64, p.n - n0);
@@ -161,7 +234,7 @@ AVX512_TARGET void Avx512KnBlock(const Problem& p, int64_t m0, int64_t n0) {
   }
   for (int64_t k = 0; k < p.k; k += 4) {
     __m512i g[4];
-    Avx512Interleave(p, k, n0, mask, g);
+    Avx512Interleave(p, k, n0, mask, g, /*prefetch=*/true);
     XS_UNROLL for (int i = 0; i < 4; ++i) wsum[i] = _mm512_dpbusd_epi32(wsum[i], ones, g[i]);
     XS_UNROLL for (int r = 0; r < MB; ++r) {
       int32_t x4;
@@ -310,8 +383,8 @@ void AllRows(const Problem& p, int64_t col) {
 void Columns(const Problem& p, Isa isa, int64_t n0, int64_t n1) {
   if (isa == kScalar) return ScalarColumns(p, n0, n1);
   if (p.w_kn) {
-    const int64_t step = isa == kAvx512 ? 64 : 32;
-    for (int64_t n = n0; n < n1; n += step) {
+    if (isa == kAvx512 && !p.kn_strips) return Avx512KnSweep(p, p.xsum, n0, n1);
+    for (int64_t n = n0; n < n1; n += isa == kAvx512 ? 64 : 32) {
       if (isa == kAvx512) AllRows<A512Kn>(p, n); else AllRows<A2Kn>(p, n);
     }
   } else {
@@ -394,13 +467,20 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
   p.kp = (p.k + 63) / 64 * 64 + 64;
   std::vector<uint8_t> xa;
   std::vector<int8_t> xs;
+  std::vector<int32_t> xsum;
+  if (const char* kn = std::getenv("XLASERVE_CPU_KERNELS_KN")) p.kn_strips = std::strcmp(kn, "strips") == 0;
+  const bool kn512 = isa == kAvx512 && p.w_kn && !p.kn_strips;  // Avx512KnSweep: x as is, and its row sums
   if (isa != kScalar) {
     xa.assign(p.m * p.kp, 0);
-    if (isa == kAvx2) xs.assign(p.m * p.kp, 0);
+    if (isa == kAvx2 || kn512) xs.assign(p.m * p.kp, 0);
+    if (kn512) xsum.assign(p.m, 0);
     for (int64_t m = 0; m < p.m; ++m)
       for (int64_t k = 0; k < p.k; ++k) {
         const int8_t v = p.x[m * p.k + k];
-        if (isa == kAvx512) {
+        if (kn512) {
+          xs[m * p.kp + k] = v;
+          xsum[m] += v;
+        } else if (isa == kAvx512) {
           xa[m * p.kp + k] = uint8_t(v) ^ 0x80;
         } else {
           xa[m * p.kp + k] = uint8_t(v < 0 ? -v : v);
@@ -409,6 +489,7 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
       }
     p.xa = xa.data();
     p.xs = xs.data();
+    p.xsum = xsum.data();
   }
   // (Padding bytes meet weights read as zeros, so they add nothing on either path.)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -81,18 +82,34 @@ def test_engine_benchmark_builds_engines_by_cpu_kernel_setting():
     sliced = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-sliced").policy.int8_matmul
     auto = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto").policy.int8_matmul
     assert sliced is None if auto is None else sliced == dataclasses.replace(auto, reads_stacked=False)
+    # "auto-strips": auto's policy; its timed runs under the kernel's former [K, N] strip walk
+    assert make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-strips").policy.int8_matmul == auto
 
 
-def test_cpu_kernels_benchmark_runs_one_layer(capsys):
+def test_engine_benchmark_kernel_env_is_set_only_while_its_engine_runs(monkeypatch):
+    from benchmarks.engine import kernel_env
+
+    monkeypatch.delenv("XLASERVE_CPU_KERNELS_KN", raising=False)
+    with kernel_env("bfloat16+int8/kernels-auto-strips"):
+        assert os.environ["XLASERVE_CPU_KERNELS_KN"] == "strips"
+    assert "XLASERVE_CPU_KERNELS_KN" not in os.environ
+    with kernel_env("bfloat16+int8/kernels-auto"):
+        assert "XLASERVE_CPU_KERNELS_KN" not in os.environ
+
+
+def test_cpu_kernels_benchmark_runs_one_layer(capsys, monkeypatch):
     import kernels_cpu
     from benchmarks import cpu_kernels
+
+    monkeypatch.delenv("XLASERVE_CPU_KERNELS_KN", raising=False)
 
     if not kernels_cpu.available():
         pytest.skip("the CPU kernels were not built")
     assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "xla", "kernel",
-                             "--copy-mib", "16"]) == 0
+                             "kernel-strips", "--copy-mib", "16"]) == 0
     out = capsys.readouterr().out
-    assert "copy probe, 2 thread(s)" in out and "| layer | 1 |" in out
+    assert "copy probe, 2 thread(s)" in out and "| layer | 1 |" in out and "kernel-strips ms" in out
+    assert "XLASERVE_CPU_KERNELS_KN" not in os.environ
     assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "bf16",
                              "bf16-kernel", "--copy-mib", "16"]) == 0
     out = capsys.readouterr().out

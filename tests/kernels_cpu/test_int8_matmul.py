@@ -65,8 +65,9 @@ def test_every_row_count_is_exact_and_batch_invariant(isa, contract):
 @pytest.mark.parametrize("isa", PATHS)
 def test_odd_shapes_are_exact(isa, contract):
     rng = np.random.default_rng(2)
+    # (2, 640, 2048): Gemma's MLP; (3, 70, 200): [K, N] swept in 3 blocks of rows, 4 column strips
     for m, k, n in [(1, 1, 1), (2, 3, 5), (3, 63, 65), (5, 64, 64), (7, 65, 63), (4, 127, 129),
-                    (1, 640, 257), (9, 2048, 33)]:
+                    (1, 640, 257), (9, 2048, 33), (2, 640, 2048), (3, 70, 200)]:
         x, w = _ints(rng, (m, k)), _weight(rng, k, n, contract)
         got = int8_matmul(x, w, contract, isa)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(reference_int8_matmul(x, w, contract)),
@@ -96,6 +97,16 @@ def test_thread_splits_give_the_same_bits(monkeypatch, threads, parallel_macs):
         x, w = _ints(rng, (6, 200)), _weight(rng, 200, 1031, contract)
         np.testing.assert_array_equal(np.asarray(int8_matmul(x, w, contract)),
                                       np.asarray(reference_int8_matmul(x, w, contract)))
+
+
+def test_the_strip_walk_baseline_is_exact(monkeypatch):
+    """$XLASERVE_CPU_KERNELS_KN=strips (the benchmarks' baseline of the [K, N] row sweep) gives
+    the same bits."""
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS_KN", "strips")
+    rng = np.random.default_rng(5)
+    for m, k, n in [(2, 640, 2048), (3, 70, 200)]:
+        x, w = _ints(rng, (m, k)), _weight(rng, k, n, 0)
+        np.testing.assert_array_equal(np.asarray(int8_matmul(x, w, 0)), np.asarray(reference_int8_matmul(x, w, 0)))
 
 
 def test_inside_a_jitted_function_with_other_ops():
