@@ -124,9 +124,12 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
     from serving.engine.engine import Engine
 
     sliced = cpu_kernels == "auto-sliced"  # the layers' int8 matrices sliced out of their stacks first
-    policy = BackendPolicy.detect(cpu_kernels="auto" if sliced else cpu_kernels)
+    xla_rows = cpu_kernels == "auto-xla-rows"  # XLA's int8 dot above the kernel's VNNI rows (no AMX)
+    policy = BackendPolicy.detect(cpu_kernels="auto" if sliced or xla_rows else cpu_kernels)
     if sliced and policy.int8_matmul is not None:
         policy = dataclasses.replace(policy, int8_matmul=dataclasses.replace(policy.int8_matmul, reads_stacked=False))
+    if xla_rows and policy.int8_matmul is not None:
+        policy = dataclasses.replace(policy, int8_matmul=dataclasses.replace(policy.int8_matmul, amx=False))
     if whole_table_attention:
         policy = dataclasses.replace(policy, attention=dataclasses.replace(policy.attention, window_gather=False))
     per_seq = -(-max_context // page_size)
@@ -315,11 +318,14 @@ def main(argv=None) -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
                     help="weight quantizations, measured interleaved with the dtypes (int8: "
                          "model.quantization, the backend policy's dot)")
-    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "on", "off", "auto-sliced"],
+    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"],
+                    choices=["auto", "on", "off", "auto-sliced", "auto-xla-rows"],
                     help="the server's --cpu-kernels settings, measured interleaved (int8 dots; "
                          "bf16 dots with on, or auto without batch invariance); auto-sliced: auto with "
                          "the layers' int8 matrices sliced out of their stacks before the kernel (the "
-                         "baseline before the kernel read them in place)")
+                         "baseline before the kernel read them in place); auto-xla-rows: auto with "
+                         "XLA's int8 dot above the kernel's 4 VNNI rows instead of its AMX-INT8 tiles "
+                         "(the baseline before the AMX path)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")

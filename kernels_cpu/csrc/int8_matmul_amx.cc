@@ -89,6 +89,53 @@ AMX_TARGET void StoreResults(int32_t (*r)[kTile * kTile]) {
   _tile_stored(5, r[3], 64);
 }
 
+// Result tile 2 + t stored at dst, rows stride bytes apart (the tile numbers are immediates).
+AMX_TARGET void StoreResult(int t, int32_t* dst, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(2, dst, stride); break;
+    case 1: _tile_stored(3, dst, stride); break;
+    case 2: _tile_stored(4, dst, stride); break;
+    default: _tile_stored(5, dst, stride); break;
+  }
+}
+
+// The 4 x 4 transpose of 4 vectors' 128-bit lanes: w[l] = (v[0].l, v[1].l, v[2].l, v[3].l).
+AMX_TARGET inline void TransposeLanes(const __m512i v[4], __m512i w[4]) {
+  const __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0));  // v0.0 v0.1 v1.0 v1.1
+  const __m512i t1 = _mm512_shuffle_i64x2(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0));  // v2.0 v2.1 v3.0 v3.1
+  const __m512i t2 = _mm512_shuffle_i64x2(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512i t3 = _mm512_shuffle_i64x2(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2));
+  w[0] = _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(2, 0, 2, 0));
+  w[1] = _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(3, 1, 3, 1));
+  w[2] = _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(2, 0, 2, 0));
+  w[3] = _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// t: a 16 x 16 int32 tile t[c][q]; writes its transpose's rows q < rows, columns c < cols, to
+// dst + q * ld (32-bit interleave, 64-bit interleave, then the 128-bit lanes).
+AMX_TARGET void StoreTransposed(const int32_t* t, int32_t* dst, int64_t ld, int64_t rows, int64_t cols) {
+  __m512i s[16], u[16];
+  for (int j = 0; j < 8; ++j) {
+    const __m512i a = _mm512_load_si512(t + 2 * j * kTile), b = _mm512_load_si512(t + (2 * j + 1) * kTile);
+    s[2 * j] = _mm512_unpacklo_epi32(a, b);
+    s[2 * j + 1] = _mm512_unpackhi_epi32(a, b);
+  }
+  for (int j = 0; j < 4; ++j) {  // u[4 j + e], lane l: t[4 j .. 4 j + 3][4 l + e]
+    u[4 * j] = _mm512_unpacklo_epi64(s[4 * j], s[4 * j + 2]);
+    u[4 * j + 1] = _mm512_unpackhi_epi64(s[4 * j], s[4 * j + 2]);
+    u[4 * j + 2] = _mm512_unpacklo_epi64(s[4 * j + 1], s[4 * j + 3]);
+    u[4 * j + 3] = _mm512_unpackhi_epi64(s[4 * j + 1], s[4 * j + 3]);
+  }
+  const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v[4] = {u[e], u[4 + e], u[8 + e], u[12 + e]};
+    __m512i w[4];
+    TransposeLanes(v, w);
+    for (int l = 0; l < 4; ++l)
+      if (4 * l + e < rows) _mm512_mask_storeu_epi32(dst + (4 * l + e) * ld, mask, w[l]);
+  }
+}
+
 // [N, K]: output columns n0..n1, 32 weight rows (two A tiles) a pass over every pair of x's
 // row groups. The weight rows are read as stored where K is a multiple of 64 (a 32-row block is
 // contiguous: the next block is prefetched line by line during the first pair's pass), else
@@ -116,11 +163,9 @@ AMX_TARGET void NkColumns(const AmxInt8Problem& p, int64_t n0, int64_t n1) {
       StoreResults(r);  // r[2 i + j][c][q]: weight row n + 16 i + c, x row 16 (g + j) + q
       for (int i = 0; i < 2; ++i) {
         const int64_t cols = std::min<int64_t>(kTile, rows - i * kTile);
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < 2 && cols > 0; ++j) {
           const int64_t m0 = (g + j) * kTile, ms = std::min<int64_t>(kTile, p.m - m0);
-          const int32_t* t = r[2 * i + j];
-          for (int64_t q = 0; q < ms; ++q)
-            for (int64_t c = 0; c < cols; ++c) p.out[(m0 + q) * p.n + n + i * kTile + c] = t[c * kTile + q];
+          if (ms > 0) StoreTransposed(r[2 * i + j], p.out + m0 * p.n + n + i * kTile, p.n, ms, cols);
         }
       }
     }
@@ -169,7 +214,7 @@ int8_t* ThreadBuffer(int64_t bytes) {
 AMX_TARGET void KnColumns(const AmxInt8Problem& p, int64_t n0, int64_t n1) {
   const int64_t tile = p.kp / 4 * 64;
   int8_t* packed = ThreadBuffer(4 * tile);
-  alignas(64) int32_t r[4][kTile * kTile];
+  alignas(64) int32_t r[kTile * kTile];
   for (int64_t n = n0; n < n1; n += kPack) {
     const int64_t cols = std::min<int64_t>(kPack, p.n - n);
     PackKn(p, n, packed);
@@ -177,14 +222,20 @@ AMX_TARGET void KnColumns(const AmxInt8Problem& p, int64_t n0, int64_t n1) {
       for (int64_t g = 0; g < p.groups; g += 2) {
         const int8_t* a = p.x + g * kTile * p.kp;
         Pass(a, a + kTile * p.kp, p.kp, packed + t * tile, packed + (t + 1) * tile, p.kp, nullptr, 0);
-        StoreResults(r);  // r[2 i + j][q][c]: x row 16 (g + i) + q, column n + 16 (t + j) + c
+        // Result tile 2 i + j: x rows 16 (g + i) + q, columns n + 16 (t + j) + c; whole tiles
+        // stored straight into out, partial ones through r.
         for (int i = 0; i < 2; ++i) {
           const int64_t m0 = (g + i) * kTile, ms = std::min<int64_t>(kTile, p.m - m0);
           for (int j = 0; j < 2; ++j) {
             const int64_t c0 = (t + j) * kTile, cs = std::min<int64_t>(kTile, cols - c0);
-            if (cs <= 0) continue;
-            for (int64_t q = 0; q < ms; ++q)
-              std::memcpy(p.out + (m0 + q) * p.n + n + c0, r[2 * i + j] + q * kTile, cs * 4);
+            if (cs <= 0 || ms <= 0) continue;
+            int32_t* dst = p.out + m0 * p.n + n + c0;
+            if (ms == kTile && cs == kTile) {
+              StoreResult(2 * i + j, dst, p.n * 4);
+              continue;
+            }
+            StoreResult(2 * i + j, r, 64);
+            for (int64_t q = 0; q < ms; ++q) std::memcpy(dst + q * p.n, r + q * kTile, cs * 4);
           }
         }
       }

@@ -327,7 +327,10 @@ class BackendPolicy:
         kernels_cpu = _kernels_library(setting)
         if kernels_cpu is None:
             return None
-        return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
+        if setting == "on":
+            return kernels_cpu.Int8Matmul()
+        amx = cpu.amx and "amx_int8" in kernels_cpu.isas()  # AMX-INT8 and the tiles lent by Linux
+        return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS, amx=amx)
 
     @staticmethod
     def cpu_bf16_matmul(setting: str, cpu: CpuFeatures, batch_invariant: bool) -> Callable | None:
