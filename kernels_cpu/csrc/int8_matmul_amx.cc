@@ -37,7 +37,9 @@ namespace {
 
 constexpr int kTile = 16;   // rows of a tile, and int32 columns of a result tile
 constexpr int kStep = 64;   // int8 values along k in one A tile row (64 bytes)
-constexpr int kPack = 64;   // [K, N]: columns packed at once (4 B tiles, one cache line a k row)
+constexpr int kPack = 64;   // [K, N]: columns of one packed block (4 B tiles, a cache line a k row)
+constexpr int64_t kPackBytes = 512 << 10;  // [K, N]: packed blocks a thread holds at once (in L2)
+constexpr int64_t kManyGroups = 8;         // [K, N]: from 128 rows of x, one packed block at a time
 
 struct alignas(64) TileConfig {
   uint8_t palette = 0, start_row = 0;
@@ -172,33 +174,39 @@ AMX_TARGET void NkColumns(const AmxInt8Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// A [K, N] weight's 64 columns from n as 4 B tiles: tile t (columns n + 16 t ..), kp / 4 rows of
-// 64 bytes, byte 4 j + e of row r = w[4 r + e][n + 16 t + j]; zeros past K and N. Each k row's 64
-// columns are one load; 4 rows are interleaved bytewise (unpack 8 then 16 bits gives, in 128-bit
-// lane l of vector i, columns 16 l + 4 i .. + 3 with their 4 k), then the 4 x 4 lanes transposed.
-AMX_TARGET void PackKn(const AmxInt8Problem& p, int64_t n, int8_t* b) {
-  const int64_t cols = std::min<int64_t>(kPack, p.n - n);
-  const __mmask64 mask = cols >= 64 ? ~__mmask64(0) : ((__mmask64(1) << cols) - 1);
+// A [K, N] weight's columns [n0, n0 + span) (span a multiple of 64) as B tiles: 64-column block
+// b at b + b * 4 * tile (tile = kp / 4 * 64 bytes), its tile t (columns n0 + 64 b + 16 t ..) at
+// + t * tile: kp / 4 rows of 64 bytes, byte 4 j + e of row r = w[4 r + e][n0 + 64 b + 16 t + j];
+// zeros past K and N. The k rows are read in order, each row's span from left to right (4
+// streams of contiguous bytes: what the hardware prefetchers follow; one 64-column block at a
+// time down K read one cache line per 2 KB row and ran at ~3 GB/s from memory). Each k row's 64
+// columns are one load; 4 rows are interleaved bytewise (unpack 8 then 16 bits gives, in
+// 128-bit lane l of vector i, columns 16 l + 4 i .. + 3 with their 4 k), then the 4 x 4 lanes
+// transposed.
+AMX_TARGET void PackKn(const AmxInt8Problem& p, int64_t n0, int64_t span, int8_t* b) {
   const int64_t tile = p.kp / 4 * 64;
   for (int64_t r = 0; r < p.kp / 4; ++r) {
-    __m512i v[4];
-    for (int e = 0; e < 4; ++e) {
-      const int64_t k = 4 * r + e;
-      if (k + 64 < p.k) _mm_prefetch(reinterpret_cast<const char*>(p.w + (k + 64) * p.n + n), _MM_HINT_T0);
-      v[e] = k < p.k ? _mm512_maskz_loadu_epi8(mask, p.w + k * p.n + n) : _mm512_setzero_si512();
+    for (int64_t n = n0; n < n0 + span; n += kPack) {
+      const int64_t cols = std::min<int64_t>(kPack, p.n - n);
+      __m512i v[4];
+      if (cols <= 0) {
+        for (int e = 0; e < 4; ++e) v[e] = _mm512_setzero_si512();
+      } else {
+        const __mmask64 mask = cols >= 64 ? ~__mmask64(0) : ((__mmask64(1) << cols) - 1);
+        for (int e = 0; e < 4; ++e) {
+          const int64_t k = 4 * r + e;
+          v[e] = k < p.k ? _mm512_maskz_loadu_epi8(mask, p.w + k * p.n + n) : _mm512_setzero_si512();
+        }
+      }
+      const __m512i ab_lo = _mm512_unpacklo_epi8(v[0], v[1]), ab_hi = _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i cd_lo = _mm512_unpacklo_epi8(v[2], v[3]), cd_hi = _mm512_unpackhi_epi8(v[2], v[3]);
+      const __m512i g[4] = {_mm512_unpacklo_epi16(ab_lo, cd_lo), _mm512_unpackhi_epi16(ab_lo, cd_lo),
+                            _mm512_unpacklo_epi16(ab_hi, cd_hi), _mm512_unpackhi_epi16(ab_hi, cd_hi)};
+      __m512i o[4];
+      TransposeLanes(g, o);
+      int8_t* dst = b + (n - n0) / kPack * 4 * tile + r * 64;
+      for (int t = 0; t < 4; ++t) _mm512_store_si512(dst + t * tile, o[t]);
     }
-    const __m512i ab_lo = _mm512_unpacklo_epi8(v[0], v[1]), ab_hi = _mm512_unpackhi_epi8(v[0], v[1]);
-    const __m512i cd_lo = _mm512_unpacklo_epi8(v[2], v[3]), cd_hi = _mm512_unpackhi_epi8(v[2], v[3]);
-    const __m512i g0 = _mm512_unpacklo_epi16(ab_lo, cd_lo), g1 = _mm512_unpackhi_epi16(ab_lo, cd_lo);
-    const __m512i g2 = _mm512_unpacklo_epi16(ab_hi, cd_hi), g3 = _mm512_unpackhi_epi16(ab_hi, cd_hi);
-    const __m512i t0 = _mm512_shuffle_i64x2(g0, g1, _MM_SHUFFLE(1, 0, 1, 0));  // g0.0 g0.1 g1.0 g1.1
-    const __m512i t1 = _mm512_shuffle_i64x2(g2, g3, _MM_SHUFFLE(1, 0, 1, 0));  // g2.0 g2.1 g3.0 g3.1
-    const __m512i t2 = _mm512_shuffle_i64x2(g0, g1, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512i t3 = _mm512_shuffle_i64x2(g2, g3, _MM_SHUFFLE(3, 2, 3, 2));
-    _mm512_store_si512(b + 0 * tile + r * 64, _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)));
-    _mm512_store_si512(b + 1 * tile + r * 64, _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
-    _mm512_store_si512(b + 2 * tile + r * 64, _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)));
-    _mm512_store_si512(b + 3 * tile + r * 64, _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(3, 1, 3, 1)));
   }
 }
 
@@ -213,15 +221,20 @@ int8_t* ThreadBuffer(int64_t bytes) {
 // [K, N]: output columns n0..n1 (n0 a multiple of 64).
 AMX_TARGET void KnColumns(const AmxInt8Problem& p, int64_t n0, int64_t n1) {
   const int64_t tile = p.kp / 4 * 64;
-  int8_t* packed = ThreadBuffer(4 * tile);
+  // Columns packed at once: with few rows (reading the weight is the cost) as many 64-column
+  // blocks as fit kPackBytes, read row by row; with many (the tiles' work is the cost) one
+  // block, so that its B tiles stay in L1 while every row group passes over them.
+  const int64_t span = p.groups >= kManyGroups ? kPack : std::max<int64_t>(1, kPackBytes / (4 * tile)) * kPack;
+  int8_t* packed = ThreadBuffer(span / kPack * 4 * tile);
   alignas(64) int32_t r[kTile * kTile];
   for (int64_t n = n0; n < n1; n += kPack) {
     const int64_t cols = std::min<int64_t>(kPack, p.n - n);
-    PackKn(p, n, packed);
+    if ((n - n0) % span == 0) PackKn(p, n, std::min<int64_t>(span, (n1 - n + kPack - 1) / kPack * kPack), packed);
+    const int8_t* block = packed + (n - n0) % span / kPack * 4 * tile;
     for (int64_t t = 0; t * kTile < cols; t += 2) {
       for (int64_t g = 0; g < p.groups; g += 2) {
         const int8_t* a = p.x + g * kTile * p.kp;
-        Pass(a, a + kTile * p.kp, p.kp, packed + t * tile, packed + (t + 1) * tile, p.kp, nullptr, 0);
+        Pass(a, a + kTile * p.kp, p.kp, block + t * tile, block + (t + 1) * tile, p.kp, nullptr, 0);
         // Result tile 2 i + j: x rows 16 (g + i) + q, columns n + 16 (t + j) + c; whole tiles
         // stored straight into out, partial ones through r.
         for (int i = 0; i < 2; ++i) {
