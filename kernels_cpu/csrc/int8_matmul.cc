@@ -440,8 +440,7 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
   shared->isa = isa;
   // About 8 chunks a thread: uneven thread speeds even out, each chunk still long.
   const int64_t units = (p.n + unit - 1) / unit;
-  // (The amx path: 4 chunks a thread, so each packs longer runs of its weight rows.)
-  const int64_t per = std::max<int64_t>(1, units / ((isa == kAmx ? 4 : 8) * threads));
+  const int64_t per = std::max<int64_t>(1, units / (8 * threads));
   shared->chunk = per * unit;
   shared->chunks = (p.n + shared->chunk - 1) / shared->chunk;
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([shared] { shared->Work(); });
