@@ -81,6 +81,9 @@ def test_engine_benchmark_builds_engines_by_cpu_kernel_setting():
     sliced = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-sliced").policy.int8_matmul
     auto = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto").policy.int8_matmul
     assert sliced is None if auto is None else sliced == dataclasses.replace(auto, reads_stacked=False)
+    # "auto-xla-rows": auto with XLA's int8 dot above the VNNI rows (the baseline of the AMX tiles)
+    xla_rows = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-xla-rows").policy.int8_matmul
+    assert xla_rows is None if auto is None else xla_rows == dataclasses.replace(auto, amx=False)
 
 
 def test_cpu_kernels_benchmark_runs_one_layer(capsys):
@@ -90,9 +93,10 @@ def test_cpu_kernels_benchmark_runs_one_layer(capsys):
     if not kernels_cpu.available():
         pytest.skip("the CPU kernels were not built")
     assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "xla", "kernel",
-                             "--copy-mib", "16"]) == 0
+                             "kernel-amx", "--copy-mib", "16"]) == 0
     out = capsys.readouterr().out
     assert "copy probe, 2 thread(s)" in out and "| layer | 1 |" in out
+    assert ("kernel-amx ms" in out) == ("amx_int8" in kernels_cpu.isas())
     assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "bf16",
                              "bf16-kernel", "--copy-mib", "16"]) == 0
     out = capsys.readouterr().out
