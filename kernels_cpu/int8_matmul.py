@@ -18,8 +18,9 @@ Instruction sets (``isa``): "auto" (the best vector path this CPU runs: avx512 w
 else avx2, else scalar), "avx2", "avx512", "scalar" or "amx" (AMX-INT8 tiles, TDPBSSD, for
 products of many rows: ``csrc/int8_matmul_amx.cc``; only on request, where ``kernels_cpu.isas()``
 lists "amx_int8": the CPU has AMX-INT8 and Linux lent this process the tiles; x is packed per
-call, a [K, N] weight per call 64 columns at a time into a per-thread buffer, an [N, K] weight
-read as stored); ``$XLASERVE_CPU_KERNELS_ISA`` sets what "auto" means in this process (tests force the AVX2 path on an AVX-512 CPU with it or with
+call, a [K, N] weight per call into the tiles' layout in a per-thread buffer, an [N, K] weight
+read as stored); ``$XLASERVE_CPU_KERNELS_ISA`` sets what "auto" means in this process (tests
+force the AVX2 path on an AVX-512 CPU with it or with
 the argument). Threads: the output columns are split over XLA's intra-op pool (at most the
 cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
 thread only); products under ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS`` multiply-adds (default
