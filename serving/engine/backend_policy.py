@@ -35,9 +35,10 @@ piece what it needs:
                                   4, 0.6x at 8: XLA's AMX dot wins);
                                   above 4 rows the kernel's AMX-INT8
                                   tiles where the CPU has AMX and
-                                  Linux lends them (prefill 256 tokens
-                                  1.6x, 32-row decode 1.3x the XLA
-                                  dot's step; 2026-12-07), else and
+                                  Linux lends them (32-stream decode
+                                  step 1.04-1.26x, 256-token prefill
+                                  0.95-1.18x the XLA dot's; about even
+                                  per matmul; 2026-12-07), else and
                                   elsewhere XLA's dot;
                                   "on": the kernel
                                   at every row count (AVX2 path without
