@@ -14,9 +14,10 @@ Variants, each a whole ``Compute.dot`` as the model calls it: "bf16" (bfloat16 w
 CPU policy's one-row-as-two), "xla" (per-channel int8 weights, the "int8x2" dot as served
 today: XLA's int8 dot), "kernel" (the same dot with its integer product in our kernel,
 ``kernels_cpu.Int8Matmul``: the same bits), "kernel-1t" (the kernel on the calling thread
-only), "kernel-avx2" (the AVX2 path, forced) and "kernel-strips" (the AVX-512 path's [K, N]
+only), "kernel-avx2" (the AVX2 path, forced), "kernel-strips" (the AVX-512 path's [K, N]
 weights walked one 64-column strip down all of K, as before 2026-12-07: the baseline of its row
-sweep; ``$XLASERVE_CPU_KERNELS_KN=strips``). The table gives the median ms per call, the
+sweep; ``$XLASERVE_CPU_KERNELS_KN=strips``) and "kernel-amx" (the AMX-INT8 tiles, forced at
+every row count; the default server takes them above 4 int8 rows). The table gives the median ms per call, the
 kernel's speed-up over "xla", and the weight bytes each int8 variant reads per second (int8
 values and scales / time).
 
@@ -57,7 +58,8 @@ from benchmarks.roofline import median_time
 from model.compute import Compute
 from serving.engine.backend_policy import CPU_INVARIANT_DOT_ROWS
 
-VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "kernel-strips", "bf16-kernel", "bf16-kernel-avx2",
+VARIANTS = ("bf16", "xla", "kernel", "kernel-1t", "kernel-avx2", "kernel-strips", "kernel-amx", "bf16-kernel",
+            "bf16-kernel-avx2",
             "bf16-served", "bf16-kernel-avx512", "bf16-kernel-amx")
 BF16_VARIANTS = ("bf16", "bf16-kernel", "bf16-kernel-avx2", "bf16-served", "bf16-kernel-avx512", "bf16-kernel-amx")
 WORKLOADS = ("head", "layer", "layers")
@@ -95,7 +97,8 @@ def _compute(variant: str) -> Compute:
         return Compute(pad_single_row=True, dot_rows=CPU_INVARIANT_DOT_ROWS)
     matmul = {"kernel": kernels_cpu.Int8Matmul(), "kernel-1t": kernels_cpu.Int8Matmul(),
               "kernel-strips": kernels_cpu.Int8Matmul(),
-              "kernel-avx2": kernels_cpu.Int8Matmul(isa="avx2")}.get(variant)
+              "kernel-avx2": kernels_cpu.Int8Matmul(isa="avx2"),
+              "kernel-amx": kernels_cpu.Int8Matmul(isa="amx")}.get(variant)
     return Compute(pad_single_row=True, quantized_dot="int8x2", int8_matmul=matmul)
 
 
@@ -168,8 +171,8 @@ def main(argv=None) -> int:
     if not kernels_cpu.available():
         print(f"the CPU kernels are unavailable: {kernels_cpu.load_error()}")
         return 1
-    variants = [v for v in args.variants
-                if not v.endswith(("avx2", "amx", "avx512")) or v.rsplit("-", 1)[1] in kernels_cpu.isas()]
+    variants = [v for v in args.variants if not v.endswith(("avx2", "amx", "avx512"))
+                or ("amx_int8" if v == "kernel-amx" else v.rsplit("-", 1)[1]) in kernels_cpu.isas()]
     bf16_variants = [v for v in variants if v in BF16_VARIANTS]
     variants = [v for v in variants if v not in BF16_VARIANTS[1:]]
     print(f"load average at start: {os.getloadavg()[0]:.2f}; jax {jax.__version__}; kernel paths "

@@ -19,8 +19,9 @@ dispatched back to back as the batching loop dispatches them (the sampled
 tokens stay on device), and the time per step is the median over
 ``--repeats`` runs of ``--steps`` steps. Prefill is one prompt chunk of each
 token bucket at position 0. With several dtypes, each (slots, context) cell
-is measured for every dtype in turn before the next cell, so a neighbour's
-load hits all dtypes alike; read ratios, not absolute numbers.
+and each prefill bucket is measured for every dtype in turn before the next
+cell, the variants' timed runs alternated, so a neighbour's load hits all
+dtypes alike; read ratios, not absolute numbers.
 
 ``--baselines`` adds an end-to-end comparison on the same prompts (token
 ids, so no tokenizer difference) and the same GGUF: for each stream count N,
@@ -128,9 +129,13 @@ def make_engine(model, dtype: str, max_slots: int, max_context: int, page_size: 
 
     sliced = cpu_kernels == "auto-sliced"  # the layers' int8 matrices sliced out of their stacks first
     # (auto-strips: auto's program, its timed runs under kernel_env)
-    policy = BackendPolicy.detect(cpu_kernels="auto" if cpu_kernels in ("auto-sliced", "auto-strips") else cpu_kernels)
+    xla_rows = cpu_kernels == "auto-xla-rows"  # XLA's int8 dot above the kernel's VNNI rows (no AMX)
+    policy = BackendPolicy.detect(
+        cpu_kernels="auto" if cpu_kernels in ("auto-sliced", "auto-strips", "auto-xla-rows") else cpu_kernels)
     if sliced and policy.int8_matmul is not None:
         policy = dataclasses.replace(policy, int8_matmul=dataclasses.replace(policy.int8_matmul, reads_stacked=False))
+    if xla_rows and policy.int8_matmul is not None:
+        policy = dataclasses.replace(policy, int8_matmul=dataclasses.replace(policy.int8_matmul, amx=False))
     if whole_table_attention:
         policy = dataclasses.replace(policy, attention=dataclasses.replace(policy.attention, window_gather=False))
     per_seq = -(-max_context // page_size)
@@ -208,21 +213,30 @@ def time_decode_interleaved(engines: dict, slots: int, context: int, steps: int,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def time_prefill(engine, tokens: int, repeats: int) -> float:
-    """Seconds for one prefill step of a ``tokens``-token prompt at position 0 (median)."""
+def _prefill_row(engine, tokens: int):
     from serving.core.sched.step_plan import PrefillRow
 
     ps = engine.cfg.page_size
     pages = tuple(range(1, 1 + -(-tokens // ps)))
     ids = tuple((7 * i + 3) % engine.model_cfg.vocab_size for i in range(tokens))
-    row = PrefillRow("bench", 0, 0, ids, pages, samples=True)
-    jax.block_until_ready(engine.prefill([row]))
-    times = []
+    return PrefillRow("bench", 0, 0, ids, pages, samples=True)
+
+
+def time_prefill_interleaved(engines: dict, tokens: int, repeats: int) -> dict:
+    """Seconds for one prefill step of a ``tokens``-token prompt at position 0 on each engine
+    (median of repeats), the engines' timed runs alternated as in ``time_decode_interleaved``."""
+    rows = {name: _prefill_row(eng, tokens) for name, eng in engines.items()}
+    for name, eng in engines.items():
+        with kernel_env(name):
+            jax.block_until_ready(eng.prefill([rows[name]]))  # compile (or cache hit) and warm up
+    times = {name: [] for name in engines}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(engine.prefill([row]))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, eng in engines.items():
+            with kernel_env(name):
+                t0 = time.perf_counter()
+                jax.block_until_ready(eng.prefill([rows[name]]))
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_engine_rows(models: dict, args, limits, report: dict) -> None:
@@ -237,9 +251,9 @@ def run_engine_rows(models: dict, args, limits, report: dict) -> None:
     cfg = next(iter(models.values())).cfg
     print("\nprefill (one prompt per step, logits for its last token)")
     for T in args.prefill:
-        for dt, eng in engines.items():
-            with kernel_env(dt):
-                t = time_prefill(eng, T, args.repeats)
+        interleaved = time_prefill_interleaved(engines, T, args.repeats)
+        for dt in engines:
+            t = interleaved[dt]
             kv_dt, w_dt = variant_parts(dt.split("/")[0])
             cost = step_cost(cfg, w_dt, kv_dt, queries=[(0, T)], logits_rows=1)
             print(f"  bucket {T:5} {dt:13}: {t * 1e3:8.1f} ms, {T / t:8.0f} tokens/s | "
@@ -346,13 +360,14 @@ def main(argv=None) -> None:
                     help="weight quantizations, measured interleaved with the dtypes (int8: "
                          "model.quantization, the backend policy's dot)")
     ap.add_argument("--cpu-kernels", nargs="+", default=["auto"],
-                    choices=["auto", "on", "off", "auto-sliced", "auto-strips"],
+                    choices=["auto", "on", "off", "auto-sliced", "auto-strips", "auto-xla-rows"],
                     help="the server's --cpu-kernels settings, measured interleaved (int8 dots; "
                          "bf16 dots with on, or auto without batch invariance); auto-sliced: auto with "
                          "the layers' int8 matrices sliced out of their stacks before the kernel (the "
                          "baseline before the kernel read them in place); auto-strips: auto with the "
                          "int8 kernel's [K, N] matrices walked in 64-column strips (the baseline of its "
-                         "row sweep, 2026-12-07)")
+                         "row sweep, 2026-12-07); auto-xla-rows: auto with XLA's int8 dot above the "
+                         "kernel's 4 VNNI rows instead of its AMX-INT8 tiles (the baseline before the AMX path)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="tokens in cache per slot")
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256, 512], help="prefill buckets")

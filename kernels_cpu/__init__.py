@@ -1,6 +1,7 @@
 """Matmul kernels of our own for XLA:CPU, called from jitted code through XLA's typed FFI.
 
-``csrc/`` holds the C++ (``bf16_matmul_amx.cc``: the bf16 kernel's AMX tiles; built by ``pip
+``csrc/`` holds the C++ (``bf16_matmul_amx.cc``: the bf16 kernel's AMX tiles;
+``int8_matmul_amx.cc``: the int8 kernel's AMX-INT8 tiles for many rows; built by ``pip
 install`` with CMake into ``_kernels.so``,
 ``CMakeLists.txt``; an editable install does not rebuild it by itself: run ``pip install -e .``
 again after editing ``csrc/``), ``library.py`` finds and loads it and registers its FFI

@@ -14,10 +14,13 @@ jnp.int32)`` bit for bit, whatever the row count, instruction set or thread spli
 result never depends on its batch. With per-row quantized activations and per-channel weight
 scales around it, it is the int32 core of ``model.quantization``'s "int8" and "int8x2" dots.
 
-Instruction sets (``isa``): "auto" (the best this CPU runs: avx512 with AVX512_VNNI, else
-avx2, else scalar), "avx2", "avx512" or "scalar" ("amx", a path of the bf16 kernel only, means
-"auto" here); ``$XLASERVE_CPU_KERNELS_ISA`` sets what
-"auto" means in this process (tests force the AVX2 path on an AVX-512 CPU with it or with
+Instruction sets (``isa``): "auto" (the best vector path this CPU runs: avx512 with AVX512_VNNI,
+else avx2, else scalar), "avx2", "avx512", "scalar" or "amx" (AMX-INT8 tiles, TDPBSSD, for
+products of many rows: ``csrc/int8_matmul_amx.cc``; only on request, where ``kernels_cpu.isas()``
+lists "amx_int8": the CPU has AMX-INT8 and Linux lent this process the tiles; x is packed per
+call, a [K, N] weight per call into the tiles' layout in a per-thread buffer, an [N, K] weight
+read as stored); ``$XLASERVE_CPU_KERNELS_ISA`` sets what "auto" means in this process (tests
+force the AVX2 path on an AVX-512 CPU with it or with
 the argument). Threads: the output columns are split over XLA's intra-op pool (at most the
 cores this process may use; ``$XLASERVE_CPU_KERNELS_THREADS`` caps them, 1: the calling
 thread only); products under ``$XLASERVE_CPU_KERNELS_PARALLEL_MACS`` multiply-adds (default
@@ -118,9 +121,11 @@ class Int8Matmul:
 
     Attributes:
       isa: as ``int8_matmul``'s.
-      max_rows: products of more rows run XLA's dot (``reference_int8_matmul``), where it is
-        faster (None: the kernel always). Both sums are exact, so a row's result is the same
-        bits either way: the switch keeps batch invariance.
+      max_rows: products of more rows run the kernel's "amx" path when ``amx`` is set, else
+        XLA's dot (``reference_int8_matmul``), where either is faster (None: the kernel's
+        ``isa`` always). All three sums are exact, so a row's result is the same bits on every
+        path: the switch keeps batch invariance.
+      amx: products over ``max_rows`` rows run the AMX-INT8 tiles (isa "amx"); False: XLA's dot.
       reads_stacked: callers (``model.compute.Compute.layer_weights``) may hand it a layer's
         stack and index; False: they slice the layer out first (the baseline of
         ``benchmarks.engine --cpu-kernels auto-sliced``). The call takes ``layer=`` either way.
@@ -129,8 +134,11 @@ class Int8Matmul:
     isa: str = "auto"
     max_rows: int | None = None
     reads_stacked: bool = True
+    amx: bool = False
 
     def __call__(self, x: jax.Array, w: jax.Array, contract: int, layer: jax.Array | None = None) -> jax.Array:
         if self.max_rows is not None and x.shape[0] > self.max_rows:
+            if self.amx:
+                return int8_matmul(x, w, contract, "amx", layer)
             return reference_int8_matmul(x, w, contract, layer)
         return int8_matmul(x, w, contract, self.isa, layer)

@@ -74,11 +74,12 @@ def load_error() -> str | None:
 
 
 def isas() -> tuple[str, ...]:
-    """The kernels' instruction-set paths this CPU runs: a subset of ("avx2", "avx512", "amx"),
-    plus "scalar" (any CPU); () when the library is unavailable. "avx512" is the int8 kernel's
-    (it needs AVX512_VNNI); "amx" the bf16 kernel's tiles (AMX-BF16, lent by Linux)."""
+    """The kernels' instruction-set paths this CPU runs: a subset of ("avx2", "avx512", "amx",
+    "amx_int8"), plus "scalar" (any CPU); () when the library is unavailable. "avx512" is the
+    int8 kernel's (it needs AVX512_VNNI); "amx" the bf16 kernel's tiles (AMX-BF16, lent by
+    Linux); "amx_int8" the int8 kernel's tiles (AMX-INT8, lent by Linux: its isa "amx")."""
     lib = _load()[0]
     if lib is None:
         return ()
     bits = lib.xlaserve_cpu_kernels_isas()
-    return tuple(n for n, b in (("avx2", 2), ("avx512", 4), ("amx", 8)) if bits & b) + ("scalar",)
+    return tuple(n for n, b in (("avx2", 2), ("avx512", 4), ("amx", 8), ("amx_int8", 16)) if bits & b) + ("scalar",)

@@ -7,7 +7,9 @@
 // never depends on M, on the order of the sums, on the instruction set or on the threads:
 // each output element equals the XLA int32 dot's bit for bit.
 //
-// Paths, chosen at run time (attribute `isa`: 0 auto, 1 avx2, 2 avx512, 3 scalar):
+// Paths, chosen at run time (attribute `isa`: 0 auto, 1 avx2, 2 avx512, 3 scalar, 4 amx):
+//   amx:    AMX-INT8 tiles (int8_matmul_amx.cc), for products of many rows; only on request
+//           ("auto" never takes it: the Python side routes products above the VNNI path's rows).
 //   avx512: AVX512BW + AVX512_VNNI. vpdpbusd multiplies unsigned by signed bytes, so x is
 //           taken as x + 128 (x ^ 0x80) and 128 * sum_k w subtracted (the sums by one more
 //           vpdpbusd with a vector of ones).
@@ -33,6 +35,7 @@
 #include <vector>
 
 #include "bf16_matmul_amx.h"
+#include "int8_matmul_amx.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,7 +47,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kScalar = 3, kAmx = 4 };
 
 // How far ahead of its loads a thread prefetches the weights it streams through ([N, K]: bytes;
 // 1024 and 4096 measured, 4096 best).
@@ -63,6 +66,7 @@ struct Problem {
   const int32_t* xsum;  // avx512 with w [K, N]: sum_k x[m, k] for each row
   bool kn_strips;       // avx512 with w [K, N]: the strip walk (Avx512KnBlock), a baseline
   int64_t kp;
+  const xlaserve_amx_int8::AmxInt8Problem* amx;  // the amx path's problem (x packed for the tiles)
 };
 
 // ---------------------------------------------------------------------------------- scalar
@@ -382,6 +386,7 @@ void AllRows(const Problem& p, int64_t col) {
 // Output columns [n0, n1) on one thread.
 void Columns(const Problem& p, Isa isa, int64_t n0, int64_t n1) {
   if (isa == kScalar) return ScalarColumns(p, n0, n1);
+  if (isa == kAmx) return xlaserve_amx_int8::AmxInt8Columns(*p.amx, n0, n1);
   if (p.w_kn) {
     if (isa == kAvx512 && !p.kn_strips) return Avx512KnSweep(p, p.xsum, n0, n1);
     for (int64_t n = n0; n < n1; n += isa == kAvx512 ? 64 : 32) {
@@ -406,6 +411,8 @@ bool Supports(Isa isa) {
       return __builtin_cpu_supports("avx2");
     case kScalar:
       return true;
+    case kAmx:
+      return xlaserve_amx_int8::AmxInt8Available();
     default:
       return false;
   }
@@ -458,7 +465,6 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
     return ffi::Error::InvalidArgument("int8_matmul: shapes do not agree");
   if (p.k > 65536) return ffi::Error::InvalidArgument("int8_matmul: K over 65536 could overflow int32");
   Isa isa = static_cast<Isa>(isa_attr);
-  if (isa == 4) isa = kAuto;  // "amx", a path of the bf16 kernel only: the best of this one's
   if (isa == kAuto) isa = Supports(kAvx512) ? kAvx512 : Supports(kAvx2) ? kAvx2 : kScalar;
   if (!Supports(isa)) return ffi::Error::InvalidArgument("int8_matmul: this CPU lacks the requested isa");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
@@ -470,7 +476,12 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
   std::vector<int32_t> xsum;
   if (const char* kn = std::getenv("XLASERVE_CPU_KERNELS_KN")) p.kn_strips = std::strcmp(kn, "strips") == 0;
   const bool kn512 = isa == kAvx512 && p.w_kn && !p.kn_strips;  // Avx512KnSweep: x as is, and its row sums
-  if (isa != kScalar) {
+  std::vector<int8_t> xt;  // the amx path's packed x
+  xlaserve_amx_int8::AmxInt8Problem amx{p.w, p.out, p.m, p.n, p.k, p.w_kn};
+  if (isa == kAmx) {
+    xlaserve_amx_int8::AmxInt8Pack(amx, p.x, xt);
+    p.amx = &amx;
+  } else if (isa != kScalar) {
     xa.assign(p.m * p.kp, 0);
     if (isa == kAvx2 || kn512) xs.assign(p.m * p.kp, 0);
     if (kn512) xsum.assign(p.m, 0);
@@ -500,7 +511,7 @@ ffi::Error Int8MatmulCore(ffi::ThreadPool& pool, const int8_t* x, ffi::Span<cons
   const int64_t min_macs = EnvInt("XLASERVE_CPU_KERNELS_PARALLEL_MACS", int64_t(1) << 25);
   int64_t threads = std::min<int64_t>(EnvInt("XLASERVE_CPU_KERNELS_THREADS", AllowedCores()),
                                       std::max<int64_t>(1, pool.num_threads()));
-  const int64_t unit = p.w_kn ? 64 : 16;
+  const int64_t unit = p.w_kn || isa == kAmx ? 64 : 16;
   if (macs < min_macs || threads <= 1) {
     Columns(p, isa, 0, p.n);
     return ffi::Error::Success();
@@ -565,7 +576,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveInt8MatmulStacked, Int8MatmulStackedImpl,
                                   .Attr<int64_t>("isa"));
 
 // The instruction sets this CPU runs (bit 1: avx2, bit 2: avx512 with VNNI, bit 3: amx, the bf16
-// kernel's tiles), for the Python side.
+// kernel's tiles, bit 4: amx-int8, this kernel's tiles), for the Python side.
 extern "C" int xlaserve_cpu_kernels_isas() {
-  return (Supports(kAvx2) ? 2 : 0) | (Supports(kAvx512) ? 4 : 0) | (xlaserve_amx::AmxAvailable() ? 8 : 0);
+  return (Supports(kAvx2) ? 2 : 0) | (Supports(kAvx512) ? 4 : 0) | (xlaserve_amx::AmxAvailable() ? 8 : 0) |
+         (Supports(kAmx) ? 16 : 0);
 }

@@ -39,8 +39,9 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
         log.warning(advice)
     if policy.int8_matmul is not None and cfg.quantization != "none":
         rows = getattr(policy.int8_matmul, "max_rows", None)
+        above = "its AMX-INT8 tiles above" if getattr(policy.int8_matmul, "amx", False) else "XLA's dot above"
         log.info("int8 dots: integer products by xlaserve's CPU kernel (kernels_cpu, --cpu-kernels %s), %s",
-                 cfg.cpu_kernels, f"up to {rows} int8 rows, XLA's dot above" if rows else "at every row count")
+                 cfg.cpu_kernels, f"up to {rows} int8 rows, {above}" if rows else "at every row count")
     if policy.bf16_matmul is not None and str(cfg.dtype) == "bfloat16":
         rows = getattr(policy.bf16_matmul, "max_rows", None)
         head = getattr(policy.bf16_matmul, "contracts", (0, 1)) == (1,)

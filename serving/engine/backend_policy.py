@@ -32,8 +32,14 @@ piece what it needs:
                                   int8x2) where the CPU has AVX512_VNNI
                                   (SPR Xeon: decode steps 1.3-2.3x at
                                   1 row, 1.1-1.8x at 2, 1.0-1.1x at
-                                  4, 0.6x at 8: XLA's AMX dot wins),
-                                  XLA's dot above and elsewhere;
+                                  4, 0.6x at 8: XLA's AMX dot wins);
+                                  above 4 rows the kernel's AMX-INT8
+                                  tiles where the CPU has AMX and
+                                  Linux lends them (32-stream decode
+                                  step 1.04-1.26x, 256-token prefill
+                                  0.95-1.18x the XLA dot's; about even
+                                  per matmul; 2026-12-07), else and
+                                  elsewhere XLA's dot;
                                   "on": the kernel
                                   at every row count (AVX2 path without
                                   VNNI); "off": XLA's dot. Exact integer
@@ -316,10 +322,14 @@ class BackendPolicy:
         ``kernels_cpu.Int8Matmul``, or None (XLA's dot).
 
         "auto": the kernel for products of up to ``CPU_KERNEL_MAX_ROWS`` int8 rows (a decode
-        step of 4 token rows under "int8x2") where the CPU has AVX512_VNNI, where
+        step of 2 token rows under "int8x2") where the CPU has AVX512_VNNI, where
         ``benchmarks.cpu_kernels`` measured it faster than XLA's dot (benchmarks/RESULTS.md,
-        2026-12-06), else None (the AVX2 path is not measured faster yet). "on": the kernel
-        at every row count. "off": None. Where the library is missing (no compiler at install
+        2026-12-06), else None (the AVX2 path is not measured faster yet); above those rows
+        the kernel's AMX-INT8 tiles (``amx=True``) where the CPU has AMX (``cpu.amx``) and the
+        library runs them (``kernels_cpu.isas()`` lists "amx_int8": Linux lent the tiles), where
+        ``benchmarks.engine --cpu-kernels auto auto-xla-rows`` measured the steps faster than
+        with XLA's int8 dot (benchmarks/RESULTS.md, 2026-12-07), else XLA's dot. "on": the
+        kernel's vector path at every row count. "off": None. Where the library is missing (no compiler at install
         time) "auto" and "on" log one warning and give None.
         """
         if setting == "off" or (setting == "auto" and not (cpu.avx512 and cpu.int8_dot)):
@@ -327,7 +337,10 @@ class BackendPolicy:
         kernels_cpu = _kernels_library(setting)
         if kernels_cpu is None:
             return None
-        return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS if setting == "auto" else None)
+        if setting == "on":
+            return kernels_cpu.Int8Matmul()
+        amx = cpu.amx and "amx_int8" in kernels_cpu.isas()  # AMX-INT8 and the tiles lent by Linux
+        return kernels_cpu.Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS, amx=amx)
 
     @staticmethod
     def cpu_bf16_matmul(setting: str, cpu: CpuFeatures, batch_invariant: bool) -> Callable | None:

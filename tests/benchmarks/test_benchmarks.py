@@ -84,6 +84,9 @@ def test_engine_benchmark_builds_engines_by_cpu_kernel_setting():
     assert sliced is None if auto is None else sliced == dataclasses.replace(auto, reads_stacked=False)
     # "auto-strips": auto's policy; its timed runs under the kernel's former [K, N] strip walk
     assert make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-strips").policy.int8_matmul == auto
+    # "auto-xla-rows": auto with XLA's int8 dot above the VNNI rows (the baseline of the AMX tiles)
+    xla_rows = make_engine(model, "bfloat16", 1, 40, cpu_kernels="auto-xla-rows").policy.int8_matmul
+    assert xla_rows is None if auto is None else xla_rows == dataclasses.replace(auto, amx=False)
 
 
 def test_engine_benchmark_kernel_env_is_set_only_while_its_engine_runs(monkeypatch):
@@ -106,9 +109,10 @@ def test_cpu_kernels_benchmark_runs_one_layer(capsys, monkeypatch):
     if not kernels_cpu.available():
         pytest.skip("the CPU kernels were not built")
     assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "xla", "kernel",
-                             "kernel-strips", "--copy-mib", "16"]) == 0
+                             "kernel-strips", "kernel-amx", "--copy-mib", "16"]) == 0
     out = capsys.readouterr().out
     assert "copy probe, 2 thread(s)" in out and "| layer | 1 |" in out and "kernel-strips ms" in out
+    assert ("kernel-amx ms" in out) == ("amx_int8" in kernels_cpu.isas())
     assert "XLASERVE_CPU_KERNELS_KN" not in os.environ
     assert cpu_kernels.main(["--workloads", "layer", "--rows", "1", "--iters", "1", "--variants", "bf16",
                              "bf16-kernel", "--copy-mib", "16"]) == 0

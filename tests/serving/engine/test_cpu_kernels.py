@@ -38,11 +38,17 @@ needs_kernels = pytest.mark.skipif(not kernels_cpu.available(), reason="the CPU 
 
 
 @needs_kernels
-def test_policy_picks_the_kernel_by_setting_and_cpu():
+def test_policy_picks_the_kernel_by_setting_and_cpu(monkeypatch):
     def pick(setting, cpu=SPR, platform="cpu"):
         return BackendPolicy.for_platform(platform, cpu=cpu, quantization="int8", cpu_kernels=setting).int8_matmul
 
-    assert pick("auto") == Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS)
+    # "auto": the VNNI path up to 4 rows, the AMX-INT8 tiles above where the CPU has AMX and
+    # the library runs them (Linux lent the tiles), else XLA's dot above (the fallback)
+    monkeypatch.setattr(kernels_cpu, "isas", lambda: ("avx2", "avx512", "amx", "amx_int8", "scalar"))
+    assert pick("auto") == Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS, amx=True)
+    assert pick("auto", ZEN4) == Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS, amx=False)  # no AMX
+    monkeypatch.setattr(kernels_cpu, "isas", lambda: ("avx2", "avx512", "scalar"))  # tiles not lent
+    assert pick("auto") == Int8Matmul(max_rows=CPU_KERNEL_MAX_ROWS, amx=False)
     assert pick("auto", AVX2) is None  # the AVX2 path is not measured faster
     assert pick("on", AVX2) == Int8Matmul() and pick("on") == Int8Matmul()
     assert pick("off") is None and pick("on", platform="gpu") is None
@@ -162,13 +168,16 @@ def test_engine_decodes_the_same_through_the_kernels():
     """A tiny bfloat16 Gemma 3 as int8 ("int8x2" dots): a prefill and a 1-row decode step
     through the kernel (the layers' int8 matrices handed over in their stacks) and through
     XLA's dot are equal bitwise, and the 1-row step's row
-    equals each row of a 3-row step from the same cache (batch invariance). The kernel's best
-    path on this CPU (tests/kernels_cpu compare every path with XLA's dot)."""
+    equals each row of a 3-row step from the same cache (batch invariance). The kernel as the
+    server's "auto" routes it (tests/kernels_cpu compare every path with XLA's dot): its VNNI
+    path up to 4 int8 rows (the 1-row step), above them its AMX-INT8 tiles where this CPU lends
+    them (the prefill and the 3-row step), else XLA's dot."""
     model = quantized_copy(Gemma3(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     xla = BackendPolicy.for_platform("cpu", quantization="int8", cpu_kernels="off")
     assert xla.quantized_dot == "int8x2"
     _TRACED.clear()
-    kernel = Engine(model, CFG, policy=dataclasses.replace(xla, int8_matmul=_Counted()))
+    routed = _Counted(max_rows=CPU_KERNEL_MAX_ROWS, amx="amx_int8" in kernels_cpu.isas())
+    kernel = Engine(model, CFG, policy=dataclasses.replace(xla, int8_matmul=routed))
     plain = Engine(model, CFG, policy=xla)
 
     prompt = tuple([2] + [(7 * i) % 400 + 100 for i in range(12)])
