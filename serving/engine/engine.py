@@ -45,7 +45,8 @@ program; the KV cache and the state are the same for both.
 
 Speculative decoding with a draft model (``--speculative draft``): the engine also holds a
 ``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids, prefilled
-after each prefill step with the same batch; ``self:int8``: the served cache, no prefill), and
+after each prefill step with the same batch; ``self:int8``: the served cache, no prefill, the
+served int8 weights or their int8 copy with a head of the draft vocabulary), and
 each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
 distributions) the verify step takes on the device. Single device only. An EAGLE-3 head
 (``--speculative eagle3``: ``serving.engine.eagle3_draft``) drafts from the served model's
