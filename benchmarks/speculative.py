@@ -148,6 +148,8 @@ def main(argv=None) -> None:
                          "drafts a row (0: the default, K at every stream count up to --max-batch)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=20)
+    ap.add_argument("--num-pages", type=int, default=1024,
+                    help="each engine's KV pages (of 16 tokens; many engines: fewer, within the host's memory)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
@@ -192,7 +194,7 @@ def main(argv=None) -> None:
                         spec = SpeculativeConfig.from_settings(
                             method, k, args.prompt_lookup_min, args.prompt_lookup_max, max_batch,
                             args.draft_model if method == "draft" else None, budget or None, vocab)
-                        cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
+                        cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=args.num_pages, max_model_len=1024,
                                            speculative=spec, min_decode_batch=args.min_decode_batch)
                         engine = Engine(model, cfg, policy=policy, draft=draft if method == "draft" else None)
                         name = (f"{method} K={k}" + (f" budget {budget}" if budget else "")
@@ -201,14 +203,16 @@ def main(argv=None) -> None:
                         loops[name].start(warmup=False)
         base_loop = loops[next(iter(loops))]
         if "draft" in args.methods:  # a draft engine prefills its draft too: the baseline has no draft
-            plain_cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
+            plain_cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=args.num_pages, max_model_len=1024,
                                      min_decode_batch=args.min_decode_batch)
             base_loop = EngineLoop(Engine(model, plain_cfg, policy=policy))
             base_loop.start(warmup=False)
         targets[quant] = (base_loop, loops)
-    print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
+    print(f"{args.model} {args.dtype}, served weights {' and '.join(args.quantizations)}: "
+          f"{args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
           f"greedy; n-gram {args.prompt_lookup_min or 2}..{args.prompt_lookup_max or 4}; draft model "
-          f"{args.draft_model if 'draft' in args.methods else '-'}; speculative_max_batch {max_batch}; "
+          f"{args.draft_model if 'draft' in args.methods else '-'} (draft vocabularies {args.draft_vocabs}, 0: all); "
+          f"speculative_max_batch {max_batch}; "
           f"speculative_token_budgets {args.token_budgets} (0: default); "
           f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
 

@@ -16,7 +16,7 @@ SELF_INT8 = "self:int8"
 
 SELF_DRAFT_VOCAB = 32768
 """A self draft's default draft vocabulary (``--draft-vocab``): its head computes logits over 32768
-of the served vocabulary's ids (``serving.engine.draft_vocab``), 1/8 of Gemma 3's 262144 rows,
+of the served vocabulary's ids (``serving.config.draft_vocab``), 1/8 of Gemma 3's 262144 rows,
 holding 95% of the tokens of English prose prompts and 98% of the golden prompts' English greedy
 continuations (``python -m benchmarks.draft_vocab``; benchmarks/RESULTS.md, issue 46)."""
 
@@ -37,7 +37,7 @@ class SpeculativeConfig:
       method: "ngram" (prompt lookup), "draft" (a draft model proposes, ``draft_model``) or
         "eagle3" (an EAGLE-3 head, ``draft_model`` its directory: ``model.eagle3``).
       draft_vocab: a self draft's (``self:int8``) draft vocabulary: its head computes logits over
-        ``draft_vocab`` of the served vocabulary's ids (``serving.engine.draft_vocab``) and
+        ``draft_vocab`` of the served vocabulary's ids (``serving.config.draft_vocab``) and
         proposes among those (:meth:`draft_vocab_for`); None: :data:`SELF_DRAFT_VOCAB`, or the
         whole vocabulary when that is smaller. Not for other draft models.
       num_tokens: K, the most draft tokens verified per row and step (1..15).

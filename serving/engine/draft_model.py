@@ -45,7 +45,7 @@ prefill, and nothing it misses can go stale.
 
 A self draft's **draft vocabulary** (``--draft-vocab N``, ``SpeculativeConfig.draft_vocab_for``;
 32768 by default): its head computes logits over N of the served vocabulary's ids only
-(``serving.engine.draft_vocab``: for Gemma 3 the corpus's most frequent ids, then the lowest;
+(``serving.config.draft_vocab``: for Gemma 3 the corpus's most frequent ids, then the lowest;
 :func:`head_slice`: those rows of the tied embedding, or columns of an untied head, with their
 scales), so a draft step of Gemma 3 270M reads its int8 layers (~94 MB) and 21 MB of head
 instead of the whole 262144-row head (168 MB). The draft proposes its argmax (or samples q)
@@ -235,7 +235,7 @@ class DraftModel:
             weights, or the engine's int8 copy): the draft reads those arrays; None: its own
             (``policy.store_params``).
           draft_ids: [N] int ascending, the draft vocabulary (the head's ids:
-            ``serving.engine.draft_vocab``, :func:`head_slice`); None: the whole vocabulary.
+            ``serving.config.draft_vocab``, :func:`head_slice`); None: the whole vocabulary.
 
         Raises:
           ValueError: what :func:`head_slice` raises.

@@ -285,14 +285,14 @@ class Engine:
     def _self_draft(self, model, qmodel, spec):
         """The ``self:int8`` draft: the served model's int8 weights (the served ones when they are
         int8, else the engine's int8 copy of ``--quantization auto`` or a new one) with a head of
-        the draft vocabulary (``SpeculativeConfig.draft_vocab_for`` ids, ``serving.engine.draft_vocab``),
+        the draft vocabulary (``SpeculativeConfig.draft_vocab_for`` ids, ``serving.config.draft_vocab``),
         over the served cache.
 
         Raises:
           ValueError: int8-served weights with the whole vocabulary (the draft would be the served
             model itself), a draft vocabulary above the served one."""
         from serving.engine.draft_model import DraftModel
-        from serving.engine.draft_vocab import draft_ids, frequent_ids
+        from serving.config.draft_vocab import draft_ids, frequent_ids
 
         vocab = model.cfg.vocab_size
         n = spec.draft_vocab_for(vocab)

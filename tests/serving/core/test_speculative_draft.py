@@ -166,7 +166,7 @@ def test_tiny_draft_many_prompts_stop_ids_and_max_tokens(draft_loop):
 def test_gemma_float32_greedy_with_self_int8_drafts_reproduces_golden(gemma_params, golden):
     """Three golden prompts together, 24 greedy tokens each, drafted by Gemma's own int8 copy
     (K = 4) through the default draft vocabulary (a head of 32768 of the 262144 ids,
-    ``serving.engine.draft_vocab``): the golden ids up to the near-tie rule, most drafts accepted.
+    ``serving.config.draft_vocab``): the golden ids up to the near-tie rule, most drafts accepted.
 
     Slow: compiles Gemma's float32 verify step with device drafts and the int8 copy's propose
     step (4 draft steps, 8-row bucket) besides the served prefill and decode programs of

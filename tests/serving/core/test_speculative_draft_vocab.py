@@ -47,7 +47,7 @@ def test_draft_vocab_settings_and_refusals():
 def test_which_ids_a_draft_vocabulary_keeps():
     """The ranked ids first (Gemma 3's: configs/draft_vocab.yaml, its single characters among
     them), then the lowest others, ascending; other vocabularies keep their first N ids."""
-    from serving.engine.draft_vocab import draft_ids, frequent_ids
+    from serving.config.draft_vocab import draft_ids, frequent_ids
 
     assert draft_ids(10, 4, (9, 3, 12, 7)).tolist() == [0, 3, 7, 9]  # 12 is no id: 0 fills
     assert draft_ids(10, 2, (9, 3, 7)).tolist() == [3, 9]
