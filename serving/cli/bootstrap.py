@@ -95,11 +95,16 @@ def build_engine(cfg, warmup: bool = True, warmup_decode: bool = True):
 def with_default_quantization(cfg):
     """``cfg`` with ``quantization`` set: as given, else the backend policy's default for this
     model, dtype, platform and ``--cpu-kernels`` (``BackendPolicy.default_quantization``; logged
-    when it is int8). An orbax ``--checkpoint`` holds float weights: "none". A server drafting
-    with ``self:int8`` gets the same default: with int8-served weights its draft is those weights
-    with a head of the draft vocabulary (``--draft-vocab``, ``serving.engine.draft_model``)."""
+    when it is int8). An orbax ``--checkpoint`` holds float weights: "none"; so does a server
+    drafting with ``self:int8`` (its drafts are the int8 copy of the served weights, which
+    verify them: one bf16 stream then decodes about as fast as the int8 default, where int8
+    weights drafting with their own layers gained nothing; benchmarks/RESULTS.md, issue 46)."""
     if cfg.quantization is not None:
         return cfg
+    from serving.config.speculative_config import SELF_INT8
+
+    if cfg.speculative == "draft" and cfg.draft_model == SELF_INT8:
+        return dataclasses.replace(cfg, quantization="none")
     import jax
 
     from serving.engine.backend_policy import BackendPolicy

@@ -107,9 +107,10 @@ def test_the_server_resolves_an_unset_quantization(monkeypatch):
     assert asked[-1] == dict(stored_quantized=True, dtype="bfloat16", cpu_kernels="auto", devices=1)
     assert with_default_quantization(ServerConfig(model="tiny-random")).quantization == "none"
     assert with_default_quantization(ServerConfig(checkpoint="/ckpt")).quantization == "none"
-    # self drafts get the same default: int8 weights draft with their own layers and a narrower head
+    # drafts from the int8 copy of the served weights: those stay bf16
+    n = len(asked)
     drafting = ServerConfig(speculative="draft", draft_model="self:int8", num_speculative_tokens=2)
-    assert with_default_quantization(drafting).quantization == "int8"
+    assert with_default_quantization(drafting).quantization == "none" and len(asked) == n
 
 
 def test_self_int8_drafts_of_int8_weights_are_refused():
