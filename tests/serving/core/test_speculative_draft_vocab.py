@@ -115,7 +115,9 @@ def vocab_loop(jax_cache):
 
     def recording(batch, served_kv=None):
         kv, drafts, q = propose(batch, served_kv)
-        proposed.append((np.asarray(drafts), np.asarray(batch.cu_q_lens), int(batch.num_seqs)))
+        q = np.asarray(q)
+        proposed.append((np.asarray(drafts), np.asarray(batch.cu_q_lens), int(batch.num_seqs),
+                         float(np.abs(q[..., HALF:]).max()), q[..., :HALF].sum(-1).max()))
         return kv, drafts, q
 
     engine.draft.propose = recording
@@ -126,25 +128,30 @@ def vocab_loop(jax_cache):
 
 
 def test_a_draft_vocabulary_keeps_greedy_outputs(vocab_loop):
-    """Four greedy prompts together: the same ids with the draft vocabulary as without
-    speculation, drafts accepted and rejected (the served argmax is past id 255 about half the
-    time on this random model), every draft a row asked for among the first 256 ids."""
+    """Three greedy prompts and a seeded temperature one together: the greedy ids with the
+    draft vocabulary are those without speculation, drafts accepted and rejected (the served
+    argmax is past id 255 about half the time on this random model), every draft a row asked
+    for among the first 256 ids, and the distributions q the propose step hands the verify step
+    zero past them (summing to 1 within them for the temperature row)."""
     from tests.support.engine_helpers import request
 
     loop, proposed = vocab_loop
     before = loop.stats()
-    spec, plain = run_both(loop, lambda: [request(tiny_prompt(5 + 3 * i, i), max_tokens=20, ignore_eos=True)
+    spec, plain = run_both(loop, lambda: [request(tiny_prompt(5 + 3 * i, i), max_tokens=20, ignore_eos=True,
+                                                  **(dict(temperature=1.0, seed=5) if i == 3 else {}))
                                           for i in range(4)])
     for i, ((ids_s, _), (ids_p, _)) in enumerate(zip(spec, plain)):
-        assert ids_s == ids_p, i
+        assert ids_s == ids_p or i == 3, i
         assert len(ids_s) == 20
     after = loop.stats()
     drafts = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     assert 0 < accepted < drafts
-    asked = [d[r, :cu[r + 1] - cu[r] - 1] for d, cu, rows in proposed for r in range(rows)]
+    asked = [d[r, :cu[r + 1] - cu[r] - 1] for d, cu, rows, _, _ in proposed for r in range(rows)]
     assert sum(a.size for a in asked) >= drafts > 0
     assert max(int(a.max()) for a in asked if a.size) < HALF
+    assert max(outside for *_, outside, _ in proposed) == 0.0
+    assert abs(max(inside for *_, inside in proposed) - 1.0) < 1e-5  # the temperature row's q
 
 
 def test_speculative_sampling_with_a_draft_vocabulary_emits_the_served_distribution():
