@@ -21,7 +21,8 @@ jitted once per shape bucket with the cache donated:
         K draft steps per row (K: the verify batch's width, fewer than ``num_tokens`` when
         K shrank under load; one program per width): step 0 feeds a 2-token chunk, the row's previous token and
         its last token at p - 1 and p (``VerifyBatch.prev_tokens``), then a ``lax.scan``
-        of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1; step j
+        of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1 (a draft over
+        the served cache: step 0 is the scan's one-token step of the last token at p); step j
         draws draft j + 1: the argmax for a greedy row, a sample of the draft's
         distribution q (kept, [S, K, V]) for a temperature row
         (``serving.engine.sample.rejection``). Refeeding p - 1 writes the K/V of the last
@@ -118,19 +119,6 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
         sample = functools.partial(draft_sample, argmax_block=argmax_block)
     rows = jnp.arange(S)
 
-    # Step 0: [previous token, last token] at p - 1, p (a 2-token chunk per row).
-    pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
-    tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
-    # (A shared cache already holds the served K/V at p - 1: it is read, not written.)
-    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat((p0 > 0) & refeed, 2))
-    md = AttentionMetadata(
-        slot_mapping=kv_slots(batch.page_table, jnp.repeat(rows, 2), pos2, write2, ps),
-        page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
-        cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
-        num_seqs=batch.num_seqs, mode="prefill")
-    logits, kv = model(tok2, pos2, kv, md, (2 * rows + 1).astype(jnp.int32), compute=compute)
-    first, q_first = sample(logits.astype(jnp.float32), p0 + 1, row_sampling)
-
     def step(carry, j):  # feeds draft j at p + j, draws draft j + 1
         kv, tok = carry
         pos = p0 + j
@@ -143,6 +131,22 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
         nxt, q = sample(logits.astype(jnp.float32), pos + 1, row_sampling)
         return (kv, nxt), (nxt, q)
 
+    if not refeed:  # a shared cache holds the served K/V at p - 1: step 0 is the scan's (j = 0) at p
+        (kv, _), (drafts, q) = jax.lax.scan(step, (kv, batch.tokens[starts]), jnp.arange(num_tokens))
+        return kv, drafts.T, jnp.swapaxes(full_vocab(q, vocab, ids), 0, 1)
+
+    # Step 0 of a draft with its own cache: [previous token, last token] at p - 1, p (a 2-token
+    # chunk per row; refeeding p - 1 writes an all-accepted round's last draft).
+    pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
+    tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
+    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat(p0 > 0, 2))
+    md = AttentionMetadata(
+        slot_mapping=kv_slots(batch.page_table, jnp.repeat(rows, 2), pos2, write2, ps),
+        page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
+        cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
+        num_seqs=batch.num_seqs, mode="prefill")
+    logits, kv = model(tok2, pos2, kv, md, (2 * rows + 1).astype(jnp.int32), compute=compute)
+    first, q_first = sample(logits.astype(jnp.float32), p0 + 1, row_sampling)
     (kv, _), (rest, q_rest) = jax.lax.scan(step, (kv, first), jnp.arange(1, num_tokens))
     drafts = jnp.concatenate([first[None], rest], axis=0).T  # [S, K]
     q = jnp.concatenate([q_first[None], q_rest], axis=0)  # [K, S, N]
