@@ -97,7 +97,7 @@ def with_default_quantization(cfg):
     model, dtype, platform and ``--cpu-kernels`` (``BackendPolicy.default_quantization``; logged
     when it is int8). An orbax ``--checkpoint`` holds float weights: "none"; so does a server
     drafting with ``self:int8`` (its drafts are the int8 copy of the served weights, which
-    verify them: one bf16 stream then decodes about as fast as the int8 default, where int8
+    verify them: one bf16 stream then decodes at 0.84-0.97x the int8 default's speed, where int8
     weights drafting with their own layers gained nothing; benchmarks/RESULTS.md, issue 46)."""
     if cfg.quantization is not None:
         return cfg
