@@ -5,6 +5,7 @@
     python -m benchmarks.speculative --methods ngram draft --draft-model self:int8 --ks 4
     python -m benchmarks.speculative --methods draft --streams 32 --max-batch 2   # a full batch
     python -m benchmarks.speculative --methods draft --streams 1 4 8 --max-batch 8 --token-budgets 0 10  # K shrinks
+    python -m benchmarks.speculative --methods draft --draft-vocabs 0 32768 --quantizations none int8  # issue 46
 
 N streams of prose prompts cut to ``--prompt-len`` tokens generate
 ``--new-tokens`` tokens each, greedy, through the engine loop: once without
@@ -16,7 +17,12 @@ of its own, 0 the default budget (K throughout), N ``--speculative-token-budget 
 shrinks K as the streams grow), alternating for ``--rounds``
 rounds; the baseline runs on the first engine with its scheduler's speculation off
 (same programs otherwise), or with a draft method in ``--methods`` on an engine of its
-own without speculation (a draft engine also prefills its draft). Engines use the
+own without speculation (a draft engine also prefills its draft). ``self:int8`` drafts get an
+engine per ``--draft-vocabs`` value (``--draft-vocab N``; 0: the whole vocabulary). Each of
+``--quantizations`` loads the model with those served weights (``--quantization none`` or
+``int8``, the default server's for the Gemma GGUF) with engines and a baseline of its own,
+measured in the same rounds (a self draft of int8 weights with the whole vocabulary is
+refused, and skipped). Engines use the
 server's default ``--cpu-kernels auto``. Printed per (streams, method, K): decode tokens/s (tokens
 after each stream's first over the time after the first token) and its ratio
 to the baseline, the acceptance rate (accepted / proposed drafts), tokens per
@@ -130,6 +136,11 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
     ap.add_argument("--draft-model", default="self:int8",
                     help="the draft method's model: self:int8 or what --model takes")
+    ap.add_argument("--draft-vocabs", type=int, nargs="+", default=[32768],
+                    help="self:int8 draft vocabularies (--draft-vocab), one engine each (0: the whole vocabulary; "
+                         "default: the server's, 32768)")
+    ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8"],
+                    help="the served weights (--quantization), each its own engines and baseline")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="speculative_max_batch (default: the largest stream count)")
     ap.add_argument("--token-budgets", type=int, nargs="+", default=[0],
@@ -137,6 +148,8 @@ def main(argv=None) -> None:
                          "drafts a row (0: the default, K at every stream count up to --max-batch)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=20)
+    ap.add_argument("--num-pages", type=int, default=1024,
+                    help="each engine's KV pages (of 16 tokens; many engines: fewer, within the host's memory)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
@@ -158,41 +171,52 @@ def main(argv=None) -> None:
     print(f"load average at the start: {_loadavg()}", flush=True)
     max_streams = max(args.streams)
     max_batch = args.max_batch or max_streams
-    model, tok = load_model(args.model, dtype=args.dtype, progress=False)
-    draft = None
-    if "draft" in args.methods and args.draft_model != SELF_INT8:
-        from serving.loading.draft_source import check_same_tokenizer
-
-        draft, dtok = load_model(args.draft_model, dtype=args.dtype, progress=False)
-        check_same_tokenizer(tok, dtok, model.cfg.vocab_size, draft.cfg.vocab_size)
     policy = BackendPolicy.detect(None, cpu_kernels="auto")
-    loops = {}
-    for method in args.methods:
-        for k in args.ks:
-            for budget in args.token_budgets:
-                spec = SpeculativeConfig.from_settings(method, k, args.prompt_lookup_min, args.prompt_lookup_max,
-                                                       max_batch, args.draft_model if method == "draft" else None,
-                                                       budget or None)
-                cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
-                                   speculative=spec, min_decode_batch=args.min_decode_batch)
-                engine = Engine(model, cfg, policy=policy, draft=draft if method == "draft" else None)
-                name = f"{method} K={k}" + (f" budget {budget}" if budget else "")
-                loops[name] = EngineLoop(engine)
-                loops[name].start(warmup=False)
-    names = list(loops)
-    base_loop = loops[names[0]]
-    if "draft" in args.methods:  # a draft engine prefills its draft too: the baseline has no draft
-        plain_cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=1024, max_model_len=1024,
-                                 min_decode_batch=args.min_decode_batch)
-        base_loop = EngineLoop(Engine(model, plain_cfg, policy=policy))
-        base_loop.start(warmup=False)
-    print(f"{args.model} {args.dtype}: {args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
+    targets = {}  # quantization -> (baseline loop, {name: loop})
+    for quant in args.quantizations:
+        model, tok = load_model(args.model, dtype=args.dtype, progress=False, quantization=quant)
+        draft = None
+        if "draft" in args.methods and args.draft_model != SELF_INT8:
+            from serving.loading.draft_source import check_same_tokenizer
+
+            draft, dtok = load_model(args.draft_model, dtype=args.dtype, progress=False)
+            check_same_tokenizer(tok, dtok, model.cfg.vocab_size, draft.cfg.vocab_size)
+        loops = {}
+        for method in args.methods:
+            self_draft = method == "draft" and args.draft_model == SELF_INT8
+            vocabs = [v or model.cfg.vocab_size for v in args.draft_vocabs] if self_draft else [None]
+            for k in args.ks:
+                for budget in args.token_budgets:
+                    for vocab in vocabs:
+                        if quant != "none" and vocab == model.cfg.vocab_size:
+                            print("  (int8 weights: no self draft with the whole vocabulary, skipped)")
+                            continue
+                        spec = SpeculativeConfig.from_settings(
+                            method, k, args.prompt_lookup_min, args.prompt_lookup_max, max_batch,
+                            args.draft_model if method == "draft" else None, budget or None, vocab)
+                        cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=args.num_pages, max_model_len=1024,
+                                           speculative=spec, min_decode_batch=args.min_decode_batch)
+                        engine = Engine(model, cfg, policy=policy, draft=draft if method == "draft" else None)
+                        name = (f"{method} K={k}" + (f" budget {budget}" if budget else "")
+                                + (f" draft vocab {vocab}" if self_draft else ""))
+                        loops[name] = EngineLoop(engine)
+                        loops[name].start(warmup=False)
+        base_loop = loops[next(iter(loops))]
+        if "draft" in args.methods:  # a draft engine prefills its draft too: the baseline has no draft
+            plain_cfg = EngineConfig(max_slots=max(max_streams, 1), num_pages=args.num_pages, max_model_len=1024,
+                                     min_decode_batch=args.min_decode_batch)
+            base_loop = EngineLoop(Engine(model, plain_cfg, policy=policy))
+            base_loop.start(warmup=False)
+        targets[quant] = (base_loop, loops)
+    print(f"{args.model} {args.dtype}, served weights {' and '.join(args.quantizations)}: "
+          f"{args.prompt_len}-token prose prompts, {args.new_tokens} new tokens, "
           f"greedy; n-gram {args.prompt_lookup_min or 2}..{args.prompt_lookup_max or 4}; draft model "
-          f"{args.draft_model if 'draft' in args.methods else '-'}; speculative_max_batch {max_batch}; "
+          f"{args.draft_model if 'draft' in args.methods else '-'} (draft vocabularies {args.draft_vocabs}, 0: all); "
+          f"speculative_max_batch {max_batch}; "
           f"speculative_token_budgets {args.token_budgets} (0: default); "
           f"min decode batch {args.min_decode_batch}; {args.rounds} round(s), medians", flush=True)
 
-    def baseline(prompts, new_tokens):
+    def baseline(base_loop, prompts, new_tokens):
         saved = base_loop.scheduler.speculative
         base_loop.scheduler.speculative = None
         try:
@@ -203,31 +227,39 @@ def main(argv=None) -> None:
     for n in args.streams:
         prompts = prose_prompts(tok, n, args.prompt_len)
         # Compile this stream count's programs (decode and verify buckets) outside the timing.
-        baseline(prompts, 8)
-        for name in names:
-            run_streams(loops[name], prompts, 24)
-        runs = {"off": []} | {name: [] for name in names}
+        runs = {}
+        for quant, (base_loop, loops) in targets.items():
+            baseline(base_loop, prompts, 8)
+            for name in loops:
+                run_streams(loops[name], prompts, 24)
+            runs[quant] = {"off": []} | {name: [] for name in loops}
         for _ in range(args.rounds):
-            runs["off"].append(baseline(prompts, args.new_tokens))
-            for name in names:
-                runs[name].append(run_streams(loops[name], prompts, args.new_tokens))
-        base = statistics.median(r["decode_tokens_per_s"] for r in runs["off"])
-        print(f"  streams {n:3} speculation off: decode {base:7.1f} tokens/s", flush=True)
-        for name in names:
-            rs = runs[name]
-            tps = statistics.median(r["decode_tokens_per_s"] for r in rs)
-            rows = sum(r["verify_rows"] for r in rs)
-            drafts = sum(r["draft_tokens"] for r in rs)
-            acc = sum(r["accepted_tokens"] for r in rs)
-            tokens = sum(r["tokens"] for r in rs)
-            same = all(r["ids"] == runs["off"][0]["ids"] for r in rs)
-            print(f"  streams {n:3} {name}: decode {tps:7.1f} tokens/s ({tps / base:.2f}x), acceptance "
-                  f"{acc / max(drafts, 1):.2f}, tokens per verify row {1 + acc / max(rows, 1):.2f}, "
-                  f"{(rows + acc) / tokens:.0%} of tokens from verify rows; ids equal to off: "
-                  f"{'yes' if same else 'NO'}", flush=True)
+            for quant, (base_loop, loops) in targets.items():
+                runs[quant]["off"].append(baseline(base_loop, prompts, args.new_tokens))
+                for name in loops:
+                    runs[quant][name].append(run_streams(loops[name], prompts, args.new_tokens))
+        bases = {quant: statistics.median(r["decode_tokens_per_s"] for r in runs[quant]["off"]) for quant in targets}
+        for quant, (_, loops) in targets.items():
+            base = bases[quant]
+            other = "".join(f", {base / bases[q]:.2f}x {q}'s" for q in targets if q != quant)
+            print(f"  streams {n:3} {quant} weights, speculation off: decode {base:7.1f} tokens/s{other}", flush=True)
+            for name in loops:
+                rs = runs[quant][name]
+                tps = statistics.median(r["decode_tokens_per_s"] for r in rs)
+                rows = sum(r["verify_rows"] for r in rs)
+                drafts = sum(r["draft_tokens"] for r in rs)
+                acc = sum(r["accepted_tokens"] for r in rs)
+                tokens = sum(r["tokens"] for r in rs)
+                same = all(r["ids"] == runs[quant]["off"][0]["ids"] for r in rs)
+                other = "".join(f", {tps / bases[q]:.2f}x {q}'s off" for q in targets if q != quant)
+                print(f"  streams {n:3} {quant} weights, {name}: decode {tps:7.1f} tokens/s ({tps / base:.2f}x{other}), "
+                      f"acceptance {acc / max(drafts, 1):.2f}, tokens per verify row {1 + acc / max(rows, 1):.2f}, "
+                      f"{(rows + acc) / tokens:.0%} of tokens from verify rows; ids equal to off: "
+                      f"{'yes' if same else 'NO'}", flush=True)
     print(f"load average at the end: {_loadavg()}", flush=True)
-    for lp in {*loops.values(), base_loop}:
-        lp.stop()
+    for base_loop, loops in targets.values():
+        for lp in {*loops.values(), base_loop}:
+            lp.stop()
 
 
 if __name__ == "__main__":

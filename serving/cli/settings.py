@@ -51,6 +51,10 @@ _SETTINGS = [
     ("draft_model", str, "with --speculative draft: self:int8 (the served model's int8 copy), or a draft "
                          "model as --model takes it (directory, GGUF, Hub id) with the same tokenizer; "
                          "with eagle3: the EAGLE-3 head's directory (config.json + safetensors)"),
+    ("draft_vocab", int, "with --draft-model self:int8: the draft's head computes logits over N of the served "
+                         "vocabulary's ids (Gemma 3: the most frequent, configs/draft_vocab.yaml; else the first "
+                         "N) and proposes among them (default 32768, or the whole vocabulary when smaller; "
+                         "N = the vocabulary size: the full head)"),
     ("num_speculative_tokens", int, "K: draft tokens verified per step (1..15; with --speculative)"),
     ("prompt_lookup_min", int, "shortest n-gram looked up for drafts (default 2)"),
     ("prompt_lookup_max", int, "longest n-gram looked up for drafts, tried first (default 4)"),

@@ -163,7 +163,7 @@ class EngineConfig:
             speculative=SpeculativeConfig.from_settings(
                 server.speculative, server.num_speculative_tokens, server.prompt_lookup_min,
                 server.prompt_lookup_max, server.speculative_max_batch, server.draft_model,
-                server.speculative_token_budget),
+                server.speculative_token_budget, server.draft_vocab),
             max_loras=server.lora_slots, max_lora_rank=server.max_lora_rank)
 
 

@@ -103,6 +103,7 @@ class ServerConfig:
     speculative_max_batch: int | None = None
     speculative_token_budget: int | None = None
     draft_model: str | None = None
+    draft_vocab: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int | None = None
     max_lora_rank: int = 16
@@ -170,7 +171,7 @@ class ServerConfig:
         SpeculativeConfig.from_settings(self.speculative, self.num_speculative_tokens,  # raises if invalid
                                         self.prompt_lookup_min, self.prompt_lookup_max,
                                         self.speculative_max_batch, self.draft_model,
-                                        self.speculative_token_budget)
+                                        self.speculative_token_budget, self.draft_vocab)
 
     @property
     def lora_slots(self) -> int:

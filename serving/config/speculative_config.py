@@ -14,6 +14,12 @@ MODEL_METHODS = ("draft", "eagle3")
 SELF_INT8 = "self:int8"
 """``--draft-model self:int8``: draft with the served model's own int8 copy."""
 
+SELF_DRAFT_VOCAB = 32768
+"""A self draft's default draft vocabulary (``--draft-vocab``): its head computes logits over 32768
+of the served vocabulary's ids (``serving.config.draft_vocab``), 1/8 of Gemma 3's 262144 rows,
+holding 95% of the tokens of English prose prompts and 98% of the golden prompts' English greedy
+continuations (``python -m benchmarks.draft_vocab``; benchmarks/RESULTS.md, issue 46)."""
+
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_MAX_BATCH = 2
@@ -30,6 +36,10 @@ class SpeculativeConfig:
     Attributes:
       method: "ngram" (prompt lookup), "draft" (a draft model proposes, ``draft_model``) or
         "eagle3" (an EAGLE-3 head, ``draft_model`` its directory: ``model.eagle3``).
+      draft_vocab: a self draft's (``self:int8``) draft vocabulary: its head computes logits over
+        ``draft_vocab`` of the served vocabulary's ids (``serving.config.draft_vocab``) and
+        proposes among those (:meth:`draft_vocab_for`); None: :data:`SELF_DRAFT_VOCAB`, or the
+        whole vocabulary when that is smaller. Not for other draft models.
       num_tokens: K, the most draft tokens verified per row and step (1..15).
       prompt_lookup_min: the shortest suffix n-gram that is looked up (>= 1).
       prompt_lookup_max: the longest (>= prompt_lookup_min); longer matches are tried first.
@@ -54,6 +64,7 @@ class SpeculativeConfig:
     max_batch: int = DEFAULT_MAX_BATCH
     draft_model: str | None = None
     token_budget: int | None = None
+    draft_vocab: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -68,6 +79,12 @@ class SpeculativeConfig:
         if self.draft_model and self.draft_model.startswith("self:") and self.draft_model != SELF_INT8:
             raise ValueError(f"--draft-model {self.draft_model!r}: the served model's own copy is "
                              f"{SELF_INT8!r} only (4-bit copies wait for 4-bit kernels)")
+        if self.draft_vocab is not None:
+            if self.draft_model != SELF_INT8:
+                raise ValueError(f"--draft-vocab applies to self drafts (--speculative draft --draft-model "
+                                 f"{SELF_INT8}), not to --draft-model {self.draft_model!r}")
+            if self.draft_vocab <= 0:
+                raise ValueError(f"--draft-vocab must be a positive number of token ids, got {self.draft_vocab}")
         if not 1 <= self.num_tokens <= 15:
             raise ValueError(f"num_speculative_tokens must be in 1..15, got {self.num_tokens}")
         if self.prompt_lookup_min < 1:
@@ -90,6 +107,19 @@ class SpeculativeConfig:
         budget = (self.num_tokens + 1) * self.max_batch if self.token_budget is None else self.token_budget
         return max(0, min(self.num_tokens, budget // max(rows, 1) - 1))
 
+    def draft_vocab_for(self, vocab_size: int) -> int:
+        """How many ids a self draft's head computes logits over: N = ``draft_vocab`` or
+        min(:data:`SELF_DRAFT_VOCAB`, ``vocab_size``).
+
+        Raises:
+          ValueError: ``draft_vocab`` above ``vocab_size`` (the served model's logits)."""
+        if self.draft_vocab is None:
+            return min(SELF_DRAFT_VOCAB, vocab_size)
+        if self.draft_vocab > vocab_size:
+            raise ValueError(f"--draft-vocab {self.draft_vocab} exceeds the served model's vocabulary of "
+                             f"{vocab_size} ids")
+        return self.draft_vocab
+
     def draft_bucket(self, drafts: int) -> int:
         """The verify step's drafts-per-row width for a step whose longest row has ``drafts``
         (1..K): the next power of two, or K (the step computes S x (width + 1) tokens; one
@@ -102,7 +132,8 @@ class SpeculativeConfig:
     @classmethod
     def from_settings(cls, method: str | None, num_tokens: int | None, prompt_lookup_min: int | None,
                       prompt_lookup_max: int | None, max_batch: int | None,
-                      draft_model: str | None = None, token_budget: int | None = None) -> "SpeculativeConfig | None":
+                      draft_model: str | None = None, token_budget: int | None = None,
+                      draft_vocab: int | None = None) -> "SpeculativeConfig | None":
         """From the server's flags (None: default). A None ``method`` is off (returns None).
 
         Raises:
@@ -112,6 +143,8 @@ class SpeculativeConfig:
         if method is None:
             if draft_model:
                 raise ValueError("--draft-model needs --speculative draft or eagle3")
+            if draft_vocab is not None:
+                raise ValueError(f"--draft-vocab needs --speculative draft --draft-model {SELF_INT8}")
             return None
         if num_tokens is None:
             raise ValueError("--speculative needs --num-speculative-tokens K")
@@ -123,4 +156,4 @@ class SpeculativeConfig:
         elif hi is None:
             hi = max(DEFAULT_PROMPT_LOOKUP_MAX, lo)
         return cls(method, num_tokens, lo, hi, DEFAULT_MAX_BATCH if max_batch is None else max_batch,
-                   draft_model or None, token_budget)
+                   draft_model or None, token_budget, draft_vocab)

@@ -21,7 +21,8 @@ jitted once per shape bucket with the cache donated:
         K draft steps per row (K: the verify batch's width, fewer than ``num_tokens`` when
         K shrank under load; one program per width): step 0 feeds a 2-token chunk, the row's previous token and
         its last token at p - 1 and p (``VerifyBatch.prev_tokens``), then a ``lax.scan``
-        of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1; step j
+        of K - 1 one-token decode steps feeds its own drafts at p + 1 .. p + K - 1 (a draft over
+        the served cache: step 0 is the scan's one-token step of the last token at p); step j
         draws draft j + 1: the argmax for a greedy row, a sample of the draft's
         distribution q (kept, [S, K, V]) for a temperature row
         (``serving.engine.sample.rejection``). Refeeding p - 1 writes the K/V of the last
@@ -43,12 +44,26 @@ writing its own only at positions p .. p + d, which the verify step then overwri
 served model's (it writes every position it feeds). So ``self:int8`` costs no pages and no
 prefill, and nothing it misses can go stale.
 
+A self draft's **draft vocabulary** (``--draft-vocab N``, ``SpeculativeConfig.draft_vocab_for``;
+32768 by default): its head computes logits over N of the served vocabulary's ids only
+(``serving.config.draft_vocab``: for Gemma 3 the corpus's most frequent ids, then the lowest;
+:func:`head_slice`: those rows of the tied embedding, or columns of an untied head, with their
+scales), so a draft step of Gemma 3 270M reads its int8 layers (~94 MB) and 21 MB of head
+instead of the whole 262144-row head (168 MB). The draft proposes its argmax (or samples q)
+among those ids, mapped back to the served ids, and q is zero at the others ([S, K, V]:
+:func:`full_vocab`), which speculative sampling's rule handles as any q (the residual
+max(0, p - q) covers them). The structured-output mask is not applied to such a draft (those
+rows do not speculate, and any q keeps the rule exact). Input tokens are looked up in the full
+float32 table (``embed_lookup``), which a quantized model always has. With int8-served weights
+the self draft is the served model itself with the head slice: no second copy of the layers.
+
 Memory: :func:`shared_pages` splits the page budget of ``--num-pages`` served pages
 between the two caches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -88,27 +103,21 @@ def _draft_prefill(graphdef, compute, params, kv: KVCache, batch) -> KVCache:
     return kv
 
 
-def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: bool, params, kv: KVCache, batch):
+def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: bool, vocab: int,
+                   params, kv: KVCache, batch, ids=None):
     """(kv, VerifyBatch) -> (kv, drafts [S, K] int32, q [S, K, V] float32); see the module
-    docstring."""
+    docstring. ``vocab``: V, the served vocabulary; ``ids``: [N] int32 the draft vocabulary
+    (the head's rows; None: all V)."""
     model = nnx.merge(graphdef, params)
     S = batch.page_table.shape[0]
     ps = kv.page_size
     starts, real, d, p0, row_sampling = draft_rows(batch)
+    if ids is not None:  # no structured-output mask over the draft vocabulary (see the module docstring)
+        row_sampling = dataclasses.replace(row_sampling, token_mask=None)
+        sample = functools.partial(_sample_within, ids, argmax_block)
+    else:
+        sample = functools.partial(draft_sample, argmax_block=argmax_block)
     rows = jnp.arange(S)
-
-    # Step 0: [previous token, last token] at p - 1, p (a 2-token chunk per row).
-    pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
-    tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
-    # (A shared cache already holds the served K/V at p - 1: it is read, not written.)
-    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat((p0 > 0) & refeed, 2))
-    md = AttentionMetadata(
-        slot_mapping=kv_slots(batch.page_table, jnp.repeat(rows, 2), pos2, write2, ps),
-        page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
-        cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
-        num_seqs=batch.num_seqs, mode="prefill")
-    logits, kv = model(tok2, pos2, kv, md, (2 * rows + 1).astype(jnp.int32), compute=compute)
-    first, q_first = draft_sample(logits.astype(jnp.float32), p0 + 1, row_sampling, argmax_block)
 
     def step(carry, j):  # feeds draft j at p + j, draws draft j + 1
         kv, tok = carry
@@ -119,13 +128,74 @@ def _draft_propose(graphdef, compute, argmax_block, num_tokens: int, refeed: boo
             cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), num_seqs=jnp.asarray(S, jnp.int32),
             mode="decode")
         logits, kv = model(tok, pos.astype(jnp.int32), kv, md, rows.astype(jnp.int32), compute=compute)
-        nxt, q = draft_sample(logits.astype(jnp.float32), pos + 1, row_sampling, argmax_block)
+        nxt, q = sample(logits.astype(jnp.float32), pos + 1, row_sampling)
         return (kv, nxt), (nxt, q)
 
+    if not refeed:  # a shared cache holds the served K/V at p - 1: step 0 is the scan's (j = 0) at p
+        (kv, _), (drafts, q) = jax.lax.scan(step, (kv, batch.tokens[starts]), jnp.arange(num_tokens))
+        return kv, drafts.T, jnp.swapaxes(full_vocab(q, vocab, ids), 0, 1)
+
+    # Step 0 of a draft with its own cache: [previous token, last token] at p - 1, p (a 2-token
+    # chunk per row; refeeding p - 1 writes an all-accepted round's last draft).
+    pos2 = jnp.stack([jnp.maximum(p0 - 1, 0), p0], axis=1).reshape(-1).astype(jnp.int32)  # [2S]
+    tok2 = jnp.stack([batch.prev_tokens, batch.tokens[starts]], axis=1).reshape(-1)
+    write2 = jnp.repeat(real, 2) & ((jnp.arange(2 * S) % 2 == 1) | jnp.repeat(p0 > 0, 2))
+    md = AttentionMetadata(
+        slot_mapping=kv_slots(batch.page_table, jnp.repeat(rows, 2), pos2, write2, ps),
+        page_table=batch.page_table, kv_lens=jnp.where(real, p0 + 1, 0).astype(jnp.int32),
+        cu_q_lens=(2 * jnp.minimum(jnp.arange(S + 1), batch.num_seqs)).astype(jnp.int32),
+        num_seqs=batch.num_seqs, mode="prefill")
+    logits, kv = model(tok2, pos2, kv, md, (2 * rows + 1).astype(jnp.int32), compute=compute)
+    first, q_first = sample(logits.astype(jnp.float32), p0 + 1, row_sampling)
     (kv, _), (rest, q_rest) = jax.lax.scan(step, (kv, first), jnp.arange(1, num_tokens))
     drafts = jnp.concatenate([first[None], rest], axis=0).T  # [S, K]
-    q = jnp.concatenate([q_first[None], q_rest], axis=0)  # [K, S, V]
-    return kv, drafts, jnp.swapaxes(q, 0, 1)
+    q = jnp.concatenate([q_first[None], q_rest], axis=0)  # [K, S, N]
+    return kv, drafts, jnp.swapaxes(full_vocab(q, vocab, ids), 0, 1)
+
+
+def _sample_within(ids, argmax_block, logits, positions, s):
+    """:func:`~serving.engine.sample.rejection.draft_sample` over a draft vocabulary's logits
+    [R, N]: (served ids [R] int32, q [R, N] float32)."""
+    tok, q = draft_sample(logits, positions, s, argmax_block)
+    return ids[tok], q
+
+
+def full_vocab(q: jax.Array, vocab: int, ids: jax.Array | None) -> jax.Array:
+    """A draft vocabulary's distributions q [..., N] float32 over the served vocabulary: [..., vocab]
+    with q[..., j] at id ``ids[j]`` and zero at every other id (what speculative sampling's
+    rule reads, ``serving.engine.sample.rejection.accept_and_residual``); ``q`` itself when
+    ``ids`` is None."""
+    if ids is None:
+        return q
+    return jnp.zeros(q.shape[:-1] + (vocab,), q.dtype).at[..., ids].set(q)
+
+
+def head_slice(model: nnx.Module, params: nnx.State, ids) -> nnx.State:
+    """``params`` (``model``'s state, stored) with the LM head limited to the token ids ``ids``
+    ([N] int, ascending): an untied ``lm_head`` [D, V]'s columns, else the tied ``embed``
+    [V, D]'s rows, with their int8 scales (``name_scale``, the weight's rank); every other leaf
+    the same array (nothing copied).
+
+    Raises:
+      ValueError: a tied head whose input lookup reads the same table (no ``embed_lookup``:
+        the draft's inputs need every row).
+    """
+    flat = list(nnx.to_flat_state(params))
+    untied = any(path[0] == "lm_head" for path, _ in flat)
+    name, axis = ("lm_head", 1) if untied else ("embed", 0)
+    if not untied and getattr(model, "embed_lookup", None) is None:
+        raise ValueError("a draft vocabulary needs the model's float32 lookup table (embed_lookup) beside its "
+                         "tied head: a quantized or low-precision model has one")
+    vocab = model.cfg.vocab_size
+    ids = jnp.asarray(ids, jnp.int32)
+    out = []
+    for path, v in flat:
+        if path[0] in (name, name + "_scale"):
+            value = v.get_value()
+            if value.shape[axis] == vocab:
+                v = v.replace(jnp.take(value, ids, axis=axis))
+        out.append((path, v))
+    return nnx.from_flat_state(out)
 
 
 def draft_rows(batch):
@@ -156,7 +226,7 @@ class DraftModel:
     thread-safe: the engine calls it from its one caller's thread."""
 
     def __init__(self, model: nnx.Module, cfg: EngineConfig, policy: BackendPolicy, num_tokens: int,
-                 shares_cache: bool = False):
+                 shares_cache: bool = False, params: nnx.State | None = None, draft_ids=None):
         """Args:
           model: a decoder of ``model/`` (its own config; the served model's vocabulary).
           cfg: the served engine's sizes (the draft cache has its ``num_pages`` and ``page_size``).
@@ -165,12 +235,24 @@ class DraftModel:
           shares_cache: the draft is the served model's own copy (``self:int8``): it has no
             cache and no prefill of its own, and drafts over the served cache (see the module
             docstring).
+          params: ``model``'s parameters as the engine already stores them (the served int8
+            weights, or the engine's int8 copy): the draft reads those arrays; None: its own
+            (``policy.store_params``).
+          draft_ids: [N] int ascending, the draft vocabulary (the head's ids:
+            ``serving.config.draft_vocab``, :func:`head_slice`); None: the whole vocabulary.
+
+        Raises:
+          ValueError: what :func:`head_slice` raises.
         """
         self.model_cfg = model.cfg
         self.num_tokens = num_tokens
         self.shares_cache = shares_cache
-        graphdef, params = nnx.split(model)
-        self.params = policy.store_params(params)
+        graphdef, own = nnx.split(model)
+        self.params = policy.store_params(own) if params is None else params
+        vocab = model.cfg.vocab_size
+        self.draft_ids = None if draft_ids is None or len(draft_ids) == vocab else jnp.asarray(draft_ids, jnp.int32)
+        if self.draft_ids is not None:
+            self.params = head_slice(model, self.params, self.draft_ids)
         stored = policy.storage_dtype(jnp.dtype(cfg.kv_dtype))
         self.kv = None if shares_cache else KVCache.zeros(model.cfg, cfg.num_pages, cfg.page_size, stored)
         compute = policy.compute(dtype=model.dtype)
@@ -178,7 +260,7 @@ class DraftModel:
         self._prefill = jit(functools.partial(_draft_prefill, graphdef, compute))
         self._proposers = {}  # drafts per row (the verify batch's width) -> its jitted propose step
         self._make_propose = lambda width: jit(functools.partial(  # noqa: E731
-            _draft_propose, graphdef, compute, policy.argmax_block, width, not shares_cache))
+            _draft_propose, graphdef, compute, policy.argmax_block, width, not shares_cache, vocab))
 
     def prefill(self, batch) -> None:
         """Dispatches the draft's prefill of a served prefill step's ``PrefillBatch`` (nothing
@@ -200,8 +282,8 @@ class DraftModel:
         """
         propose = proposer(self._proposers, self._make_propose, batch)
         if self.shares_cache:
-            return propose(self.params, served_kv, batch)
-        self.kv, drafts, q = propose(self.params, self.kv, batch)
+            return propose(self.params, served_kv, batch, self.draft_ids)
+        self.kv, drafts, q = propose(self.params, self.kv, batch, self.draft_ids)
         return drafts, q
 
 

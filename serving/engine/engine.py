@@ -45,7 +45,8 @@ program; the KV cache and the state are the same for both.
 
 Speculative decoding with a draft model (``--speculative draft``): the engine also holds a
 ``serving.engine.draft_model.DraftModel`` (its own KV cache at the same page ids, prefilled
-after each prefill step with the same batch; ``self:int8``: the served cache, no prefill), and
+after each prefill step with the same batch; ``self:int8``: the served cache, no prefill, the
+served int8 weights or their int8 copy with a head of the draft vocabulary), and
 each verify step is preceded by the draft's propose step, whose [S, K] drafts (and their
 distributions) the verify step takes on the device. Single device only. An EAGLE-3 head
 (``--speculative eagle3``: ``serving.engine.eagle3_draft``) drafts from the served model's
@@ -274,18 +275,45 @@ class Engine:
                      self._aux_layers, spec.num_tokens)
             return Eagle3Draft(draft, model.cfg, self.cfg, self.policy, spec.num_tokens)
         if draft is None and spec.draft_model == SELF_INT8:
-            if getattr(model, "quantization", "none") != "none":
-                raise ValueError(f"--draft-model {SELF_INT8} drafts with an int8 copy of the served weights, which "
-                                 f"are {model.quantization} already: serve them with --quantization none")
-            from model.factory import quantized_copy
-
-            draft = qmodel if qmodel is not None else quantized_copy(model)
+            return self._self_draft(model, qmodel, spec)
         if draft is None:
             raise ValueError(f"--speculative draft: the draft model {spec.draft_model!r} was not given to the engine")
         log.info("speculative drafts from %s (%s, %d layers), K = %d", spec.draft_model, draft.cfg.name,
                  draft.cfg.num_layers, spec.num_tokens)
-        return DraftModel(draft, self.cfg, self.policy, spec.num_tokens,
-                          shares_cache=spec.draft_model == SELF_INT8)
+        return DraftModel(draft, self.cfg, self.policy, spec.num_tokens)
+
+    def _self_draft(self, model, qmodel, spec):
+        """The ``self:int8`` draft: the served model's int8 weights (the served ones when they are
+        int8, else the engine's int8 copy of ``--quantization auto`` or a new one) with a head of
+        the draft vocabulary (``SpeculativeConfig.draft_vocab_for`` ids, ``serving.config.draft_vocab``),
+        over the served cache.
+
+        Raises:
+          ValueError: int8-served weights with the whole vocabulary (the draft would be the served
+            model itself), a draft vocabulary above the served one."""
+        from serving.engine.draft_model import DraftModel
+        from serving.config.draft_vocab import draft_ids, frequent_ids
+
+        vocab = model.cfg.vocab_size
+        n = spec.draft_vocab_for(vocab)
+        params = None
+        if getattr(model, "quantization", "none") != "none":
+            if n == vocab:
+                raise ValueError(f"--draft-model {spec.draft_model} with the whole vocabulary ({vocab} ids) drafts "
+                                 f"with the served {model.quantization} weights themselves: give a smaller "
+                                 "--draft-vocab, or serve the weights with --quantization none")
+            draft, params = model, self.params  # the served layers, only the head is narrower
+        elif qmodel is not None:
+            draft, params = qmodel, self._int8[1]  # the engine's int8 copy
+        else:
+            from model.factory import quantized_copy
+
+            draft = quantized_copy(model)
+        log.info("speculative drafts from %s (%s int8 weights, a head of %d of %d ids), K = %d", spec.draft_model,
+                 "the served" if draft is model else "a copy of the", n, vocab, spec.num_tokens)
+        ids = draft_ids(vocab, n, frequent_ids(model.cfg.architecture, vocab))
+        return DraftModel(draft, self.cfg, self.policy, spec.num_tokens, shares_cache=True, params=params,
+                          draft_ids=ids)
 
     def _jit_steps(self, graphdef, compute: Compute, out_shardings) -> dict:
         """The step functions of one model graph, jitted with ``state`` donated (the prefill

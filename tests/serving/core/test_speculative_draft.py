@@ -165,7 +165,8 @@ def test_tiny_draft_many_prompts_stop_ids_and_max_tokens(draft_loop):
 @pytest.mark.slow(60)
 def test_gemma_float32_greedy_with_self_int8_drafts_reproduces_golden(gemma_params, golden):
     """Three golden prompts together, 24 greedy tokens each, drafted by Gemma's own int8 copy
-    (K = 4): the golden ids up to the near-tie rule, most drafts accepted.
+    (K = 4) through the default draft vocabulary (a head of 32768 of the 262144 ids,
+    ``serving.config.draft_vocab``): the golden ids up to the near-tie rule, most drafts accepted.
 
     Slow: compiles Gemma's float32 verify step with device drafts and the int8 copy's propose
     step (4 draft steps, 8-row bucket) besides the served prefill and decode programs of

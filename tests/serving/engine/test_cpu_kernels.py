@@ -120,8 +120,10 @@ def test_the_server_resolves_an_unset_quantization(monkeypatch):
 
 
 def test_self_int8_drafts_of_int8_weights_are_refused():
-    """An int8-served model drafting from its own int8 copy would verify each draft with the
-    same weights: a clear error at start, not a second int8 copy."""
+    """An int8-served model drafting from its own int8 weights with the whole vocabulary (the
+    tiny one is under the default draft vocabulary) would verify each draft with the same
+    model: a clear error at start (tests/serving/core/test_speculative_draft_vocab.py: with a
+    smaller draft vocabulary it drafts)."""
     import jax.numpy as jnp
     from flax import nnx
 
