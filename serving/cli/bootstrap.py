@@ -98,8 +98,8 @@ def with_default_quantization(cfg):
     model, dtype, platform and ``--cpu-kernels`` (``BackendPolicy.default_quantization``; logged
     when it is int8). An orbax ``--checkpoint`` holds float weights: "none"; so does a server
     drafting with ``self:int8`` (its drafts are the int8 copy of the served weights, which
-    verify them: one bf16 stream then decodes at 0.84-0.97x the int8 default's speed, where int8
-    weights drafting with their own layers gained nothing; benchmarks/RESULTS.md, issue 46)."""
+    verify them: one bf16 stream then decodes at 0.83x the int8 default's speed (1.58-1.61x bf16's), where int8
+    weights drafting with their own layers lost (0.90x); benchmarks/RESULTS.md, issue 46)."""
     if cfg.quantization is not None:
         return cfg
     from serving.config.speculative_config import SELF_INT8
