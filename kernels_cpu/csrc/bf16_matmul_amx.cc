@@ -19,11 +19,9 @@
 
 #include "bf16_matmul_amx.h"
 
+#include "amx_tiles.h"
+
 #include <immintrin.h>
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
@@ -36,12 +34,8 @@ constexpr int kTile = 16;   // rows of a tile, and float32 columns of a result t
 constexpr int kPair = 32;   // bfloat16 values along k in one tile row (64 bytes)
 constexpr int kGroups = 4;  // result tiles (16 rows of x each) per pass over a weight block
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 0, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using xlaserve_amx_tiles::RequestTiles;
+using xlaserve_amx_tiles::TileConfig;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
 
@@ -202,15 +196,6 @@ AMX_TARGET void KnColumns(const AmxProblem& p, int64_t n0, int64_t n1) {
       }
     }
   }
-}
-
-bool RequestTiles() {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
 }
 
 }  // namespace

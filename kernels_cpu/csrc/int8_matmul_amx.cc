@@ -22,11 +22,9 @@
 
 #include "int8_matmul_amx.h"
 
+#include "amx_tiles.h"
+
 #include <immintrin.h>
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
@@ -41,12 +39,8 @@ constexpr int kPack = 64;   // [K, N]: columns of one packed block (4 B tiles, a
 constexpr int64_t kPackBytes = 512 << 10;  // [K, N]: packed blocks a thread holds at once (in L2)
 constexpr int64_t kManyGroups = 8;         // [K, N]: from 128 rows of x, one packed block at a time
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 0, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using xlaserve_amx_tiles::RequestTiles;
+using xlaserve_amx_tiles::TileConfig;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 
@@ -254,15 +248,6 @@ AMX_TARGET void KnColumns(const AmxInt8Problem& p, int64_t n0, int64_t n1) {
       }
     }
   }
-}
-
-bool RequestTiles() {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
 }
 
 }  // namespace
