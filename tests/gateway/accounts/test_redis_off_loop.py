@@ -20,7 +20,8 @@ from serving.gateway.services.gateway_services import GatewayServices
 from tests.support.gateway_fakes import FakeEngine, FakeTokenizer
 
 pytestmark = pytest.mark.anyio
-TIMEOUT_S = 1.0  # a call on the event loop would stall /health this long; the bound is half of it
+TIMEOUT_S = 1.0  # a call on the event loop would stall /health at least this long
+GAP_BOUND_S = 0.8 * TIMEOUT_S  # under any such stall, above a loaded worker's pauses (0.504 s seen once)
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ async def test_a_hung_redis_stalls_only_its_requests_not_the_event_loop(tmp_path
             await poller
         assert r.status_code == 200  # failed open to this gateway's own limits
         assert waited >= 2 * TIMEOUT_S  # the headers, the admission and the settlement each waited
-        assert max(gaps) < TIMEOUT_S / 2, f"longest /health gap {max(gaps) * 1000:.0f} ms"
+        assert max(gaps) < GAP_BOUND_S, f"longest /health gap {max(gaps) * 1000:.0f} ms"
         [row] = services.ledger.rows()
         assert row["status"] == "ok"
     finally:
