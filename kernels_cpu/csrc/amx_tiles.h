@@ -3,6 +3,8 @@
 // bytes, each tile's bytes a row and rows) and Linux's permission to use the tile registers.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #ifdef __linux__
 #include <sys/syscall.h>
@@ -17,6 +19,18 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Loads a palette-1 configuration of `tiles` tiles (0..tiles-1), each 16 rows of 64 bytes: the
+// only shape either kernel uses. Needs the tile registers granted (RequestTiles) first.
+__attribute__((target("amx-tile"))) inline void ConfigureTiles(int tiles) {
+  TileConfig c;
+  c.palette = 1;
+  for (int t = 0; t < tiles; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
 
 // Asks Linux for the tile registers (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); false
 // where it refuses or the platform has no such call: the AMX paths are then unsupported.

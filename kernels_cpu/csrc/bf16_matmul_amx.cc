@@ -35,21 +35,12 @@ constexpr int kPair = 32;   // bfloat16 values along k in one tile row (64 bytes
 constexpr int kGroups = 4;  // result tiles (16 rows of x each) per pass over a weight block
 
 using xlaserve_amx_tiles::RequestTiles;
-using xlaserve_amx_tiles::TileConfig;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
 
 // Tiles: 0 and 6 = A, 1 = B, 2..5 = the result tiles of up to kGroups groups of 16 x rows (or,
 // with one group, of 4 blocks of 16 weight rows).
-AMX_TARGET void Configure() {
-  TileConfig c;
-  c.palette = 1;
-  for (int t = 0; t < 7; ++t) {
-    c.rows[t] = kTile;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+void Configure() { xlaserve_amx_tiles::ConfigureTiles(7); }
 
 // Stores result tile t (16 x 16 float32) into s.
 AMX_TARGET void StoreResult(int t, float* s) {

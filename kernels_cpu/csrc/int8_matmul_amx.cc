@@ -40,19 +40,10 @@ constexpr int64_t kPackBytes = 512 << 10;  // [K, N]: packed blocks a thread hol
 constexpr int64_t kManyGroups = 8;         // [K, N]: from 128 rows of x, one packed block at a time
 
 using xlaserve_amx_tiles::RequestTiles;
-using xlaserve_amx_tiles::TileConfig;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 
-AMX_TARGET void Configure() {
-  TileConfig c;
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = kTile;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+void Configure() { xlaserve_amx_tiles::ConfigureTiles(8); }
 
 // The 2 x 2 result tiles of one pass: C2 = A0 B6, C3 = A0 B7, C4 = A1 B6, C5 = A1 B7, over kp.
 // a0/a1: A tiles' first rows (stride lda bytes), advanced by 64 bytes a k step; b6/b7: B tiles
