@@ -35,6 +35,7 @@ constexpr int kPair = 32;   // bfloat16 values along k in one tile row (64 bytes
 constexpr int kGroups = 4;  // result tiles (16 rows of x each) per pass over a weight block
 
 using xlaserve_amx_tiles::RequestTiles;
+using xlaserve_amx_tiles::TileConfig;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
 

@@ -40,6 +40,7 @@ constexpr int64_t kPackBytes = 512 << 10;  // [K, N]: packed blocks a thread hol
 constexpr int64_t kManyGroups = 8;         // [K, N]: from 128 rows of x, one packed block at a time
 
 using xlaserve_amx_tiles::RequestTiles;
+using xlaserve_amx_tiles::TileConfig;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 
